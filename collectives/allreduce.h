@@ -1,0 +1,47 @@
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string_view>
+
+#include "core/communicator.h"
+#include "core/data_type.h"
+#include "core/reduce_op.h"
+
+namespace gradcomm {
+
+struct AllreduceOptions {
+  // A registered algorithm name or "auto"; empty means the communicator's Config::algorithm
+  // (GRADCOMM_ALGORITHM, default "auto").
+  std::string_view algorithm = {};
+};
+
+// Reduces `count` elements of `sendbuf` over all ranks of `comm` with `op` and writes the result
+// to `recvbuf` on every rank (bit-identical on all ranks). `sendbuf == recvbuf` is the in-place
+// form. Collective: every rank calls it with the same count, dtype, op and algorithm.
+// Throws InvalidArgument before any communication for bad input (null buffer with count > 0,
+// invalid dtype or op, count * element size overflowing, partially overlapping buffers, unknown
+// algorithm), Unsupported when the algorithm cannot take these buffers, CommError when MPI fails.
+void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
+               DataType dtype, ReduceOp op, const AllreduceOptions& options = {});
+
+namespace detail {
+[[noreturn]] void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,
+                                           std::size_t recv_size);
+}  // namespace detail
+
+// Typed forms: out-of-place (spans of equal length) and in-place.
+template <class T>
+void allreduce(Communicator& comm, std::span<const T> send, std::span<T> recv, ReduceOp op,
+               const AllreduceOptions& options = {}) {
+  if (send.size() != recv.size()) detail::throw_span_size_mismatch(comm, send.size(), recv.size());
+  allreduce(comm, send.data(), recv.data(), send.size(), dtype_of<T>, op, options);
+}
+
+template <class T>
+void allreduce(Communicator& comm, std::span<T> inout, ReduceOp op,
+               const AllreduceOptions& options = {}) {
+  allreduce(comm, inout.data(), inout.data(), inout.size(), dtype_of<T>, op, options);
+}
+
+}  // namespace gradcomm

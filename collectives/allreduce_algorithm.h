@@ -1,0 +1,39 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "core/communicator.h"
+#include "core/data_type.h"
+#include "core/reduce_op.h"
+
+namespace gradcomm::collectives {
+
+// A plain, type-erased description of one all-reduce call.
+struct AllreduceArgs {
+  const void* send;  // == recv means in-place
+  void* recv;
+  std::size_t count;
+  DataType dtype;
+  ReduceOp op;
+  std::uint64_t sequence = 0;  // the communicator's call number, equal on all ranks
+
+  bool in_place() const { return send == recv; }
+  std::size_t element_bytes() const { return element_size(dtype); }
+};
+
+// One all-reduce algorithm. Adding one: collectives/allreduce_<name>.{h,cc} and one line in
+// collectives/registry.cc. The front door (gradcomm::allreduce) validates arguments and handles
+// count == 0 and size == 1, so run() may assume size > 1 and count > 0; it must still handle
+// count < size and counts not divisible by size. Every rank must end with bit-identical output,
+// and op == avg must come back divided by the rank count.
+class AllreduceAlgorithm {
+ public:
+  virtual ~AllreduceAlgorithm() = default;
+  virtual std::string_view name() const = 0;
+  virtual bool supports(const AllreduceArgs&, const Communicator&) const { return true; }
+  virtual void run(const AllreduceArgs& args, Communicator& comm) = 0;
+};
+
+}  // namespace gradcomm::collectives

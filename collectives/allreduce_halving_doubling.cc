@@ -1,0 +1,110 @@
+// Rabenseifner's all-reduce (Thakur, Rabenseifner and Gropp 2005): recursive-halving
+// reduce-scatter, then recursive-doubling all-gather.
+//
+// Vocabulary: p = the largest power of two <= n, rem = n - p; a window is the element range a
+// rank is responsible for at one level of the halving tree.
+//
+// Phases:
+//   fold (only when n is not a power of two): among the first 2*rem ranks, each even rank sends
+//     its whole buffer to the odd rank above it, which reduces it and takes part in the rest as
+//     "new rank" r/2; ranks >= 2*rem become r - rem. The even ranks wait for the result.
+//   reduce-scatter, log2(p) steps: partners at distance p/2, p/4, ..., 1 (in new ranks) split
+//     their common window in two halves (the lower new rank keeps the lower half), exchange the
+//     halves they give away and reduce the halves they keep. A rank ends owning 1/p of the
+//     buffer, fully reduced (and divided by n for avg).
+//   all-gather, log2(p) steps in reverse: partners swap their windows, straight into the output.
+//   unfold: odd ranks of the fold send the full result to their even partner.
+// 2*log2(p) steps (+2 for the fold), about 2*(p-1)/p * S bytes sent per rank. Windows split
+// at (lo + hi) / 2, so counts not divisible by p (and count < p: empty windows) need nothing
+// special. Every element is reduced by one owner and only copied afterwards: all ranks end
+// bit-identical.
+
+#include "collectives/allreduce_halving_doubling.h"
+
+#include <vector>
+
+#include "collectives/p2p.h"
+#include "core/reduce_kernels.h"
+
+namespace gradcomm::collectives {
+
+void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm) {
+  constexpr std::string_view kCall = "allreduce(halving_doubling)";
+  const int n = comm.size();
+  const int r = comm.rank();
+  const std::size_t es = args.element_bytes();
+  const std::size_t bytes = args.count * es;
+  const MPI_Comm mpi = comm.mpi_comm();
+  const auto* send = static_cast<const std::byte*>(args.send);
+  auto* recv = static_cast<std::byte*>(args.recv);
+
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  const int rem = n - p;
+
+  // Fold. `data` is where this rank's current partial values live: the send buffer until the
+  // first reduction writes the output buffer.
+  const std::byte* data = send;
+  int new_rank;
+  if (r < 2 * rem) {
+    if (r % 2 == 0) {
+      send_bytes(send, bytes, r + 1, kTagHalvingDoubling, mpi, kCall);
+      recv_bytes(recv, bytes, r + 1, kTagHalvingDoubling, mpi, kCall);
+      return;
+    }
+    std::byte* incoming = comm.scratch(bytes);
+    recv_bytes(incoming, bytes, r - 1, kTagHalvingDoubling, mpi, kCall);
+    reduce_to(recv, send, incoming, args.count, args.dtype, args.op);
+    data = recv;
+    new_rank = r / 2;
+  } else {
+    new_rank = r - rem;
+  }
+  auto real_rank = [&](int nr) { return nr < rem ? 2 * nr + 1 : nr + rem; };
+
+  // Reduce-scatter by recursive halving; remember each level's window for the all-gather.
+  struct Window {
+    std::size_t lo, hi;
+  };
+  struct Level {
+    Window parent;
+    bool kept_lower;
+  };
+  std::vector<Level> levels;
+  std::size_t lo = 0;
+  std::size_t hi = args.count;
+  std::byte* incoming = comm.scratch((args.count / 2 + 1) * es);
+  for (int mask = p / 2; mask >= 1; mask /= 2) {
+    const int partner = real_rank(new_rank ^ mask);
+    const std::size_t mid = lo + (hi - lo) / 2;
+    const bool lower = (new_rank & mask) == 0;
+    const Window keep = lower ? Window{lo, mid} : Window{mid, hi};
+    const Window give = lower ? Window{mid, hi} : Window{lo, mid};
+    send_recv_bytes(data + give.lo * es, (give.hi - give.lo) * es, partner, incoming,
+                    (keep.hi - keep.lo) * es, partner, kTagHalvingDoubling, mpi, kCall);
+    reduce_to(recv + keep.lo * es, data + keep.lo * es, incoming, keep.hi - keep.lo, args.dtype,
+              args.op);
+    data = recv;
+    levels.push_back({{lo, hi}, lower});
+    lo = keep.lo;
+    hi = keep.hi;
+  }
+  if (args.op == ReduceOp::avg) divide_by(recv + lo * es, hi - lo, args.dtype, n);
+
+  // All-gather by recursive doubling: swap windows with the partner of each level, in reverse.
+  for (int mask = 1; mask < p; mask *= 2) {
+    const int partner = real_rank(new_rank ^ mask);
+    const auto [parent, kept_lower] = levels.back();
+    levels.pop_back();
+    const Window other = kept_lower ? Window{hi, parent.hi} : Window{parent.lo, lo};
+    send_recv_bytes(recv + lo * es, (hi - lo) * es, partner, recv + other.lo * es,
+                    (other.hi - other.lo) * es, partner, kTagHalvingDoubling, mpi, kCall);
+    lo = parent.lo;
+    hi = parent.hi;
+  }
+
+  // Unfold.
+  if (r < 2 * rem) send_bytes(recv, bytes, r - 1, kTagHalvingDoubling, mpi, kCall);
+}
+
+}  // namespace gradcomm::collectives

@@ -1,0 +1,102 @@
+#include "collectives/p2p.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+
+namespace gradcomm::collectives {
+namespace {
+
+int rank_of(MPI_Comm comm) {
+  int rank = -1;
+  MPI_Comm_rank(comm, &rank);
+  return rank;
+}
+
+std::string what(std::string_view call, const char* mpi_call) {
+  return std::string(call) + ": " + mpi_call;
+}
+
+int checked_count(std::size_t bytes, std::string_view call, MPI_Comm comm) {
+  if (bytes > kMaxMessageBytes) {
+    throw Error(ErrorCode::internal,
+                error_message(call, rank_of(comm),
+                              "message of " + std::to_string(bytes) + " bytes exceeds the " +
+                                  std::to_string(kMaxMessageBytes) + "-byte piece limit"));
+  }
+  return static_cast<int>(bytes);
+}
+
+}  // namespace
+
+MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, MPI_Comm comm,
+                        std::string_view call) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, tag, comm, &request),
+            what(call, "MPI_Isend"), rank_of(comm));
+  return request;
+}
+
+MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, MPI_Comm comm,
+                        std::string_view call) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(
+      MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, tag, comm, &request),
+      what(call, "MPI_Irecv"), rank_of(comm));
+  return request;
+}
+
+void wait(MPI_Request& request, std::string_view call) {
+  check_mpi(MPI_Wait(&request, MPI_STATUS_IGNORE), what(call, "MPI_Wait"));
+}
+
+void wait_all(std::size_t n, MPI_Request* requests, std::string_view call) {
+  check_mpi(MPI_Waitall(static_cast<int>(n), requests, MPI_STATUSES_IGNORE),
+            what(call, "MPI_Waitall"));
+}
+
+void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* recv,
+                     std::size_t recv_bytes, int source, int tag, MPI_Comm comm,
+                     std::string_view call) {
+  const auto* s = static_cast<const std::byte*>(send);
+  auto* r = static_cast<std::byte*>(recv);
+  std::size_t offset = 0;
+  // At least one round, so that two empty windows still pair up (cheap, and keeps it simple).
+  do {
+    const std::size_t ns = send_bytes > offset ? std::min(kMaxMessageBytes, send_bytes - offset) : 0;
+    const std::size_t nr = recv_bytes > offset ? std::min(kMaxMessageBytes, recv_bytes - offset) : 0;
+    check_mpi(MPI_Sendrecv(s + (ns ? offset : 0), static_cast<int>(ns), MPI_BYTE, dest, tag,
+                           r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE, source, tag,
+                           comm, MPI_STATUS_IGNORE),
+              what(call, "MPI_Sendrecv"), rank_of(comm));
+    offset += kMaxMessageBytes;
+  } while (offset < std::max(send_bytes, recv_bytes));
+}
+
+void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, MPI_Comm comm,
+                std::string_view call) {
+  const auto* p = static_cast<const std::byte*>(buf);
+  std::size_t offset = 0;
+  do {
+    const std::size_t n = bytes > offset ? std::min(kMaxMessageBytes, bytes - offset) : 0;
+    check_mpi(MPI_Send(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, dest, tag, comm),
+              what(call, "MPI_Send"), rank_of(comm));
+    offset += kMaxMessageBytes;
+  } while (offset < bytes);
+}
+
+void recv_bytes(void* buf, std::size_t bytes, int source, int tag, MPI_Comm comm,
+                std::string_view call) {
+  auto* p = static_cast<std::byte*>(buf);
+  std::size_t offset = 0;
+  do {
+    const std::size_t n = bytes > offset ? std::min(kMaxMessageBytes, bytes - offset) : 0;
+    check_mpi(MPI_Recv(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, source, tag, comm,
+                       MPI_STATUS_IGNORE),
+              what(call, "MPI_Recv"), rank_of(comm));
+    offset += kMaxMessageBytes;
+  } while (offset < bytes);
+}
+
+}  // namespace gradcomm::collectives

@@ -1,0 +1,59 @@
+#include "collectives/registry.h"
+
+#include "collectives/allreduce_flat.h"
+#include "collectives/allreduce_halving_doubling.h"
+#include "collectives/allreduce_mpi.h"
+#include "collectives/allreduce_ring.h"
+
+namespace gradcomm::collectives {
+
+template <class T>
+std::unique_ptr<AllreduceAlgorithm> make() {
+  return std::make_unique<T>();
+}
+
+const std::vector<AlgorithmEntry>& registered_algorithms() {
+  static const std::vector<AlgorithmEntry> entries = {
+      {"flat", "reduce to a rotating root, then broadcast from it", make<AllreduceFlat>},
+      {"ring", "pipelined ring reduce-scatter + all-gather", make<AllreduceRing>},
+      {"halving_doubling", "Rabenseifner recursive halving + doubling",
+       make<AllreduceHalvingDoubling>},
+      {"mpi", "MPI_Allreduce of the MPI library", make<AllreduceMpi>},
+  };
+  return entries;
+}
+
+std::vector<std::string> algorithm_names() {
+  std::vector<std::string> names = {"auto"};
+  for (const AlgorithmEntry& entry : registered_algorithms()) names.emplace_back(entry.name);
+  return names;
+}
+
+std::string algorithm_names_joined() {
+  std::string joined;
+  for (const std::string& name : algorithm_names()) {
+    if (!joined.empty()) joined += ", ";
+    joined += name;
+  }
+  return joined;
+}
+
+bool is_algorithm_name(std::string_view name) {
+  if (name == "auto") return true;
+  for (const AlgorithmEntry& entry : registered_algorithms()) {
+    if (entry.name == name) return true;
+  }
+  return false;
+}
+
+AllreduceAlgorithm* AlgorithmCache::find(std::string_view name) {
+  for (const auto& algorithm : algorithms_) {
+    if (algorithm->name() == name) return algorithm.get();
+  }
+  for (const AlgorithmEntry& entry : registered_algorithms()) {
+    if (entry.name == name) return algorithms_.emplace_back(entry.create()).get();
+  }
+  return nullptr;
+}
+
+}  // namespace gradcomm::collectives

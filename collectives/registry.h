@@ -1,0 +1,41 @@
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "collectives/allreduce_algorithm.h"
+#include "core/communicator.h"
+
+namespace gradcomm::collectives {
+
+struct AlgorithmEntry {
+  std::string_view name;
+  std::string_view summary;  // one line, for --list and error messages
+  std::function<std::unique_ptr<AllreduceAlgorithm>()> create;
+};
+
+// Every algorithm this build has, in registry order (the order is for display only: `auto`
+// decides by cost, never by position).
+const std::vector<AlgorithmEntry>& registered_algorithms();
+
+// The names a user may pass: the registered ones plus "auto".
+std::vector<std::string> algorithm_names();
+// "auto, flat, ring, ..." for error messages.
+std::string algorithm_names_joined();
+bool is_algorithm_name(std::string_view name);
+
+// The algorithm objects of one communicator, created on first use and reused.
+class AlgorithmCache : public Attachment {
+ public:
+  explicit AlgorithmCache(Communicator&) {}
+  // The algorithm called `name`; nullptr when no algorithm has that name.
+  AllreduceAlgorithm* find(std::string_view name);
+
+ private:
+  std::vector<std::unique_ptr<AllreduceAlgorithm>> algorithms_;
+};
+
+}  // namespace gradcomm::collectives

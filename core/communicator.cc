@@ -1,0 +1,84 @@
+#include "core/communicator.h"
+
+#include <cstdio>
+#include <string>
+
+#include "core/error.h"
+
+namespace gradcomm {
+namespace {
+
+// Whether this process's MPI was initialized by gradcomm::init (and so is ours to finalize).
+bool g_initialized_by_us = false;
+
+}  // namespace
+
+bool mpi_ready() {
+  int initialized = 0;
+  int finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  return initialized && !finalized;
+}
+
+void init(int* argc, char*** argv) {
+  int initialized = 0;
+  check_mpi(MPI_Initialized(&initialized), "init: MPI_Initialized");
+  if (initialized) return;
+  int finalized = 0;
+  check_mpi(MPI_Finalized(&finalized), "init: MPI_Finalized");
+  if (finalized) {
+    throw InvalidArgument(error_message("init", -1, "MPI was already finalized in this process"));
+  }
+  int provided = 0;
+  check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "init: MPI_Init_thread");
+  g_initialized_by_us = true;
+}
+
+void finalize() {
+  if (!g_initialized_by_us || !mpi_ready()) return;
+  g_initialized_by_us = false;
+  check_mpi(MPI_Finalize(), "finalize: MPI_Finalize");
+}
+
+Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(config)) {
+  if (!mpi_ready()) {
+    throw InvalidArgument(error_message("Communicator", -1,
+                                        "MPI is not initialized (call gradcomm::init() first)"));
+  }
+  if (comm == MPI_COMM_NULL) {
+    throw InvalidArgument(error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL"));
+  }
+  check_mpi(MPI_Comm_dup(comm, &comm_), "Communicator: MPI_Comm_dup");
+  // Errors on our communicator come back as return codes that check_mpi turns into exceptions.
+  check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
+  check_mpi(MPI_Comm_rank(comm_, &rank_), "Communicator: MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm_, &size_), "Communicator: MPI_Comm_size");
+}
+
+Communicator::~Communicator() {
+  attachments_.clear();  // they may hold MPI objects derived from comm_
+  if (comm_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&comm_);
+}
+
+std::byte* Communicator::scratch(std::size_t bytes, int slot) {
+  constexpr std::size_t kAlign = 64;
+  ScratchSlot& s = scratch_[slot];
+  if (bytes > s.capacity || !s.storage) {
+    // Not value-initialized: touching fresh memory is the expensive part, and it is reused.
+    s.storage = std::make_unique_for_overwrite<std::byte[]>(bytes + kAlign);
+    const auto address = reinterpret_cast<std::uintptr_t>(s.storage.get());
+    s.aligned = s.storage.get() + ((kAlign - address % kAlign) % kAlign);
+    s.capacity = bytes;
+  }
+  return s.aligned;
+}
+
+void Communicator::log(LogLevel level, std::string_view message) const {
+  if (!log_enabled(level)) return;
+  const std::string name(to_string(level));
+  std::fprintf(stderr, "[gradcomm rank %d] %s: %.*s\n", rank_, name.c_str(),
+               static_cast<int>(message.size()), message.data());
+}
+
+}  // namespace gradcomm

@@ -1,0 +1,85 @@
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string_view>
+#include <type_traits>
+#include <typeindex>
+
+#include "core/config.h"
+
+namespace gradcomm {
+
+// Initializes MPI (MPI_Init_thread, MPI_THREAD_SERIALIZED) unless somebody already has.
+// Safe to call more than once. argc/argv may be null.
+void init(int* argc = nullptr, char*** argv = nullptr);
+// Finalizes MPI if and only if init() initialized it. Safe to call more than once.
+void finalize();
+// True when MPI is initialized and not yet finalized.
+bool mpi_ready();
+
+// Per-communicator state owned by a module above core (cached algorithm objects, sub-
+// communicators, ...). Created on first use by Communicator::attachment<T>(), destroyed with the
+// communicator, before its MPI_Comm is freed.
+class Attachment {
+ public:
+  virtual ~Attachment() = default;
+};
+
+// A group of ranks gradcomm communicates over. Owns a duplicate of the MPI communicator it was
+// built from, so gradcomm's messages never mix with the user's.
+class Communicator {
+ public:
+  // Duplicates `comm` (collective over it). MPI must be initialized. Throws on a null comm.
+  explicit Communicator(MPI_Comm comm, Config config = Config::from_environment());
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  MPI_Comm mpi_comm() const { return comm_; }
+  const Config& config() const { return config_; }
+
+  // Sequence number of collective calls on this communicator: returns the current value and
+  // advances it. Every rank advances it in the same order, so it can drive decisions that must
+  // agree across ranks (the rotating root of `flat`).
+  std::uint64_t next_sequence() { return sequence_++; }
+
+  // A reusable, 64-byte aligned scratch buffer of at least `bytes`. Slots are independent; a slot
+  // only grows. The pointer stays valid until the next call for the same slot with more bytes.
+  std::byte* scratch(std::size_t bytes, int slot = 0);
+
+  template <class T>
+  T& attachment() {
+    static_assert(std::is_base_of_v<Attachment, T>, "attachments derive from Attachment");
+    auto& entry = attachments_[std::type_index(typeid(T))];
+    if (!entry) entry = std::make_unique<T>(*this);
+    return static_cast<T&>(*entry);
+  }
+
+  bool log_enabled(LogLevel level) const { return level <= config_.log_level; }
+  // Writes "[gradcomm rank R] level: message" to stderr when `level` is enabled.
+  void log(LogLevel level, std::string_view message) const;
+
+ private:
+  struct ScratchSlot {
+    std::unique_ptr<std::byte[]> storage;
+    std::byte* aligned = nullptr;
+    std::size_t capacity = 0;
+  };
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  Config config_;
+  std::uint64_t sequence_ = 0;
+  std::map<int, ScratchSlot> scratch_;
+  std::map<std::type_index, std::unique_ptr<Attachment>> attachments_;
+};
+
+}  // namespace gradcomm

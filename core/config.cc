@@ -1,0 +1,70 @@
+#include "core/config.h"
+
+#include <charconv>
+#include <cstdlib>
+#include <string_view>
+
+#include "core/error.h"
+
+namespace gradcomm {
+namespace {
+
+constexpr std::string_view kLogLevels[] = {"error", "warn", "info", "debug", "trace"};
+
+[[noreturn]] void bad_variable(std::string_view name, std::string_view value,
+                               std::string_view expected) {
+  throw InvalidArgument(error_message("Config::from_environment", -1,
+                                      std::string(name) + "='" + std::string(value) +
+                                          "' is invalid: expected " + std::string(expected)));
+}
+
+long long parse_integer(std::string_view name, std::string_view value, long long lo,
+                        long long hi) {
+  long long parsed = 0;
+  const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), parsed);
+  const std::string range =
+      "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  if (ec != std::errc() || end != value.data() + value.size() || parsed < lo || parsed > hi) {
+    bad_variable(name, value, range);
+  }
+  return parsed;
+}
+
+}  // namespace
+
+std::string_view to_string(LogLevel level) {
+  const auto index = static_cast<std::size_t>(level);
+  return index < std::size(kLogLevels) ? kLogLevels[index] : "invalid";
+}
+
+Config Config::from_environment() {
+  Config config;
+  auto get = [](const char* name) -> const char* { return std::getenv(name); };
+
+  if (const char* v = get("GRADCOMM_ALGORITHM")) {
+    // The name is checked against the registry by the first collective that uses it (the
+    // registry lives above core); an empty value is rejected here.
+    if (*v == '\0') bad_variable("GRADCOMM_ALGORITHM", v, "an algorithm name (see --list)");
+    config.algorithm = v;
+  }
+  if (const char* v = get("GRADCOMM_LOG_LEVEL")) {
+    bool found = false;
+    for (std::size_t i = 0; i < std::size(kLogLevels); ++i) {
+      if (kLogLevels[i] == v) {
+        config.log_level = static_cast<LogLevel>(i);
+        found = true;
+      }
+    }
+    if (!found) bad_variable("GRADCOMM_LOG_LEVEL", v, "one of error, warn, info, debug, trace");
+  }
+  if (const char* v = get("GRADCOMM_SEGMENT_BYTES")) {
+    config.segment_bytes =
+        static_cast<std::size_t>(parse_integer("GRADCOMM_SEGMENT_BYTES", v, 16, 1LL << 30));
+  }
+  if (const char* v = get("GRADCOMM_PIPELINE_DEPTH")) {
+    config.pipeline_depth = static_cast<int>(parse_integer("GRADCOMM_PIPELINE_DEPTH", v, 1, 64));
+  }
+  return config;
+}
+
+}  // namespace gradcomm

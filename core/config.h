@@ -1,0 +1,30 @@
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace gradcomm {
+
+enum class LogLevel : int { error = 0, warn = 1, info = 2, debug = 3, trace = 4 };
+
+// Every knob of the library. Read from the environment once (from_environment), then passed
+// explicitly: nothing else in gradcomm reads environment variables.
+struct Config {
+  // GRADCOMM_ALGORITHM: the algorithm used when a call names none ("auto" picks per call).
+  std::string algorithm = "auto";
+  // GRADCOMM_LOG_LEVEL: error, warn, info, debug or trace. Logs go to stderr.
+  LogLevel log_level = LogLevel::warn;
+  // GRADCOMM_SEGMENT_BYTES: the unit in flight of the pipelined algorithms (ring, flat). Small
+  // values are a test seam: 64 makes a 100-element call take the many-segment path.
+  std::size_t segment_bytes = std::size_t{1} << 20;
+  // GRADCOMM_PIPELINE_DEPTH: how many segments a pipelined algorithm keeps in flight.
+  int pipeline_depth = 4;
+
+  // Reads the variables above; a variable that is set but invalid throws InvalidArgument naming
+  // the variable, its value and the valid values. Unset variables keep the defaults.
+  static Config from_environment();
+};
+
+std::string_view to_string(LogLevel level);
+
+}  // namespace gradcomm

@@ -1,0 +1,23 @@
+#pragma once
+
+#include <cstddef>
+
+#include "core/data_type.h"
+#include "core/reduce_op.h"
+
+namespace gradcomm {
+
+// Typed reduction kernels. They vectorize (one clone per x86-64 level, picked at load time) and
+// treat avg as sum: dividing by the rank count is a separate, final step (divide_by).
+
+// dst[i] = dst[i] op src[i]. dst and src must not overlap.
+void reduce_into(void* dst, const void* src, std::size_t n, DataType dtype, ReduceOp op);
+
+// dst[i] = a[i] op b[i]. dst may be exactly a or exactly b; no other overlap is allowed.
+void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op);
+
+// buf[i] = buf[i] / divisor, the last step of avg. Floating types divide (correctly rounded for
+// float32/float64; float16/bfloat16 divide in float32 and round once); integers truncate.
+void divide_by(void* buf, std::size_t n, DataType dtype, int divisor);
+
+}  // namespace gradcomm

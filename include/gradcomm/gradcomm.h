@@ -1,0 +1,12 @@
+// gradcomm: all-reduce for data-parallel training. The one header C++ users include.
+#pragma once
+
+#include "collectives/allreduce.h"
+#include "collectives/registry.h"
+#include "core/communicator.h"
+#include "core/config.h"
+#include "core/data_type.h"
+#include "core/error.h"
+#include "core/half.h"
+#include "core/reduce_op.h"
+#include "gradcomm/config.h"

@@ -1,0 +1,88 @@
+// The GoogleTest main of every MPI test binary: initializes MPI through gradcomm::init, runs the
+// tests on every rank, prints from rank 0 only (other ranks print their failures, prefixed with
+// their rank), and exits non-zero on every rank if any rank failed.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "tests/mpi_test.h"
+
+namespace gradcomm::testing {
+namespace {
+
+std::unique_ptr<Communicator> g_world;
+
+int world_rank() {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+// Printer for ranks other than 0: silent except for failures.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", world_rank(),
+                 result.file_name() ? result.file_name() : "?", result.line_number(),
+                 result.message());
+  }
+};
+
+}  // namespace
+
+Communicator& world() { return *g_world; }
+
+std::uint64_t fingerprint(const void* data, std::size_t bytes) {
+  std::uint64_t hash = 1469598103934665603ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 1099511628211ull;
+  return hash;
+}
+
+bool same_on_all_ranks(MPI_Comm comm, std::uint64_t value) {
+  std::uint64_t lo = 0;
+  std::uint64_t hi = 0;
+  MPI_Allreduce(&value, &lo, 1, MPI_UINT64_T, MPI_MIN, comm);
+  MPI_Allreduce(&value, &hi, 1, MPI_UINT64_T, MPI_MAX, comm);
+  return lo == hi;
+}
+
+void MpiTest::TearDown() {
+  int local = HasFailure() ? 1 : 0;
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::vector<int> failed(static_cast<std::size_t>(size));
+  MPI_Allgather(&local, 1, MPI_INT, failed.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  std::string ranks;
+  for (int r = 0; r < size; ++r) {
+    if (failed[static_cast<std::size_t>(r)]) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!ranks.empty() && !local) ADD_FAILURE() << "failed on rank(s) " << ranks;
+}
+
+}  // namespace gradcomm::testing
+
+int main(int argc, char** argv) {
+  gradcomm::init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  const int rank = gradcomm::testing::world_rank();
+  if (rank != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new gradcomm::testing::FailurePrinter);
+  }
+  int failed = 0;
+  {
+    gradcomm::testing::g_world = std::make_unique<gradcomm::Communicator>(MPI_COMM_WORLD);
+    failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+    gradcomm::testing::g_world.reset();
+  }
+  int any_failed = 0;
+  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  gradcomm::finalize();
+  return any_failed;
+}

@@ -1,0 +1,378 @@
+// Correctness of every registered algorithm (and auto) against independent references:
+// - exact: inputs are small integers, exact in every dtype; the expected value of each element
+//   is a serial reduction over ranks computed in double / int64 and converted once, so the
+//   comparison is bit-exact (see expected_bytes for why avg is exact too);
+// - random floats: compared with MPI_Allreduce of float64 copies, within a bound derived below;
+// - every rank checks its own output, that all ranks' outputs are bit-identical, that guard
+//   elements after the output are untouched, and (out-of-place) that the input is unchanged.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "collectives/registry.h"
+#include "core/half.h"
+#include "tests/mpi_test.h"
+
+namespace gradcomm::testing {
+namespace {
+
+constexpr std::size_t kGuardBytes = 64;
+constexpr std::byte kGuard{0x5a};
+
+std::vector<std::string> all_algorithms() { return collectives::algorithm_names(); }
+
+void store(DataType dtype, void* buf, std::size_t i, double v) {
+  switch (dtype) {
+    case DataType::float32:
+      static_cast<float*>(buf)[i] = static_cast<float>(v);
+      return;
+    case DataType::float64:
+      static_cast<double*>(buf)[i] = v;
+      return;
+    case DataType::float16:
+      static_cast<float16_t*>(buf)[i] = to_float16(static_cast<float>(v));
+      return;
+    case DataType::bfloat16:
+      static_cast<bfloat16_t*>(buf)[i] = to_bfloat16(static_cast<float>(v));
+      return;
+    case DataType::int32:
+      static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v);
+      return;
+    case DataType::int64:
+      static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v);
+      return;
+  }
+}
+
+double load(DataType dtype, const void* buf, std::size_t i) {
+  switch (dtype) {
+    case DataType::float32:
+      return static_cast<const float*>(buf)[i];
+    case DataType::float64:
+      return static_cast<const double*>(buf)[i];
+    case DataType::float16:
+      return to_float(static_cast<const float16_t*>(buf)[i]);
+    case DataType::bfloat16:
+      return to_float(static_cast<const bfloat16_t*>(buf)[i]);
+    case DataType::int32:
+      return static_cast<const std::int32_t*>(buf)[i];
+    case DataType::int64:
+      return static_cast<double>(static_cast<const std::int64_t*>(buf)[i]);
+  }
+  return 0;
+}
+
+// Small-integer inputs; element i of rank r depends on i only through i % period(op).
+std::size_t period(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      return 7;
+    case ReduceOp::prod:
+      return 5;
+    case ReduceOp::min:
+    case ReduceOp::max:
+      return 11;
+  }
+  return 1;
+}
+
+std::int64_t input_value(ReduceOp op, int rank, std::size_t i) {
+  static constexpr std::int64_t kProd[5] = {1, 2, -1, 1, -2};  // |product| <= 2^8: exact in bf16
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      return static_cast<std::int64_t>((rank + i) % 7) - 3;
+    case ReduceOp::prod:
+      return kProd[(rank + i) % 5];
+    case ReduceOp::min:
+    case ReduceOp::max:
+      return static_cast<std::int64_t>((rank * 7 + i * 3) % 11) - 5;
+  }
+  return 0;
+}
+
+void fill_input(void* buf, std::size_t count, DataType dtype, ReduceOp op, int rank) {
+  const std::size_t m = period(op);
+  for (std::size_t i = 0; i < count; ++i) store(dtype, buf, i, input_value(op, rank, i % m));
+}
+
+// Expected bytes of element i for each residue i % period, by a serial reduction over ranks in
+// int64 (exact). avg: integers truncate; floats take the exact quotient rounded once to the
+// dtype. That equals what gradcomm computes (exact sum, one correctly rounded division in the
+// dtype or in float32 then rounded to 16 bits) because rounding a quotient first to 53 or 24
+// bits and then to 24 / 11 / 8 bits is innocuous (p' >= 2p + 2).
+std::vector<std::byte> expected_bytes(DataType dtype, ReduceOp op, int n) {
+  const std::size_t m = period(op);
+  const std::size_t es = element_size(dtype);
+  std::vector<std::byte> table(m * es);
+  for (std::size_t res = 0; res < m; ++res) {
+    std::int64_t acc = input_value(op, 0, res);
+    for (int r = 1; r < n; ++r) {
+      const std::int64_t v = input_value(op, r, res);
+      switch (op) {
+        case ReduceOp::sum:
+        case ReduceOp::avg:
+          acc += v;
+          break;
+        case ReduceOp::prod:
+          acc *= v;
+          break;
+        case ReduceOp::min:
+          acc = std::min(acc, v);
+          break;
+        case ReduceOp::max:
+          acc = std::max(acc, v);
+          break;
+      }
+    }
+    double value = static_cast<double>(acc);
+    if (op == ReduceOp::avg) {
+      value = is_floating(dtype) ? static_cast<double>(acc) / n : static_cast<double>(acc / n);
+    }
+    store(dtype, table.data(), res, value);
+  }
+  return table;
+}
+
+// Runs one call and checks everything; returns without throwing so loops keep going.
+void check_exact(Communicator& comm, const std::string& algorithm, DataType dtype, ReduceOp op,
+                 std::size_t count, bool in_place, std::vector<std::byte>& send,
+                 std::vector<std::byte>& recv) {
+  SCOPED_TRACE("algorithm=" + algorithm + " dtype=" + std::string(to_string(dtype)) + " op=" +
+               std::string(to_string(op)) + " count=" + std::to_string(count) +
+               (in_place ? " in-place" : " out-of-place") + " ranks=" +
+               std::to_string(comm.size()));
+  const std::size_t es = element_size(dtype);
+  const std::size_t bytes = count * es;
+  send.resize(std::max(send.size(), bytes + kGuardBytes));
+  recv.resize(std::max(recv.size(), bytes + kGuardBytes));
+  std::byte* out = in_place ? send.data() : recv.data();
+  fill_input(send.data(), count, dtype, op, comm.rank());
+  if (!in_place) std::fill(recv.begin(), recv.begin() + bytes, std::byte{0xcd});
+  std::fill(out + bytes, out + bytes + kGuardBytes, kGuard);
+  const std::uint64_t send_before = fingerprint(send.data(), bytes);
+
+  allreduce(comm, send.data(), out, count, dtype, op, {.algorithm = algorithm});
+
+  const std::vector<std::byte> table = expected_bytes(dtype, op, comm.size());
+  const std::size_t m = period(op);
+  std::size_t wrong = 0;
+  std::size_t first_wrong = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (std::memcmp(out + i * es, table.data() + (i % m) * es, es) != 0) {
+      if (wrong++ == 0) first_wrong = i;
+    }
+  }
+  EXPECT_EQ(wrong, 0u) << "first wrong element " << first_wrong << ": got "
+                       << (wrong ? load(dtype, out, first_wrong) : 0.0) << ", expected "
+                       << (wrong ? load(dtype, table.data(), first_wrong % m) : 0.0);
+  EXPECT_TRUE(std::all_of(out + bytes, out + bytes + kGuardBytes,
+                          [](std::byte b) { return b == kGuard; }))
+      << "guard bytes after the output were overwritten";
+  if (!in_place) {
+    EXPECT_EQ(fingerprint(send.data(), bytes), send_before) << "the send buffer was modified";
+  }
+  EXPECT_TRUE(same_on_all_ranks(comm.mpi_comm(), fingerprint(out, bytes)))
+      << "ranks ended with different bits";
+}
+
+std::vector<std::size_t> small_counts(int n) {
+  std::vector<std::size_t> counts = {0, 1, 2, 7, static_cast<std::size_t>(n - 1),
+                                     static_cast<std::size_t>(n), static_cast<std::size_t>(n + 1),
+                                     1000003};
+  std::sort(counts.begin(), counts.end());
+  counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
+  return counts;
+}
+
+std::string param_name(const std::string& algorithm) { return algorithm; }
+
+// ---------------------------------------------------------------------------------------------
+// Every algorithm x dtype x op x count x placement, exact.
+
+class AllreduceExact : public MpiTestWithParam<std::tuple<std::string, DataType>> {};
+
+TEST_P(AllreduceExact, EveryOpCountAndPlacement) {
+  const auto& [algorithm, dtype] = GetParam();
+  std::vector<std::byte> send, recv;
+  for (ReduceOp op : kAllReduceOps) {
+    for (std::size_t count : small_counts(world().size())) {
+      for (bool in_place : {false, true}) {
+        check_exact(world(), algorithm, dtype, op, count, in_place, send, recv);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Algorithms, AllreduceExact,
+    ::testing::Combine(::testing::ValuesIn(all_algorithms()), ::testing::ValuesIn(kAllDataTypes)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + std::string(to_string(std::get<1>(info.param)));
+    });
+
+// ---------------------------------------------------------------------------------------------
+// 16 Mi elements on a subset of dtypes and ops (the suite's time budget).
+
+class AllreduceLarge : public MpiTestWithParam<std::string> {};
+
+TEST_P(AllreduceLarge, SixteenMiElements) {
+  constexpr std::size_t kCount = std::size_t{16} << 20;
+  std::vector<std::byte> send, recv;
+  const std::tuple<DataType, ReduceOp> cases[] = {{DataType::float32, ReduceOp::sum},
+                                                  {DataType::bfloat16, ReduceOp::avg},
+                                                  {DataType::int64, ReduceOp::max}};
+  for (const auto& [dtype, op] : cases) {
+    for (bool in_place : {false, true}) {
+      check_exact(world(), GetParam(), dtype, op, kCount, in_place, send, recv);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceLarge, ::testing::ValuesIn(all_algorithms()),
+                         [](const auto& info) { return param_name(info.param); });
+
+// ---------------------------------------------------------------------------------------------
+// Random floats against MPI_Allreduce on float64 copies.
+
+class AllreduceRandom : public MpiTestWithParam<std::string> {};
+
+TEST_P(AllreduceRandom, MatchesFloat64Reference) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  std::mt19937_64 rng(1234 + static_cast<unsigned>(comm.rank()));
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  for (DataType dtype : {DataType::float32, DataType::float64, DataType::float16,
+                         DataType::bfloat16}) {
+    // Each of the n-1 reduction steps rounds once to the dtype (16-bit types accumulate in
+    // float32 but are rounded back to 16 bits per step), adding at most u * |partial sum| <=
+    // u * sum|x| per step, with u the unit roundoff; avg adds one more rounding. So |error| <=
+    // n * u * sum_r |x_r| (+ a tiny absolute term for sums that cancel to ~0).
+    const double u = dtype == DataType::float64   ? 0x1p-53
+                     : dtype == DataType::float32 ? 0x1p-24
+                     : dtype == DataType::float16 ? 0x1p-11
+                                                  : 0x1p-8;
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
+      for (std::size_t count : {std::size_t{1}, std::size_t{97}, std::size_t{65537}}) {
+        for (bool in_place : {false, true}) {
+          SCOPED_TRACE("dtype=" + std::string(to_string(dtype)) + " op=" +
+                       std::string(to_string(op)) + " count=" + std::to_string(count) +
+                       (in_place ? " in-place" : ""));
+          const std::size_t es = element_size(dtype);
+          std::vector<std::byte> send(count * es), recv(count * es);
+          std::vector<double> exact(count), magnitude(count), ref(count), abs_ref(count);
+          for (std::size_t i = 0; i < count; ++i) {
+            store(dtype, send.data(), i, uniform(rng));
+            exact[i] = load(dtype, send.data(), i);  // the value as representable in dtype
+            magnitude[i] = std::abs(exact[i]);
+          }
+          MPI_Allreduce(exact.data(), ref.data(), static_cast<int>(count), MPI_DOUBLE, MPI_SUM,
+                        comm.mpi_comm());
+          MPI_Allreduce(magnitude.data(), abs_ref.data(), static_cast<int>(count), MPI_DOUBLE,
+                        MPI_SUM, comm.mpi_comm());
+          std::byte* out = in_place ? send.data() : recv.data();
+          allreduce(comm, send.data(), out, count, dtype, op, {.algorithm = GetParam()});
+          std::size_t wrong = 0;
+          for (std::size_t i = 0; i < count; ++i) {
+            const double scale = op == ReduceOp::avg ? 1.0 / n : 1.0;
+            const double tolerance = (n + 1) * u * abs_ref[i] * scale + 1e-30;
+            const double got = load(dtype, out, i);
+            if (!(std::abs(got - ref[i] * scale) <= tolerance)) {
+              if (wrong++ < 3) {
+                ADD_FAILURE() << "element " << i << ": got " << got << ", reference "
+                              << ref[i] * scale << ", tolerance " << tolerance;
+              }
+            }
+          }
+          EXPECT_EQ(wrong, 0u);
+          EXPECT_TRUE(same_on_all_ranks(comm.mpi_comm(), fingerprint(out, count * es)));
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceRandom, ::testing::ValuesIn(all_algorithms()),
+                         [](const auto& info) { return param_name(info.param); });
+
+// ---------------------------------------------------------------------------------------------
+// The many-segment paths of the pipelined algorithms, through the Config test seam.
+
+class AllreduceSegments : public MpiTestWithParam<std::string> {};
+
+TEST_P(AllreduceSegments, TinySegmentsAndShallowPipelines) {
+  for (int depth : {1, 2, 5}) {
+    Config config;
+    config.segment_bytes = 64;  // 16 float32 per segment: a 100-element call has many
+    config.pipeline_depth = depth;
+    Communicator comm(MPI_COMM_WORLD, config);
+    std::vector<std::byte> send, recv;
+    for (std::size_t count : {std::size_t{100}, std::size_t{1000}, std::size_t{4099}}) {
+      for (DataType dtype : {DataType::float32, DataType::float16, DataType::int64}) {
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+          for (bool in_place : {false, true}) {
+            check_exact(comm, GetParam(), dtype, op, count, in_place, send, recv);
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceSegments, ::testing::ValuesIn(all_algorithms()),
+                         [](const auto& info) { return param_name(info.param); });
+
+// ---------------------------------------------------------------------------------------------
+// Sub-communicators (MPI_Comm_split): a prefix of k ranks for k = 3, 5, 7 and an even/odd split,
+// so one 8-rank launch also covers 3, 4, 5 and 7 ranks.
+
+class AllreduceSubcommunicators : public MpiTest {};
+
+TEST_F(AllreduceSubcommunicators, PrefixesAndEvenOddSplit) {
+  const int rank = world().rank();
+  std::vector<std::pair<std::string, int>> splits = {{"even/odd", rank % 2}};
+  for (int k : {3, 5, 7}) {
+    if (k < world().size()) splits.push_back({"first " + std::to_string(k), rank < k ? 0 : 1});
+  }
+  for (const auto& [label, color] : splits) {
+    SCOPED_TRACE("split " + label);
+    MPI_Comm split = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, color, rank, &split);
+    {
+      Communicator comm(split);
+      std::vector<std::byte> send, recv;
+      for (const std::string& algorithm : all_algorithms()) {
+        for (std::size_t count : {std::size_t{1}, std::size_t{8}, std::size_t{65537}}) {
+          check_exact(comm, algorithm, DataType::float32, ReduceOp::sum, count, false, send, recv);
+          check_exact(comm, algorithm, DataType::int32, ReduceOp::min, count, true, send, recv);
+        }
+      }
+    }
+    MPI_Comm_free(&split);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed std::span overloads.
+
+class AllreduceTyped : public MpiTest {};
+
+TEST_F(AllreduceTyped, SpanOverloads) {
+  const int n = world().size();
+  std::vector<float> in(10, 1.5f), out(10, 0.0f);
+  allreduce<float>(world(), std::span<const float>(in), std::span<float>(out), ReduceOp::sum);
+  for (float v : out) EXPECT_EQ(v, 1.5f * n);
+  std::vector<std::int64_t> values(5, world().rank());
+  allreduce<std::int64_t>(world(), std::span<std::int64_t>(values), ReduceOp::max);
+  for (std::int64_t v : values) EXPECT_EQ(v, n - 1);
+}
+
+}  // namespace
+}  // namespace gradcomm::testing

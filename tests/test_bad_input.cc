@@ -1,0 +1,146 @@
+// Bad input is rejected with a clear error before any communication (so no rank hangs: every
+// rank makes the same bad call and throws locally), and the communicator stays usable after.
+
+#include <gmock/gmock.h>
+
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "collectives/registry.h"
+#include "core/error.h"
+#include "tests/mpi_test.h"
+
+namespace gradcomm::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Expects `f` to throw E whose message contains every string of `parts`.
+template <class E, class F>
+void expect_error(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no exception thrown";
+  } catch (const E& e) {
+    for (const std::string& part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "unexpected exception type: " << e.what();
+  }
+}
+
+// After a rejected call, a good one still works on every rank.
+void expect_usable(Communicator& comm) {
+  std::vector<int> v(3, 1);
+  allreduce(comm, v.data(), v.data(), v.size(), DataType::int32, ReduceOp::sum);
+  EXPECT_EQ(v[0], comm.size());
+}
+
+class BadInput : public MpiTestWithParam<std::string> {};
+
+TEST_P(BadInput, RejectedBeforeCommunication) {
+  Communicator& comm = world();
+  const AllreduceOptions options{.algorithm = GetParam()};
+  const std::string rank = "rank " + std::to_string(comm.rank());
+  std::vector<float> buf(16, 1.0f), out(16);
+
+  expect_error<InvalidArgument>(
+      [&] { allreduce(comm, nullptr, out.data(), 4, DataType::float32, ReduceOp::sum, options); },
+      {"allreduce(" + GetParam() + ")", rank, "sendbuf is null with count 4"});
+  expect_error<InvalidArgument>(
+      [&] { allreduce(comm, buf.data(), nullptr, 4, DataType::float32, ReduceOp::sum, options); },
+      {"recvbuf is null with count 4"});
+  expect_error<InvalidArgument>(
+      [&] {
+        allreduce(comm, buf.data(), out.data(), 4, static_cast<DataType>(42), ReduceOp::sum,
+                  options);
+      },
+      {"invalid dtype 42"});
+  expect_error<InvalidArgument>(
+      [&] {
+        allreduce(comm, buf.data(), out.data(), 4, DataType::float32, static_cast<ReduceOp>(-1),
+                  options);
+      },
+      {"invalid reduce op -1"});
+  expect_error<InvalidArgument>(
+      [&] {
+        allreduce(comm, buf.data(), out.data(), std::numeric_limits<std::size_t>::max(),
+                  DataType::float32, ReduceOp::sum, options);
+      },
+      {"count 18446744073709551615 x 4 bytes overflows size_t"});
+  expect_error<InvalidArgument>(
+      [&] {
+        allreduce(comm, buf.data(), buf.data() + 1, 8, DataType::float32, ReduceOp::sum, options);
+      },
+      {"overlap partially", "4 bytes apart"});
+  expect_error<InvalidArgument>(
+      [&] {
+        allreduce<float>(comm, std::span<const float>(buf), std::span<float>(out.data(), 3),
+                         ReduceOp::sum, options);
+      },
+      {"send has 16 elements but recv has 3"});
+  // Null buffers are fine with count 0, and the send buffer may then be anything.
+  EXPECT_NO_THROW(allreduce(comm, nullptr, nullptr, 0, DataType::float32, ReduceOp::sum, options));
+  expect_usable(comm);
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, BadInput, ::testing::ValuesIn(collectives::algorithm_names()),
+                         [](const auto& info) { return info.param; });
+
+class BadNames : public MpiTest {};
+
+TEST_F(BadNames, UnknownAlgorithmListsValidNames) {
+  std::vector<float> buf(4, 1.0f);
+  expect_error<InvalidArgument>(
+      [&] {
+        allreduce(world(), buf.data(), buf.data(), 4, DataType::float32, ReduceOp::sum,
+                  {.algorithm = "tree"});
+      },
+      {"unknown algorithm 'tree'", "valid names: auto, flat, ring, halving_doubling, mpi"});
+  // The same through the configured default (what GRADCOMM_ALGORITHM sets).
+  Config config;
+  config.algorithm = "bogus";
+  Communicator comm(MPI_COMM_WORLD, config);
+  expect_error<InvalidArgument>(
+      [&] { allreduce(comm, buf.data(), buf.data(), 4, DataType::float32, ReduceOp::sum); },
+      {"unknown algorithm 'bogus' (from GRADCOMM_ALGORITHM)"});
+  expect_usable(world());
+}
+
+TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
+  struct Case {
+    const char* name;
+    const char* value;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {"GRADCOMM_ALGORITHM", "", "GRADCOMM_ALGORITHM='' is invalid"},
+      {"GRADCOMM_LOG_LEVEL", "loud", "one of error, warn, info, debug, trace"},
+      {"GRADCOMM_SEGMENT_BYTES", "12abc", "GRADCOMM_SEGMENT_BYTES='12abc' is invalid"},
+      {"GRADCOMM_SEGMENT_BYTES", "0", "an integer in [16, 1073741824]"},
+      {"GRADCOMM_PIPELINE_DEPTH", "-3", "GRADCOMM_PIPELINE_DEPTH='-3'"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    setenv(c.name, c.value, 1);
+    expect_error<InvalidArgument>([] { Config::from_environment(); }, {c.expected});
+    unsetenv(c.name);
+  }
+  setenv("GRADCOMM_SEGMENT_BYTES", "4096", 1);
+  setenv("GRADCOMM_LOG_LEVEL", "debug", 1);
+  const Config config = Config::from_environment();
+  EXPECT_EQ(config.segment_bytes, 4096u);
+  EXPECT_EQ(config.log_level, LogLevel::debug);
+  unsetenv("GRADCOMM_SEGMENT_BYTES");
+  unsetenv("GRADCOMM_LOG_LEVEL");
+}
+
+TEST_F(BadNames, NullCommunicator) {
+  expect_error<InvalidArgument>([] { Communicator comm(MPI_COMM_NULL); },
+                                {"Communicator", "MPI_COMM_NULL"});
+}
+
+}  // namespace
+}  // namespace gradcomm::testing

@@ -1,0 +1,193 @@
+// Core pieces without MPI: 16-bit float conversions against independent references, and the
+// reduction kernels against a scalar reference, for every dtype and op, on unaligned ranges.
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/data_type.h"
+#include "core/half.h"
+#include "core/reduce_kernels.h"
+
+namespace gradcomm {
+namespace {
+
+TEST(Half, EveryFloat16RoundTripsThroughFloat32) {
+  for (std::uint32_t bits = 0; bits <= 0xffff; ++bits) {
+    const auto h = static_cast<std::uint16_t>(bits);
+    const float f = half_bits_to_float(h);
+    const bool nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff) != 0;
+    if (nan) {
+      EXPECT_TRUE(std::isnan(f)) << bits;
+      continue;
+    }
+    // GCC's _Float16 (libgcc's conversions) is the independent reference.
+    const _Float16 reference = std::bit_cast<_Float16>(h);
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(f),
+              std::bit_cast<std::uint32_t>(static_cast<float>(reference)))
+        << std::hex << bits;
+    EXPECT_EQ(float_to_half_bits(f), h) << std::hex << bits;
+  }
+}
+
+TEST(Half, Float32ToFloat16RoundsToNearestEven) {
+  std::mt19937 rng(7);
+  std::vector<float> samples = {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, 1e-8f, 5.96e-8f,
+                                2.98e-8f, 2.9802322e-8f, INFINITY, -INFINITY, 1.0f + 0x1p-11f,
+                                1.0f + 0x1p-11f + 0x1p-20f, 6.1035156e-05f};
+  for (int i = 0; i < 200000; ++i) samples.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(rng())));
+  for (float f : samples) {
+    if (std::isnan(f)) {
+      EXPECT_EQ(float_to_half_bits(f) & 0x7e00, 0x7e00);
+      continue;
+    }
+    const _Float16 reference = static_cast<_Float16>(f);
+    EXPECT_EQ(float_to_half_bits(f), std::bit_cast<std::uint16_t>(reference)) << f;
+  }
+}
+
+// bfloat16 reference: pick the nearer of the two neighbours by exact double arithmetic.
+std::uint16_t bfloat16_reference(float f) {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(f);
+  const std::uint16_t down = static_cast<std::uint16_t>(bits >> 16);
+  const std::uint16_t up = static_cast<std::uint16_t>(down + 1);
+  const double d_down = std::abs(static_cast<double>(f) - bfloat16_bits_to_float(down));
+  const double d_up = std::abs(static_cast<double>(f) - bfloat16_bits_to_float(up));
+  if ((bits & 0xffff) == 0) return down;
+  if (d_down < d_up) return down;
+  if (d_up < d_down) return up;
+  return (down & 1) ? up : down;
+}
+
+TEST(BFloat16, RoundsToNearestEven) {
+  std::mt19937 rng(11);
+  for (int i = 0; i < 200000; ++i) {
+    const float f = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(bfloat16_bits_to_float(float_to_bfloat16_bits(f))));
+      continue;
+    }
+    if (std::isinf(bfloat16_bits_to_float(static_cast<std::uint16_t>((std::bit_cast<std::uint32_t>(f) >> 16) + 1))))
+      continue;  // the upper neighbour is infinity: checked separately below
+    EXPECT_EQ(float_to_bfloat16_bits(f), bfloat16_reference(f)) << f;
+  }
+  EXPECT_EQ(float_to_bfloat16_bits(std::bit_cast<float>(0x7f7fffffu)), 0x7f80);  // rounds to inf
+  EXPECT_EQ(float_to_bfloat16_bits(1.0f), 0x3f80);
+}
+
+// Scalar reference of one element.
+double apply(ReduceOp op, double a, double b) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      return a + b;
+    case ReduceOp::prod:
+      return a * b;
+    case ReduceOp::min:
+      return std::min(a, b);
+    case ReduceOp::max:
+      return std::max(a, b);
+  }
+  return 0;
+}
+
+template <class T>
+void check_kernel(DataType dtype) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> small(-20, 20);
+  for (ReduceOp op : kAllReduceOps) {
+    for (std::size_t n : {0, 1, 3, 17, 64, 1001}) {
+      for (std::size_t offset : {0, 1, 3}) {
+        SCOPED_TRACE(std::string(to_string(dtype)) + " " + std::string(to_string(op)) +
+                     " n=" + std::to_string(n) + " offset=" + std::to_string(offset));
+        std::vector<T> a(n + offset), b(n + offset), out(n + offset);
+        std::vector<double> da(n), db(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          da[i] = small(rng);
+          db[i] = small(rng);
+          if constexpr (std::is_same_v<T, float16_t>) {
+            a[i + offset] = to_float16(static_cast<float>(da[i]));
+            b[i + offset] = to_float16(static_cast<float>(db[i]));
+          } else if constexpr (std::is_same_v<T, bfloat16_t>) {
+            a[i + offset] = to_bfloat16(static_cast<float>(da[i]));
+            b[i + offset] = to_bfloat16(static_cast<float>(db[i]));
+          } else {
+            a[i + offset] = static_cast<T>(da[i]);
+            b[i + offset] = static_cast<T>(db[i]);
+          }
+        }
+        auto value = [](T v) -> double {
+          if constexpr (std::is_same_v<T, float16_t> || std::is_same_v<T, bfloat16_t>) {
+            return to_float(v);
+          } else {
+            return static_cast<double>(v);
+          }
+        };
+        // Three-operand form, then the accumulating form on a copy.
+        reduce_to(out.data() + offset, a.data() + offset, b.data() + offset, n, dtype, op);
+        std::vector<T> acc = a;
+        reduce_into(acc.data() + offset, b.data() + offset, n, dtype, op);
+        for (std::size_t i = 0; i < n; ++i) {
+          // |values| <= 400: exact in every dtype (bfloat16 rounds above 256: compare rounded).
+          double expected = apply(op, da[i], db[i]);
+          if constexpr (std::is_same_v<T, bfloat16_t>) {
+            expected = to_float(to_bfloat16(static_cast<float>(expected)));
+          }
+          ASSERT_EQ(value(out[i + offset]), expected) << i;
+          ASSERT_EQ(value(acc[i + offset]), expected) << i;
+        }
+        divide_by(acc.data() + offset, n, dtype, 3);
+        for (std::size_t i = 0; i < n; ++i) {
+          const double before = value(out[i + offset]);
+          double expected;
+          if constexpr (std::is_integral_v<T>) {
+            expected = static_cast<double>(static_cast<T>(before) / 3);
+          } else if constexpr (std::is_same_v<T, float16_t>) {
+            expected = to_float(to_float16(static_cast<float>(before) / 3.0f));
+          } else if constexpr (std::is_same_v<T, bfloat16_t>) {
+            expected = to_float(to_bfloat16(static_cast<float>(before) / 3.0f));
+          } else {
+            expected = static_cast<double>(static_cast<T>(before) / static_cast<T>(3));
+          }
+          ASSERT_EQ(value(acc[i + offset]), expected) << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(ReduceKernels, Float32) { check_kernel<float>(DataType::float32); }
+TEST(ReduceKernels, Float64) { check_kernel<double>(DataType::float64); }
+TEST(ReduceKernels, Float16) { check_kernel<float16_t>(DataType::float16); }
+TEST(ReduceKernels, BFloat16) { check_kernel<bfloat16_t>(DataType::bfloat16); }
+TEST(ReduceKernels, Int32) { check_kernel<std::int32_t>(DataType::int32); }
+TEST(ReduceKernels, Int64) { check_kernel<std::int64_t>(DataType::int64); }
+
+TEST(ReduceKernels, IntegerOverflowWraps) {
+  std::int32_t a = INT32_MAX;
+  const std::int32_t b = 1;
+  reduce_into(&a, &b, 1, DataType::int32, ReduceOp::sum);
+  EXPECT_EQ(a, INT32_MIN);
+}
+
+TEST(DataTypes, NamesSizesAndParsing) {
+  for (DataType dtype : kAllDataTypes) {
+    EXPECT_EQ(parse_data_type(to_string(dtype)), dtype);
+    EXPECT_TRUE(is_valid(dtype));
+  }
+  EXPECT_EQ(element_size(DataType::bfloat16), 2u);
+  EXPECT_EQ(element_size(DataType::int64), 8u);
+  EXPECT_FALSE(is_valid(static_cast<DataType>(17)));
+  EXPECT_EQ(to_string(static_cast<DataType>(17)), "invalid");
+  EXPECT_FALSE(parse_data_type("float8").has_value());
+  for (ReduceOp op : kAllReduceOps) EXPECT_EQ(parse_reduce_op(to_string(op)), op);
+  EXPECT_FALSE(is_valid(static_cast<ReduceOp>(9)));
+}
+
+}  // namespace
+}  // namespace gradcomm
