@@ -83,11 +83,16 @@ struct Codec<bfloat16_t> {
   static bfloat16_t store(float v) { return bfloat16_t{float_to_bfloat16_bits(v)}; }
 };
 
-template <class S, class Op>
+// dst = dst op src, or dst = src op dst when SrcFirst (min/max of equal-comparing values such as
+// -0 and +0 depend on the operand order, which callers fix so every rank gets the same bits).
+template <bool SrcFirst, class S, class Op>
 [[gnu::always_inline]] inline void into_loop(S* __restrict dst, const S* __restrict src,
                                              std::size_t n, Op op) {
   using C = Codec<S>;
-  for (std::size_t i = 0; i < n; ++i) dst[i] = C::store(op(C::load(dst[i]), C::load(src[i])));
+  for (std::size_t i = 0; i < n; ++i) {
+    dst[i] = SrcFirst ? C::store(op(C::load(src[i]), C::load(dst[i])))
+                      : C::store(op(C::load(dst[i]), C::load(src[i])));
+  }
 }
 
 template <class S, class Op>
@@ -105,69 +110,85 @@ template <class S>
   for (std::size_t i = 0; i < n; ++i) buf[i] = C::store(C::load(buf[i]) / d);
 }
 
-// One entry per storage type; `a == nullptr` selects the two-operand form dst op= b.
+// The forms of one call: dst = a op b, dst = dst op b, dst = a op dst.
+enum class Form { three_operand, dst_first, dst_second };
+
+template <class S, class Op>
+[[gnu::always_inline]] inline void reduce_form(S* dst, const S* a, const S* b, std::size_t n,
+                                               Form form, Op op) {
+  switch (form) {
+    case Form::three_operand:
+      return to_loop(dst, a, b, n, op);
+    case Form::dst_first:
+      return into_loop<false>(dst, b, n, op);
+    case Form::dst_second:
+      return into_loop<true>(dst, a, n, op);
+  }
+}
+
+// One entry per storage type.
 template <class S>
 [[gnu::always_inline]] inline void reduce_typed(S* dst, const S* a, const S* b, std::size_t n,
-                                                ReduceOp op) {
+                                                Form form, ReduceOp op) {
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg:
-      return a ? to_loop(dst, a, b, n, Sum{}) : into_loop(dst, b, n, Sum{});
+      return reduce_form(dst, a, b, n, form, Sum{});
     case ReduceOp::prod:
-      return a ? to_loop(dst, a, b, n, Prod{}) : into_loop(dst, b, n, Prod{});
+      return reduce_form(dst, a, b, n, form, Prod{});
     case ReduceOp::min:
-      return a ? to_loop(dst, a, b, n, Min{}) : into_loop(dst, b, n, Min{});
+      return reduce_form(dst, a, b, n, form, Min{});
     case ReduceOp::max:
-      return a ? to_loop(dst, a, b, n, Max{}) : into_loop(dst, b, n, Max{});
+      return reduce_form(dst, a, b, n, form, Max{});
   }
 }
 
 GRADCOMM_VECTOR_CLONES void reduce_f32(float* d, const float* a, const float* b, std::size_t n,
-                                       ReduceOp op) {
-  reduce_typed(d, a, b, n, op);
+                                       Form form, ReduceOp op) {
+  reduce_typed(d, a, b, n, form, op);
 }
 GRADCOMM_VECTOR_CLONES void reduce_f64(double* d, const double* a, const double* b, std::size_t n,
-                                       ReduceOp op) {
-  reduce_typed(d, a, b, n, op);
+                                       Form form, ReduceOp op) {
+  reduce_typed(d, a, b, n, form, op);
 }
 GRADCOMM_VECTOR_CLONES void reduce_f16(float16_t* d, const float16_t* a, const float16_t* b,
-                                       std::size_t n, ReduceOp op) {
-  reduce_typed(d, a, b, n, op);
+                                       std::size_t n, Form form, ReduceOp op) {
+  reduce_typed(d, a, b, n, form, op);
 }
 GRADCOMM_VECTOR_CLONES void reduce_bf16(bfloat16_t* d, const bfloat16_t* a, const bfloat16_t* b,
-                                        std::size_t n, ReduceOp op) {
-  reduce_typed(d, a, b, n, op);
+                                        std::size_t n, Form form, ReduceOp op) {
+  reduce_typed(d, a, b, n, form, op);
 }
 GRADCOMM_VECTOR_CLONES void reduce_i32(std::int32_t* d, const std::int32_t* a,
-                                       const std::int32_t* b, std::size_t n, ReduceOp op) {
-  reduce_typed(d, a, b, n, op);
+                                       const std::int32_t* b, std::size_t n, Form form, ReduceOp op) {
+  reduce_typed(d, a, b, n, form, op);
 }
 GRADCOMM_VECTOR_CLONES void reduce_i64(std::int64_t* d, const std::int64_t* a,
-                                       const std::int64_t* b, std::size_t n, ReduceOp op) {
-  reduce_typed(d, a, b, n, op);
+                                       const std::int64_t* b, std::size_t n, Form form, ReduceOp op) {
+  reduce_typed(d, a, b, n, form, op);
 }
 
 void reduce_dispatch(void* dst, const void* a, const void* b, std::size_t n, DataType dtype,
-                     ReduceOp op) {
+                     Form form, ReduceOp op) {
   switch (dtype) {
     case DataType::float32:
       return reduce_f32(static_cast<float*>(dst), static_cast<const float*>(a),
-                        static_cast<const float*>(b), n, op);
+                        static_cast<const float*>(b), n, form, op);
     case DataType::float64:
       return reduce_f64(static_cast<double*>(dst), static_cast<const double*>(a),
-                        static_cast<const double*>(b), n, op);
+                        static_cast<const double*>(b), n, form, op);
     case DataType::float16:
       return reduce_f16(static_cast<float16_t*>(dst), static_cast<const float16_t*>(a),
-                        static_cast<const float16_t*>(b), n, op);
+                        static_cast<const float16_t*>(b), n, form, op);
     case DataType::bfloat16:
       return reduce_bf16(static_cast<bfloat16_t*>(dst), static_cast<const bfloat16_t*>(a),
-                         static_cast<const bfloat16_t*>(b), n, op);
+                         static_cast<const bfloat16_t*>(b), n, form, op);
     case DataType::int32:
       return reduce_i32(static_cast<std::int32_t*>(dst), static_cast<const std::int32_t*>(a),
-                        static_cast<const std::int32_t*>(b), n, op);
+                        static_cast<const std::int32_t*>(b), n, form, op);
     case DataType::int64:
       return reduce_i64(static_cast<std::int64_t*>(dst), static_cast<const std::int64_t*>(a),
-                        static_cast<const std::int64_t*>(b), n, op);
+                        static_cast<const std::int64_t*>(b), n, form, op);
   }
 }
 
@@ -191,15 +212,13 @@ GRADCOMM_VECTOR_CLONES void divide_dispatch(void* buf, std::size_t n, DataType d
 }  // namespace
 
 void reduce_into(void* dst, const void* src, std::size_t n, DataType dtype, ReduceOp op) {
-  reduce_dispatch(dst, nullptr, src, n, dtype, op);
+  reduce_dispatch(dst, dst, src, n, dtype, Form::dst_first, op);
 }
 
 void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType dtype,
                ReduceOp op) {
-  // Every op is commutative, so an in-place operand can always be the accumulator.
-  if (dst == a) return reduce_dispatch(dst, nullptr, b, n, dtype, op);
-  if (dst == b) return reduce_dispatch(dst, nullptr, a, n, dtype, op);
-  reduce_dispatch(dst, a, b, n, dtype, op);
+  const Form form = dst == a ? Form::dst_first : dst == b ? Form::dst_second : Form::three_operand;
+  reduce_dispatch(dst, a, b, n, dtype, form, op);
 }
 
 void divide_by(void* buf, std::size_t n, DataType dtype, int divisor) {

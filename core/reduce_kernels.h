@@ -13,7 +13,8 @@ namespace gradcomm {
 // dst[i] = dst[i] op src[i]. dst and src must not overlap.
 void reduce_into(void* dst, const void* src, std::size_t n, DataType dtype, ReduceOp op);
 
-// dst[i] = a[i] op b[i]. dst may be exactly a or exactly b; no other overlap is allowed.
+// dst[i] = a[i] op b[i], operands in that order (min/max of -0 and +0 depend on it). dst may be
+// exactly a or exactly b; no other overlap is allowed.
 void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op);
 
 // buf[i] = buf[i] / divisor, the last step of avg. Floating types divide (correctly rounded for

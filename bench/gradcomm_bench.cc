@@ -1,0 +1,419 @@
+// gradcomm-bench: all-reduce timings in the style of nccl-tests' all_reduce_perf, with
+// MPI_Allreduce measured in the same run as the baseline.
+//
+//   mpirun -np 4 gradcomm-bench -b 8 -e 256M -f 4 -a ring,halving_doubling -n 20 -w 5 -c 1
+//
+// Method: for each size, every algorithm is warmed up, then timed in rounds that alternate the
+// algorithms (this machine's speed drifts, so only interleaved measurements are compared). A
+// round is a barrier followed by a batch of back-to-back calls, sized so a batch lasts at least
+// ~100 us (small messages would otherwise measure the timer). The time of a round is the
+// slowest rank's per-call average; statistics are over rounds. vs_mpi is MPI_Allreduce's median
+// time divided by the algorithm's median time (> 1: faster than MPI_Allreduce).
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "collectives/registry.h"
+#include "core/error.h"
+#include "core/half.h"
+
+namespace {
+
+using gradcomm::Communicator;
+using gradcomm::DataType;
+using gradcomm::ReduceOp;
+
+struct Options {
+  std::size_t min_bytes = 8;
+  std::size_t max_bytes = std::size_t{64} << 20;
+  double factor = 2;
+  std::vector<std::string> algorithms = {"ring", "halving_doubling", "flat", "auto"};
+  DataType dtype = DataType::float32;
+  ReduceOp op = ReduceOp::sum;
+  int iters = 20;
+  int warmup = 5;
+  bool check = true;
+  bool in_place = false;
+  enum class Format { table, csv, json } format = Format::table;
+};
+
+struct Row {
+  std::string algorithm;
+  std::size_t bytes = 0;
+  std::size_t count = 0;
+  double mean_us = 0, min_us = 0, max_us = 0, p50_us = 0, p99_us = 0;
+  double algbw = 0, busbw = 0;
+  long long wrong = -1;  // -1: not checked
+  double vs_mpi = 0;
+};
+
+const char kUsage[] =
+    "usage: mpirun -np N gradcomm-bench [options]\n"
+    "  -b, --minbytes SIZE   smallest message (default 8; K/M/G suffixes)\n"
+    "  -e, --maxbytes SIZE   largest message (default 64M)\n"
+    "  -f, --stepfactor F    size multiplier between rows (default 2)\n"
+    "  -a, --algorithms L    comma-separated names (default ring,halving_doubling,flat,auto);\n"
+    "                        MPI_Allreduce ('mpi') is always measured as the baseline\n"
+    "  -d, --datatype T      float32 float64 float16 bfloat16 int32 int64 (default float32)\n"
+    "  -o, --op OP           sum avg min max prod (default sum)\n"
+    "  -n, --iters N         timed rounds per size and algorithm (default 20)\n"
+    "  -w, --warmup N        untimed calls first (default 5)\n"
+    "  -c, --check 0|1       check results against an MPI float64 reference (default 1)\n"
+    "      --inplace         in-place calls (send == recv)\n"
+    "      --csv | --json    machine-readable output on rank 0's stdout\n"
+    "      --list            print the registered algorithm names, one per line\n";
+
+[[noreturn]] void usage_error(const std::string& message) {
+  throw gradcomm::InvalidArgument("gradcomm-bench: " + message + "\n" + kUsage);
+}
+
+std::size_t parse_size(const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  double scale = 1;
+  const std::string suffix(end);
+  if (suffix == "K" || suffix == "k") scale = 1 << 10;
+  else if (suffix == "M" || suffix == "m") scale = 1 << 20;
+  else if (suffix == "G" || suffix == "g") scale = 1 << 30;
+  else if (!suffix.empty()) usage_error("bad size '" + text + "'");
+  if (end == text.c_str() || value < 0) usage_error("bad size '" + text + "'");
+  return static_cast<std::size_t>(value * scale);
+}
+
+int parse_int(const std::string& text, int lo) {
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (*end != '\0' || end == text.c_str() || value < lo) usage_error("bad number '" + text + "'");
+  return static_cast<int>(value);
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  for (std::string part; std::getline(stream, part, ',');) {
+    if (!part.empty()) parts.push_back(part);
+  }
+  return parts;
+}
+
+// Returns nullopt when the program should exit successfully (--help, --list).
+std::optional<Options> parse(int argc, char** argv, int rank) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "-b" || arg == "--minbytes") o.min_bytes = parse_size(value());
+    else if (arg == "-e" || arg == "--maxbytes") o.max_bytes = parse_size(value());
+    else if (arg == "-f" || arg == "--stepfactor") o.factor = std::strtod(value().c_str(), nullptr);
+    else if (arg == "-a" || arg == "--algorithms") o.algorithms = split_list(value());
+    else if (arg == "-n" || arg == "--iters") o.iters = parse_int(value(), 1);
+    else if (arg == "-w" || arg == "--warmup") o.warmup = parse_int(value(), 0);
+    else if (arg == "-c" || arg == "--check") o.check = parse_int(value(), 0) != 0;
+    else if (arg == "--inplace") o.in_place = true;
+    else if (arg == "--csv") o.format = Options::Format::csv;
+    else if (arg == "--json") o.format = Options::Format::json;
+    else if (arg == "-d" || arg == "--datatype") {
+      const std::string name = value();
+      const auto dtype = gradcomm::parse_data_type(name);
+      if (!dtype) usage_error("unknown datatype '" + name + "'");
+      o.dtype = *dtype;
+    } else if (arg == "-o" || arg == "--op") {
+      const std::string name = value();
+      const auto op = gradcomm::parse_reduce_op(name);
+      if (!op) usage_error("unknown op '" + name + "'");
+      o.op = *op;
+    } else if (arg == "--list") {
+      if (rank == 0) {
+        for (const auto& entry : gradcomm::collectives::registered_algorithms()) {
+          std::printf("%.*s\n", static_cast<int>(entry.name.size()), entry.name.data());
+        }
+      }
+      return std::nullopt;
+    } else if (arg == "-h" || arg == "--help") {
+      if (rank == 0) std::printf("%s", kUsage);
+      return std::nullopt;
+    } else {
+      usage_error("unknown option '" + arg + "'");
+    }
+  }
+  if (o.factor <= 1) usage_error("--stepfactor must be > 1");
+  if (o.min_bytes > o.max_bytes) usage_error("--minbytes is larger than --maxbytes");
+  for (const std::string& name : o.algorithms) {
+    if (!gradcomm::collectives::is_algorithm_name(name)) {
+      usage_error("unknown algorithm '" + name +
+                  "'; valid: " + gradcomm::collectives::algorithm_names_joined());
+    }
+  }
+  // The baseline is always measured, last in each round.
+  o.algorithms.erase(std::remove(o.algorithms.begin(), o.algorithms.end(), "mpi"),
+                     o.algorithms.end());
+  o.algorithms.push_back("mpi");
+  return o;
+}
+
+// Small integers, exact in every dtype and under every op (products of +-1 stay +-1).
+double check_value(ReduceOp op, int rank, std::size_t i) {
+  if (op == ReduceOp::prod) return ((rank + i) % 3 == 0) ? -1.0 : 1.0;
+  return static_cast<double>(static_cast<long long>((rank * 5 + i) % 13) - 6);
+}
+
+void store(DataType dtype, void* buf, std::size_t i, double v) {
+  switch (dtype) {
+    case DataType::float32:
+      static_cast<float*>(buf)[i] = static_cast<float>(v);
+      break;
+    case DataType::float64:
+      static_cast<double*>(buf)[i] = v;
+      break;
+    case DataType::float16:
+      static_cast<gradcomm::float16_t*>(buf)[i] = gradcomm::to_float16(static_cast<float>(v));
+      break;
+    case DataType::bfloat16:
+      static_cast<gradcomm::bfloat16_t*>(buf)[i] = gradcomm::to_bfloat16(static_cast<float>(v));
+      break;
+    case DataType::int32:
+      static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v);
+      break;
+    case DataType::int64:
+      static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v);
+      break;
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::prod:
+      return MPI_PROD;
+    case ReduceOp::min:
+      return MPI_MIN;
+    case ReduceOp::max:
+      return MPI_MAX;
+    default:
+      return MPI_SUM;
+  }
+}
+
+// Runs one call on check data and counts elements that differ from a float64 MPI_Allreduce
+// reference converted to the dtype. Returns the total over all ranks.
+long long count_wrong(Communicator& comm, const Options& o, const std::string& algorithm,
+                      std::size_t count, std::byte* send, std::byte* recv,
+                      std::vector<double>& ref_in, std::vector<double>& ref_out) {
+  const std::size_t es = gradcomm::element_size(o.dtype);
+  ref_in.resize(count);
+  ref_out.resize(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    ref_in[i] = check_value(o.op, comm.rank(), i);
+    store(o.dtype, send, i, ref_in[i]);
+  }
+  for (std::size_t offset = 0; offset < count; offset += std::size_t{1} << 30) {
+    const int len = static_cast<int>(std::min(count - offset, std::size_t{1} << 30));
+    MPI_Allreduce(ref_in.data() + offset, ref_out.data() + offset, len, MPI_DOUBLE,
+                  mpi_op(o.op), comm.mpi_comm());
+  }
+  std::byte* out = o.in_place ? send : recv;
+  gradcomm::allreduce(comm, send, out, count, o.dtype, o.op, {.algorithm = algorithm});
+  std::vector<std::byte> expected(es);
+  long long wrong = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    double v = ref_out[i];
+    if (o.op == ReduceOp::avg) {
+      v = gradcomm::is_floating(o.dtype) ? v / comm.size() : std::trunc(v / comm.size());
+    }
+    store(o.dtype, expected.data(), 0, v);
+    if (std::memcmp(expected.data(), out + i * es, es) != 0) ++wrong;
+  }
+  long long total = 0;
+  MPI_Allreduce(&wrong, &total, 1, MPI_LONG_LONG, MPI_SUM, comm.mpi_comm());
+  return total;
+}
+
+double percentile(std::vector<double> sorted, double p) {
+  std::sort(sorted.begin(), sorted.end());
+  const double position = p * static_cast<double>(sorted.size() - 1);
+  const auto lo = static_cast<std::size_t>(std::floor(position));
+  const std::size_t hi = std::min(lo + 1, sorted.size() - 1);
+  return sorted[lo] + (sorted[hi] - sorted[lo]) * (position - static_cast<double>(lo));
+}
+
+std::vector<Row> measure_size(Communicator& comm, const Options& o, std::size_t count,
+                              std::byte* send, std::byte* recv, std::vector<double>& ref_in,
+                              std::vector<double>& ref_out) {
+  const std::size_t es = gradcomm::element_size(o.dtype);
+  const std::size_t bytes = count * es;
+  const int n = comm.size();
+  const MPI_Comm mpi = comm.mpi_comm();
+  std::byte* out = o.in_place ? send : recv;
+  auto call = [&](const std::string& algorithm) {
+    gradcomm::allreduce(comm, send, out, count, o.dtype, o.op, {.algorithm = algorithm});
+  };
+
+  // Warm up and size each algorithm's batch so a round lasts >= ~100 us on the slowest rank.
+  std::vector<int> batch(o.algorithms.size(), 1);
+  for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
+    for (int w = 0; w < o.warmup; ++w) call(o.algorithms[a]);
+    MPI_Barrier(mpi);
+    const double t0 = MPI_Wtime();
+    call(o.algorithms[a]);
+    double elapsed = MPI_Wtime() - t0;
+    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
+    batch[a] = static_cast<int>(std::clamp(std::ceil(100e-6 / std::max(elapsed, 1e-9)), 1.0, 1000.0));
+  }
+
+  // Interleaved rounds.
+  std::vector<std::vector<double>> times(o.algorithms.size(), std::vector<double>(o.iters));
+  for (int it = 0; it < o.iters; ++it) {
+    for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
+      MPI_Barrier(mpi);
+      const double t0 = MPI_Wtime();
+      for (int b = 0; b < batch[a]; ++b) call(o.algorithms[a]);
+      times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / batch[a];
+    }
+  }
+
+  std::vector<Row> rows;
+  const double bus_factor = n > 1 ? 2.0 * (n - 1) / n : 0.0;
+  for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
+    std::vector<double>& t = times[a];
+    MPI_Allreduce(MPI_IN_PLACE, t.data(), o.iters, MPI_DOUBLE, MPI_MAX, mpi);
+    Row row;
+    row.algorithm = o.algorithms[a];
+    row.bytes = bytes;
+    row.count = count;
+    double sum = 0;
+    for (double v : t) sum += v;
+    row.mean_us = sum / o.iters * 1e6;
+    row.min_us = *std::min_element(t.begin(), t.end()) * 1e6;
+    row.max_us = *std::max_element(t.begin(), t.end()) * 1e6;
+    row.p50_us = percentile(t, 0.5) * 1e6;
+    row.p99_us = percentile(t, 0.99) * 1e6;
+    row.algbw = row.mean_us > 0 ? static_cast<double>(bytes) / (row.mean_us * 1e-6) / 1e9 : 0;
+    row.busbw = row.algbw * bus_factor;
+    if (o.check) row.wrong = count_wrong(comm, o, row.algorithm, count, send, recv, ref_in, ref_out);
+    rows.push_back(row);
+  }
+  const double mpi_p50 = rows.back().p50_us;
+  for (Row& row : rows) row.vs_mpi = row.p50_us > 0 ? mpi_p50 / row.p50_us : 0;
+  return rows;
+}
+
+void print_header(const Options& o, int n) {
+  if (o.format == Options::Format::csv) {
+    std::printf("algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
+                "p99_us,algbw,busbw,wrong,vs_mpi\n");
+  } else if (o.format == Options::Format::table) {
+    std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n",
+                n, std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
+                o.in_place ? "in-place" : "out-of-place", o.iters, o.warmup,
+                o.check ? "on" : "off");
+    std::printf("# time: per call, slowest rank, over rounds; algbw = size / mean time (GB/s);"
+                " busbw = algbw * 2(n-1)/n\n");
+    std::printf("# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
+                "faster)\n#\n");
+    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s\n", "size",
+                "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us", "p50_us",
+                "p99_us", "algbw", "busbw", "#wrong", "vs_mpi");
+  }
+}
+
+void print_row(const Options& o, const Row& r, int n, bool first_json) {
+  const std::string type(to_string(o.dtype));
+  const std::string op(to_string(o.op));
+  if (o.format == Options::Format::csv) {
+    std::printf("%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f\n",
+                r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(),
+                o.in_place ? 1 : 0, n, r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw,
+                r.busbw, r.wrong, r.vs_mpi);
+  } else if (o.format == Options::Format::json) {
+    std::printf("%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
+                "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
+                "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f}",
+                first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us,
+                r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi);
+  } else {
+    const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
+    std::printf("  %10zu %11zu %8s %5s %-16s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %6s "
+                "%6.2f\n",
+                r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us,
+                r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(),
+                r.vs_mpi);
+  }
+  std::fflush(stdout);
+}
+
+int run(int argc, char** argv) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const std::optional<Options> parsed = parse(argc, argv, rank);
+  if (!parsed) return 0;
+  const Options& o = *parsed;
+  Communicator comm(MPI_COMM_WORLD);
+  const std::size_t es = gradcomm::element_size(o.dtype);
+  const std::size_t max_count = o.max_bytes / es;
+  // Buffers allocated and touched once, reused for every size.
+  std::vector<std::byte> send(std::max<std::size_t>(max_count * es, 1));
+  std::vector<std::byte> recv(std::max<std::size_t>(max_count * es, 1));
+  std::vector<double> ref_in, ref_out;
+  for (std::size_t i = 0; i < max_count; ++i) store(o.dtype, send.data(), i, (i % 17) * 0.25);
+
+  if (rank == 0) {
+    print_header(o, comm.size());
+    if (o.format == Options::Format::json) {
+      std::printf("{\"ranks\": %d, \"type\": \"%s\", \"redop\": \"%s\", \"inplace\": %s, "
+                  "\"results\": [\n",
+                  comm.size(), std::string(to_string(o.dtype)).c_str(),
+                  std::string(to_string(o.op)).c_str(), o.in_place ? "true" : "false");
+    }
+  }
+  bool first = true;
+  long long total_wrong = 0;
+  for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
+       size *= o.factor) {
+    const std::size_t count = static_cast<std::size_t>(size) / es;
+    for (const Row& row : measure_size(comm, o, count, send.data(), recv.data(), ref_in, ref_out)) {
+      if (rank == 0) print_row(o, row, comm.size(), first);
+      first = false;
+      total_wrong += std::max(row.wrong, 0LL);
+    }
+    if (o.min_bytes == 0) break;  // a size-0 sweep is one row
+  }
+  if (rank == 0) {
+    if (o.format == Options::Format::json) std::printf("\n]}\n");
+    if (o.format == Options::Format::table) {
+      std::printf("# Out of bounds values : %lld %s\n", total_wrong, total_wrong ? "FAILED" : "OK");
+    }
+  }
+  return total_wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gradcomm::init(&argc, &argv);
+  int rc = 0;
+  try {
+    rc = run(argc, argv);
+  } catch (const std::exception& e) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) std::fprintf(stderr, "%s\n", e.what());
+    rc = 2;
+  }
+  gradcomm::finalize();
+  return rc;
+}
