@@ -16,7 +16,7 @@ struct Config {
   LogLevel log_level = LogLevel::warn;
   // GRADCOMM_SEGMENT_BYTES: the unit in flight of the pipelined algorithms (ring, flat). Small
   // values are a test seam: 64 makes a 100-element call take the many-segment path.
-  std::size_t segment_bytes = std::size_t{1} << 20;
+  std::size_t segment_bytes = std::size_t{256} << 10;
   // GRADCOMM_PIPELINE_DEPTH: how many segments a pipelined algorithm keeps in flight.
   int pipeline_depth = 4;
 

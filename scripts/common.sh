@@ -1,0 +1,37 @@
+# Shared by scripts/run and scripts/test (sourced, not executed): installs what is missing from
+# Debian's packages, configures and builds, and sets the environment every mpirun here needs.
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD_DIR=${GRADCOMM_BUILD_DIR:-$ROOT/build}
+
+# Everything the build and the tests need, by Debian package name.
+PACKAGES=(cmake ninja-build g++ pkg-config
+          openmpi-bin libopenmpi-dev libhwloc-dev hwloc
+          libgtest-dev libgmock-dev libbenchmark-dev)
+
+install_missing() {
+  local missing=() p
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  ((${#missing[@]} == 0)) && return 0
+  local sudo=()
+  [ "$(id -u)" -ne 0 ] && sudo=(sudo)
+  echo "== installing: ${missing[*]}"
+  "${sudo[@]}" apt-get update
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y "${missing[@]}"
+}
+
+build() {
+  echo "== configuring and building in $BUILD_DIR"
+  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMM_WERROR=ON \
+    "$@"
+  cmake --build "$BUILD_DIR" -j "$(nproc)"
+}
+
+# Open MPI as root, with more ranks than cores: allowed, and waiting ranks yield the CPU.
+export OMPI_ALLOW_RUN_AS_ROOT=1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_mpi_yield_when_idle=1
+MPIRUN=(mpirun --oversubscribe --bind-to none)
