@@ -6,7 +6,8 @@
 // Method: for each size, every algorithm is warmed up, then timed in rounds that alternate the
 // algorithms (this machine's speed drifts, so only interleaved measurements are compared). A
 // round is a barrier followed by a batch of back-to-back calls, sized so a batch lasts at least
-// ~100 us (small messages would otherwise measure the timer). The time of a round is the
+// ~100 us (small messages would otherwise measure the timer); the order of the algorithms
+// rotates from round to round. The time of a round is the
 // slowest rank's per-call average; statistics are over rounds. vs_mpi is MPI_Allreduce's median
 // time divided by the algorithm's median time (> 1: faster than MPI_Allreduce).
 
@@ -85,10 +86,14 @@ std::size_t parse_size(const std::string& text) {
   const double value = std::strtod(text.c_str(), &end);
   double scale = 1;
   const std::string suffix(end);
-  if (suffix == "K" || suffix == "k") scale = 1 << 10;
-  else if (suffix == "M" || suffix == "m") scale = 1 << 20;
-  else if (suffix == "G" || suffix == "g") scale = 1 << 30;
-  else if (!suffix.empty()) usage_error("bad size '" + text + "'");
+  if (suffix == "K" || suffix == "k")
+    scale = 1 << 10;
+  else if (suffix == "M" || suffix == "m")
+    scale = 1 << 20;
+  else if (suffix == "G" || suffix == "g")
+    scale = 1 << 30;
+  else if (!suffix.empty())
+    usage_error("bad size '" + text + "'");
   if (end == text.c_str() || value < 0) usage_error("bad size '" + text + "'");
   return static_cast<std::size_t>(value * scale);
 }
@@ -118,16 +123,26 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       if (i + 1 >= argc) usage_error(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "-b" || arg == "--minbytes") o.min_bytes = parse_size(value());
-    else if (arg == "-e" || arg == "--maxbytes") o.max_bytes = parse_size(value());
-    else if (arg == "-f" || arg == "--stepfactor") o.factor = std::strtod(value().c_str(), nullptr);
-    else if (arg == "-a" || arg == "--algorithms") o.algorithms = split_list(value());
-    else if (arg == "-n" || arg == "--iters") o.iters = parse_int(value(), 1);
-    else if (arg == "-w" || arg == "--warmup") o.warmup = parse_int(value(), 0);
-    else if (arg == "-c" || arg == "--check") o.check = parse_int(value(), 0) != 0;
-    else if (arg == "--inplace") o.in_place = true;
-    else if (arg == "--csv") o.format = Options::Format::csv;
-    else if (arg == "--json") o.format = Options::Format::json;
+    if (arg == "-b" || arg == "--minbytes")
+      o.min_bytes = parse_size(value());
+    else if (arg == "-e" || arg == "--maxbytes")
+      o.max_bytes = parse_size(value());
+    else if (arg == "-f" || arg == "--stepfactor")
+      o.factor = std::strtod(value().c_str(), nullptr);
+    else if (arg == "-a" || arg == "--algorithms")
+      o.algorithms = split_list(value());
+    else if (arg == "-n" || arg == "--iters")
+      o.iters = parse_int(value(), 1);
+    else if (arg == "-w" || arg == "--warmup")
+      o.warmup = parse_int(value(), 0);
+    else if (arg == "-c" || arg == "--check")
+      o.check = parse_int(value(), 0) != 0;
+    else if (arg == "--inplace")
+      o.in_place = true;
+    else if (arg == "--csv")
+      o.format = Options::Format::csv;
+    else if (arg == "--json")
+      o.format = Options::Format::json;
     else if (arg == "-d" || arg == "--datatype") {
       const std::string name = value();
       const auto dtype = gradcomm::parse_data_type(name);
@@ -223,8 +238,8 @@ long long count_wrong(Communicator& comm, const Options& o, const std::string& a
   }
   for (std::size_t offset = 0; offset < count; offset += std::size_t{1} << 30) {
     const int len = static_cast<int>(std::min(count - offset, std::size_t{1} << 30));
-    MPI_Allreduce(ref_in.data() + offset, ref_out.data() + offset, len, MPI_DOUBLE,
-                  mpi_op(o.op), comm.mpi_comm());
+    MPI_Allreduce(ref_in.data() + offset, ref_out.data() + offset, len, MPI_DOUBLE, mpi_op(o.op),
+                  comm.mpi_comm());
   }
   std::byte* out = o.in_place ? send : recv;
   gradcomm::allreduce(comm, send, out, count, o.dtype, o.op, {.algorithm = algorithm});
@@ -266,22 +281,28 @@ std::vector<Row> measure_size(Communicator& comm, const Options& o, std::size_t 
   // Warm up and size each algorithm's batch so a round lasts >= ~100 us on the slowest rank.
   std::vector<int> batch(o.algorithms.size(), 1);
   for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
-    for (int w = 0; w < o.warmup; ++w) call(o.algorithms[a]);
+    for (int w = 0; w < o.warmup; ++w)
+      call(o.algorithms[a]);
     MPI_Barrier(mpi);
     const double t0 = MPI_Wtime();
     call(o.algorithms[a]);
     double elapsed = MPI_Wtime() - t0;
     MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
-    batch[a] = static_cast<int>(std::clamp(std::ceil(100e-6 / std::max(elapsed, 1e-9)), 1.0, 1000.0));
+    batch[a] =
+        static_cast<int>(std::clamp(std::ceil(100e-6 / std::max(elapsed, 1e-9)), 1.0, 1000.0));
   }
 
-  // Interleaved rounds.
-  std::vector<std::vector<double>> times(o.algorithms.size(), std::vector<double>(o.iters));
+  // Interleaved rounds; the order rotates every round so no algorithm always follows the same one
+  // (what ran just before changes cache and scheduler state).
+  const std::size_t algorithms = o.algorithms.size();
+  std::vector<std::vector<double>> times(algorithms, std::vector<double>(o.iters));
   for (int it = 0; it < o.iters; ++it) {
-    for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
+    for (std::size_t k = 0; k < algorithms; ++k) {
+      const std::size_t a = (k + static_cast<std::size_t>(it)) % algorithms;
       MPI_Barrier(mpi);
       const double t0 = MPI_Wtime();
-      for (int b = 0; b < batch[a]; ++b) call(o.algorithms[a]);
+      for (int b = 0; b < batch[a]; ++b)
+        call(o.algorithms[a]);
       times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / batch[a];
     }
   }
@@ -296,7 +317,8 @@ std::vector<Row> measure_size(Communicator& comm, const Options& o, std::size_t 
     row.bytes = bytes;
     row.count = count;
     double sum = 0;
-    for (double v : t) sum += v;
+    for (double v : t)
+      sum += v;
     row.mean_us = sum / o.iters * 1e6;
     row.min_us = *std::min_element(t.begin(), t.end()) * 1e6;
     row.max_us = *std::max_element(t.begin(), t.end()) * 1e6;
@@ -304,27 +326,32 @@ std::vector<Row> measure_size(Communicator& comm, const Options& o, std::size_t 
     row.p99_us = percentile(t, 0.99) * 1e6;
     row.algbw = row.mean_us > 0 ? static_cast<double>(bytes) / (row.mean_us * 1e-6) / 1e9 : 0;
     row.busbw = row.algbw * bus_factor;
-    if (o.check) row.wrong = count_wrong(comm, o, row.algorithm, count, send, recv, ref_in, ref_out);
+    if (o.check)
+      row.wrong = count_wrong(comm, o, row.algorithm, count, send, recv, ref_in, ref_out);
     rows.push_back(row);
   }
   const double mpi_p50 = rows.back().p50_us;
-  for (Row& row : rows) row.vs_mpi = row.p50_us > 0 ? mpi_p50 / row.p50_us : 0;
+  for (Row& row : rows)
+    row.vs_mpi = row.p50_us > 0 ? mpi_p50 / row.p50_us : 0;
   return rows;
 }
 
 void print_header(const Options& o, int n) {
   if (o.format == Options::Format::csv) {
-    std::printf("algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
-                "p99_us,algbw,busbw,wrong,vs_mpi\n");
+    std::printf(
+        "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
+        "p99_us,algbw,busbw,wrong,vs_mpi\n");
   } else if (o.format == Options::Format::table) {
-    std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n",
-                n, std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
+    std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
+                std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
                 o.in_place ? "in-place" : "out-of-place", o.iters, o.warmup,
                 o.check ? "on" : "off");
-    std::printf("# time: per call, slowest rank, over rounds; algbw = size / mean time (GB/s);"
-                " busbw = algbw * 2(n-1)/n\n");
-    std::printf("# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
-                "faster)\n#\n");
+    std::printf(
+        "# time: per call, slowest rank, over rounds; algbw = size / mean time (GB/s);"
+        " busbw = algbw * 2(n-1)/n\n");
+    std::printf(
+        "# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
+        "faster)\n#\n");
     std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s\n", "size",
                 "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us", "p50_us",
                 "p99_us", "algbw", "busbw", "#wrong", "vs_mpi");
@@ -336,22 +363,23 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
   const std::string op(to_string(o.op));
   if (o.format == Options::Format::csv) {
     std::printf("%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f\n",
-                r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(),
-                o.in_place ? 1 : 0, n, r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw,
-                r.busbw, r.wrong, r.vs_mpi);
+                r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0,
+                n, r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong,
+                r.vs_mpi);
   } else if (o.format == Options::Format::json) {
-    std::printf("%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
-                "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
-                "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f}",
-                first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us,
-                r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi);
+    std::printf(
+        "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
+        "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
+        "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f}",
+        first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
+        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi);
   } else {
     const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
-    std::printf("  %10zu %11zu %8s %5s %-16s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %6s "
-                "%6.2f\n",
-                r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us,
-                r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(),
-                r.vs_mpi);
+    std::printf(
+        "  %10zu %11zu %8s %5s %-16s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %6s "
+        "%6.2f\n",
+        r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us, r.min_us,
+        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi);
   }
   std::fflush(stdout);
 }
@@ -369,15 +397,17 @@ int run(int argc, char** argv) {
   std::vector<std::byte> send(std::max<std::size_t>(max_count * es, 1));
   std::vector<std::byte> recv(std::max<std::size_t>(max_count * es, 1));
   std::vector<double> ref_in, ref_out;
-  for (std::size_t i = 0; i < max_count; ++i) store(o.dtype, send.data(), i, (i % 17) * 0.25);
+  for (std::size_t i = 0; i < max_count; ++i)
+    store(o.dtype, send.data(), i, (i % 17) * 0.25);
 
   if (rank == 0) {
     print_header(o, comm.size());
     if (o.format == Options::Format::json) {
-      std::printf("{\"ranks\": %d, \"type\": \"%s\", \"redop\": \"%s\", \"inplace\": %s, "
-                  "\"results\": [\n",
-                  comm.size(), std::string(to_string(o.dtype)).c_str(),
-                  std::string(to_string(o.op)).c_str(), o.in_place ? "true" : "false");
+      std::printf(
+          "{\"ranks\": %d, \"type\": \"%s\", \"redop\": \"%s\", \"inplace\": %s, "
+          "\"results\": [\n",
+          comm.size(), std::string(to_string(o.dtype)).c_str(),
+          std::string(to_string(o.op)).c_str(), o.in_place ? "true" : "false");
     }
   }
   bool first = true;

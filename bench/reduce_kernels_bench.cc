@@ -35,22 +35,28 @@ void BM_ReduceInto(benchmark::State& state, DataType dtype, ReduceOp op) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes * 3));
 }
 
-constexpr int64_t kSmall = 32 << 10;   // L1/L2 resident
-constexpr int64_t kLarge = 64 << 20;   // memory bound
+constexpr int64_t kSmall = 32 << 10;  // L1/L2 resident
+constexpr int64_t kLarge = 64 << 20;  // memory bound
 
 BENCHMARK(BM_Memcpy)->Arg(kSmall)->Arg(kLarge);
 BENCHMARK_CAPTURE(BM_ReduceInto, float32_sum, DataType::float32, ReduceOp::sum)
-    ->Arg(kSmall)->Arg(kLarge);
+    ->Arg(kSmall)
+    ->Arg(kLarge);
 BENCHMARK_CAPTURE(BM_ReduceInto, float64_sum, DataType::float64, ReduceOp::sum)
-    ->Arg(kSmall)->Arg(kLarge);
+    ->Arg(kSmall)
+    ->Arg(kLarge);
 BENCHMARK_CAPTURE(BM_ReduceInto, float16_sum, DataType::float16, ReduceOp::sum)
-    ->Arg(kSmall)->Arg(kLarge);
+    ->Arg(kSmall)
+    ->Arg(kLarge);
 BENCHMARK_CAPTURE(BM_ReduceInto, bfloat16_sum, DataType::bfloat16, ReduceOp::sum)
-    ->Arg(kSmall)->Arg(kLarge);
+    ->Arg(kSmall)
+    ->Arg(kLarge);
 BENCHMARK_CAPTURE(BM_ReduceInto, int32_sum, DataType::int32, ReduceOp::sum)
-    ->Arg(kSmall)->Arg(kLarge);
+    ->Arg(kSmall)
+    ->Arg(kLarge);
 BENCHMARK_CAPTURE(BM_ReduceInto, float32_max, DataType::float32, ReduceOp::max)
-    ->Arg(kSmall)->Arg(kLarge);
+    ->Arg(kSmall)
+    ->Arg(kLarge);
 
 }  // namespace
 

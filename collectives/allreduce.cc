@@ -26,16 +26,17 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   using collectives::AllreduceArgs;
   const std::string_view requested =
       options.algorithm.empty() ? std::string_view(comm.config().algorithm) : options.algorithm;
-  const std::string call = "allreduce(" + std::string(requested) + ")";
+  // Built only on the error path: this function is on the latency-critical path of every call.
+  auto call = [&] { return "allreduce(" + std::string(requested) + ")"; };
   auto invalid = [&](const std::string& detail) {
-    throw InvalidArgument(error_message(call, comm.rank(), detail));
+    throw InvalidArgument(error_message(call(), comm.rank(), detail));
   };
 
   // Validation: everything here is local, so a bad call fails on the rank that made it, before
   // any message is sent.
   if (!collectives::is_algorithm_name(requested)) {
-    invalid("unknown algorithm '" + std::string(requested) +
-            "'" + (options.algorithm.empty() ? " (from GRADCOMM_ALGORITHM)" : "") +
+    invalid("unknown algorithm '" + std::string(requested) + "'" +
+            (options.algorithm.empty() ? " (from GRADCOMM_ALGORITHM)" : "") +
             "; valid names: " + collectives::algorithm_names_joined());
   }
   if (!is_valid(dtype)) invalid("invalid dtype " + std::to_string(static_cast<int>(dtype)));
@@ -45,15 +46,17 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     invalid("count " + std::to_string(count) + " x " + std::to_string(es) +
             " bytes overflows size_t");
   }
-  if (count > 0 && sendbuf == nullptr) invalid("sendbuf is null with count " + std::to_string(count));
-  if (count > 0 && recvbuf == nullptr) invalid("recvbuf is null with count " + std::to_string(count));
+  if (count > 0 && sendbuf == nullptr)
+    invalid("sendbuf is null with count " + std::to_string(count));
+  if (count > 0 && recvbuf == nullptr)
+    invalid("recvbuf is null with count " + std::to_string(count));
   const std::size_t bytes = count * es;
   if (count > 0 && sendbuf != recvbuf) {
     const auto s = reinterpret_cast<std::uintptr_t>(sendbuf);
     const auto r = reinterpret_cast<std::uintptr_t>(recvbuf);
     if (s < r + bytes && r < s + bytes) {
-      invalid("sendbuf and recvbuf overlap partially (" + std::to_string(bytes) +
-              " bytes each, " + std::to_string(s > r ? s - r : r - s) +
+      invalid("sendbuf and recvbuf overlap partially (" + std::to_string(bytes) + " bytes each, " +
+              std::to_string(s > r ? s - r : r - s) +
               " bytes apart); pass the same pointer for in-place");
     }
   }
@@ -70,7 +73,7 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   collectives::AllreduceAlgorithm* algorithm =
       comm.attachment<collectives::AlgorithmCache>().find(name);
   if (!algorithm->supports(args, comm)) {
-    throw Unsupported(error_message(call, comm.rank(),
+    throw Unsupported(error_message(call(), comm.rank(),
                                     "algorithm '" + std::string(name) + "' cannot reduce " +
                                         std::string(to_string(dtype)) + " buffers here"));
   }

@@ -40,13 +40,13 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
     std::vector<MPI_Request> sends(K);
     std::vector<MPI_Request> recvs(K);
     for (std::size_t k = 0; k < K; ++k) {
-      sends[k] = isend_bytes(send + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, mpi,
-                             kCall);
+      sends[k] =
+          isend_bytes(send + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, mpi, kCall);
     }
     for (std::size_t k = 0; k < K; ++k) {
       wait(sends[k], kCall);  // in-place: the result lands where this segment was sent from
-      recvs[k] = irecv_bytes(recv + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, mpi,
-                             kCall);
+      recvs[k] =
+          irecv_bytes(recv + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, mpi, kCall);
     }
     wait_all(recvs.size(), recvs.data(), kCall);
     return;
@@ -68,7 +68,8 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
           irecv_bytes(slot(k, p), seg_length(k) * es, p, kTagFlat, mpi, kCall);
     }
   };
-  for (std::size_t k = 0; k < std::min(K, depth); ++k) post(k);
+  for (std::size_t k = 0; k < std::min(K, depth); ++k)
+    post(k);
 
   std::vector<MPI_Request> sends;
   sends.reserve(K * (n - 1));
@@ -84,7 +85,8 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
     }
     auto contribution = [&](int p) -> const std::byte* { return p == root ? own : slot(k, p); };
     reduce_to(dst, contribution(0), contribution(1), len, args.dtype, args.op);
-    for (int p = 2; p < n; ++p) reduce_into(dst, contribution(p), len, args.dtype, args.op);
+    for (int p = 2; p < n; ++p)
+      reduce_into(dst, contribution(p), len, args.dtype, args.op);
     if (args.op == ReduceOp::avg) divide_by(dst, len, args.dtype, n);
     if (k + depth < K) post(k + depth);
     for (int p = 0; p < n; ++p) {

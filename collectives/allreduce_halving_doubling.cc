@@ -16,8 +16,8 @@
 //   unfold: odd ranks of the fold send the full result to their even partner.
 // 2*log2(p) steps (+2 for the fold), about 2*(p-1)/p * S bytes sent per rank.
 // Short messages (<= kRecursiveDoublingMaxBytes) skip the halving: partners exchange and reduce
-// whole buffers (recursive doubling), log2(p) steps and log2(p) * S bytes, fold as above. Windows split
-// at (lo + hi) / 2, so counts not divisible by p (and count < p: empty windows) need nothing
+// whole buffers (recursive doubling), log2(p) steps and log2(p) * S bytes, fold as above. Windows
+// split at (lo + hi) / 2, so counts not divisible by p (and count < p: empty windows) need nothing
 // special. Every element is reduced by one owner and only copied afterwards: all ranks end
 // bit-identical.
 
@@ -45,7 +45,8 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
   auto* recv = static_cast<std::byte*>(args.recv);
 
   int p = 1;
-  while (p * 2 <= n) p *= 2;
+  while (p * 2 <= n)
+    p *= 2;
   const int rem = n - p;
 
   // Fold. `data` is where this rank's current partial values live: the send buffer until the

@@ -72,7 +72,8 @@ class UserOps : public Attachment {
   explicit UserOps(Communicator&) {}
   ~UserOps() override {
     if (!mpi_ready()) return;
-    for (auto& [key, op] : ops_) MPI_Op_free(&op);
+    for (auto& [key, op] : ops_)
+      MPI_Op_free(&op);
   }
 
   MPI_Op get(DataType dtype, ReduceOp op) {
@@ -94,7 +95,8 @@ class UserOps : public Attachment {
 
 void AllreduceMpi::run(const AllreduceArgs& args, Communicator& comm) {
   const bool half = args.dtype == DataType::float16 || args.dtype == DataType::bfloat16;
-  const MPI_Op op = half ? comm.attachment<UserOps>().get(args.dtype, args.op) : builtin_op(args.op);
+  const MPI_Op op =
+      half ? comm.attachment<UserOps>().get(args.dtype, args.op) : builtin_op(args.op);
   const MPI_Datatype type = mpi_type(args.dtype);
   const std::size_t es = args.element_bytes();
   // MPI counts are int: reduce in pieces of at most 2^30 elements.

@@ -85,7 +85,8 @@ void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
   };
 
   // Step 0 sends this rank's own chunk, straight from the send buffer.
-  for (std::size_t k = 0; k < K; ++k) post_send(k, send, segment(chunk_of(r), k));
+  for (std::size_t k = 0; k < K; ++k)
+    post_send(k, send, segment(chunk_of(r), k));
 
   std::size_t next_post = 0;
   auto post_receives = [&](std::size_t done) {

@@ -41,9 +41,8 @@ MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, M
 MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, MPI_Comm comm,
                         std::string_view call) {
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(
-      MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, tag, comm, &request),
-      what(call, "MPI_Irecv"), rank_of(comm));
+  check_mpi(MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, tag, comm, &request),
+            what(call, "MPI_Irecv"), rank_of(comm));
   return request;
 }
 
@@ -64,11 +63,13 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
   std::size_t offset = 0;
   // At least one round, so that two empty windows still pair up (cheap, and keeps it simple).
   do {
-    const std::size_t ns = send_bytes > offset ? std::min(kMaxMessageBytes, send_bytes - offset) : 0;
-    const std::size_t nr = recv_bytes > offset ? std::min(kMaxMessageBytes, recv_bytes - offset) : 0;
+    const std::size_t ns =
+        send_bytes > offset ? std::min(kMaxMessageBytes, send_bytes - offset) : 0;
+    const std::size_t nr =
+        recv_bytes > offset ? std::min(kMaxMessageBytes, recv_bytes - offset) : 0;
     check_mpi(MPI_Sendrecv(s + (ns ? offset : 0), static_cast<int>(ns), MPI_BYTE, dest, tag,
-                           r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE, source, tag,
-                           comm, MPI_STATUS_IGNORE),
+                           r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE, source, tag, comm,
+                           MPI_STATUS_IGNORE),
               what(call, "MPI_Sendrecv"), rank_of(comm));
     offset += kMaxMessageBytes;
   } while (offset < std::max(send_bytes, recv_bytes));

@@ -25,7 +25,8 @@ const std::vector<AlgorithmEntry>& registered_algorithms() {
 
 std::vector<std::string> algorithm_names() {
   std::vector<std::string> names = {"auto"};
-  for (const AlgorithmEntry& entry : registered_algorithms()) names.emplace_back(entry.name);
+  for (const AlgorithmEntry& entry : registered_algorithms())
+    names.emplace_back(entry.name);
   return names;
 }
 

@@ -43,11 +43,12 @@ void finalize() {
 
 Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(config)) {
   if (!mpi_ready()) {
-    throw InvalidArgument(error_message("Communicator", -1,
-                                        "MPI is not initialized (call gradcomm::init() first)"));
+    throw InvalidArgument(
+        error_message("Communicator", -1, "MPI is not initialized (call gradcomm::init() first)"));
   }
   if (comm == MPI_COMM_NULL) {
-    throw InvalidArgument(error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL"));
+    throw InvalidArgument(
+        error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL"));
   }
   check_mpi(MPI_Comm_dup(comm, &comm_), "Communicator: MPI_Comm_dup");
   // Errors on our communicator come back as return codes that check_mpi turns into exceptions.

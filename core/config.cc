@@ -18,8 +18,7 @@ constexpr std::string_view kLogLevels[] = {"error", "warn", "info", "debug", "tr
                                           "' is invalid: expected " + std::string(expected)));
 }
 
-long long parse_integer(std::string_view name, std::string_view value, long long lo,
-                        long long hi) {
+long long parse_integer(std::string_view name, std::string_view value, long long lo, long long hi) {
   long long parsed = 0;
   const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), parsed);
   const std::string range =

@@ -4,7 +4,9 @@
 
 namespace gradcomm {
 
-bool is_valid(DataType dtype) { return element_size(dtype) != 0; }
+bool is_valid(DataType dtype) {
+  return element_size(dtype) != 0;
+}
 
 bool is_floating(DataType dtype) {
   return dtype == DataType::float32 || dtype == DataType::float64 || dtype == DataType::float16 ||

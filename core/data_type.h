@@ -18,9 +18,9 @@ enum class DataType : int {
   int64 = 5,
 };
 
-inline constexpr DataType kAllDataTypes[] = {DataType::float32,  DataType::float64,
-                                             DataType::float16,  DataType::bfloat16,
-                                             DataType::int32,    DataType::int64};
+inline constexpr DataType kAllDataTypes[] = {DataType::float32, DataType::float64,
+                                             DataType::float16, DataType::bfloat16,
+                                             DataType::int32,   DataType::int64};
 
 // IEEE 754 binary16, stored as its bits. Conversions live in core/half.h.
 struct float16_t {

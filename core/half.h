@@ -37,10 +37,9 @@ inline std::uint16_t float_to_half_bits(float f) {
   // Overflow, infinity, NaN (NaN becomes the quiet 0x7e00).
   const std::uint32_t special = magnitude > f32_inf ? 0x7e00u : 0x7c00u;
   // Results that are float16 subnormals: let the FPU round by adding a magic number.
-  const std::uint32_t subnormal =
-      std::bit_cast<std::uint32_t>(std::bit_cast<float>(magnitude) +
-                                   std::bit_cast<float>(denorm_magic)) -
-      denorm_magic;
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(magnitude) +
+                                                               std::bit_cast<float>(denorm_magic)) -
+                                  denorm_magic;
   // Normal results: rebias, round to nearest even on bit 13.
   const std::uint32_t mant_odd = (magnitude >> 13) & 1u;
   const std::uint32_t normal =
@@ -61,9 +60,17 @@ inline std::uint16_t float_to_bfloat16_bits(float f) {
   return static_cast<std::uint16_t>(is_nan ? ((bits >> 16) | 0x40u) : rounded);
 }
 
-inline float to_float(float16_t v) { return half_bits_to_float(v.bits); }
-inline float to_float(bfloat16_t v) { return bfloat16_bits_to_float(v.bits); }
-inline float16_t to_float16(float f) { return float16_t{float_to_half_bits(f)}; }
-inline bfloat16_t to_bfloat16(float f) { return bfloat16_t{float_to_bfloat16_bits(f)}; }
+inline float to_float(float16_t v) {
+  return half_bits_to_float(v.bits);
+}
+inline float to_float(bfloat16_t v) {
+  return bfloat16_bits_to_float(v.bits);
+}
+inline float16_t to_float16(float f) {
+  return float16_t{float_to_half_bits(f)};
+}
+inline bfloat16_t to_bfloat16(float f) {
+  return bfloat16_t{float_to_bfloat16_bits(f)};
+}
 
 }  // namespace gradcomm

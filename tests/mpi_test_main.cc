@@ -34,12 +34,15 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 
 }  // namespace
 
-Communicator& world() { return *g_world; }
+Communicator& world() {
+  return *g_world;
+}
 
 std::uint64_t fingerprint(const void* data, std::size_t bytes) {
   std::uint64_t hash = 1469598103934665603ull;
   const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 1099511628211ull;
+  for (std::size_t i = 0; i < bytes; ++i)
+    hash = (hash ^ p[i]) * 1099511628211ull;
   return hash;
 }
 
@@ -59,7 +62,8 @@ void MpiTest::TearDown() {
   MPI_Allgather(&local, 1, MPI_INT, failed.data(), 1, MPI_INT, MPI_COMM_WORLD);
   std::string ranks;
   for (int r = 0; r < size; ++r) {
-    if (failed[static_cast<std::size_t>(r)]) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    if (failed[static_cast<std::size_t>(r)])
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   }
   if (!ranks.empty() && !local) ADD_FAILURE() << "failed on rank(s) " << ranks;
 }

@@ -25,7 +25,9 @@ namespace {
 constexpr std::size_t kGuardBytes = 64;
 constexpr std::byte kGuard{0x5a};
 
-std::vector<std::string> all_algorithms() { return collectives::algorithm_names(); }
+std::vector<std::string> all_algorithms() {
+  return collectives::algorithm_names();
+}
 
 void store(DataType dtype, void* buf, std::size_t i, double v) {
   switch (dtype) {
@@ -100,7 +102,8 @@ std::int64_t input_value(ReduceOp op, int rank, std::size_t i) {
 
 void fill_input(void* buf, std::size_t count, DataType dtype, ReduceOp op, int rank) {
   const std::size_t m = period(op);
-  for (std::size_t i = 0; i < count; ++i) store(dtype, buf, i, input_value(op, rank, i % m));
+  for (std::size_t i = 0; i < count; ++i)
+    store(dtype, buf, i, input_value(op, rank, i % m));
 }
 
 // Expected bytes of element i for each residue i % period, by a serial reduction over ranks in
@@ -145,10 +148,10 @@ std::vector<std::byte> expected_bytes(DataType dtype, ReduceOp op, int n) {
 void check_exact(Communicator& comm, const std::string& algorithm, DataType dtype, ReduceOp op,
                  std::size_t count, bool in_place, std::vector<std::byte>& send,
                  std::vector<std::byte>& recv) {
-  SCOPED_TRACE("algorithm=" + algorithm + " dtype=" + std::string(to_string(dtype)) + " op=" +
-               std::string(to_string(op)) + " count=" + std::to_string(count) +
-               (in_place ? " in-place" : " out-of-place") + " ranks=" +
-               std::to_string(comm.size()));
+  SCOPED_TRACE("algorithm=" + algorithm + " dtype=" + std::string(to_string(dtype)) +
+               " op=" + std::string(to_string(op)) + " count=" + std::to_string(count) +
+               (in_place ? " in-place" : " out-of-place") +
+               " ranks=" + std::to_string(comm.size()));
   const std::size_t es = element_size(dtype);
   const std::size_t bytes = count * es;
   send.resize(std::max(send.size(), bytes + kGuardBytes));
@@ -173,9 +176,9 @@ void check_exact(Communicator& comm, const std::string& algorithm, DataType dtyp
   EXPECT_EQ(wrong, 0u) << "first wrong element " << first_wrong << ": got "
                        << (wrong ? load(dtype, out, first_wrong) : 0.0) << ", expected "
                        << (wrong ? load(dtype, table.data(), first_wrong % m) : 0.0);
-  EXPECT_TRUE(std::all_of(out + bytes, out + bytes + kGuardBytes,
-                          [](std::byte b) { return b == kGuard; }))
-      << "guard bytes after the output were overwritten";
+  EXPECT_TRUE(std::all_of(out + bytes, out + bytes + kGuardBytes, [](std::byte b) {
+    return b == kGuard;
+  })) << "guard bytes after the output were overwritten";
   if (!in_place) {
     EXPECT_EQ(fingerprint(send.data(), bytes), send_before) << "the send buffer was modified";
   }
@@ -184,15 +187,22 @@ void check_exact(Communicator& comm, const std::string& algorithm, DataType dtyp
 }
 
 std::vector<std::size_t> small_counts(int n) {
-  std::vector<std::size_t> counts = {0, 1, 2, 7, static_cast<std::size_t>(n - 1),
-                                     static_cast<std::size_t>(n), static_cast<std::size_t>(n + 1),
+  std::vector<std::size_t> counts = {0,
+                                     1,
+                                     2,
+                                     7,
+                                     static_cast<std::size_t>(n - 1),
+                                     static_cast<std::size_t>(n),
+                                     static_cast<std::size_t>(n + 1),
                                      1000003};
   std::sort(counts.begin(), counts.end());
   counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
   return counts;
 }
 
-std::string param_name(const std::string& algorithm) { return algorithm; }
+std::string param_name(const std::string& algorithm) {
+  return algorithm;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Every algorithm x dtype x op x count x placement, exact.
@@ -211,12 +221,13 @@ TEST_P(AllreduceExact, EveryOpCountAndPlacement) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Algorithms, AllreduceExact,
-    ::testing::Combine(::testing::ValuesIn(all_algorithms()), ::testing::ValuesIn(kAllDataTypes)),
-    [](const auto& info) {
-      return std::get<0>(info.param) + "_" + std::string(to_string(std::get<1>(info.param)));
-    });
+INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceExact,
+                         ::testing::Combine(::testing::ValuesIn(all_algorithms()),
+                                            ::testing::ValuesIn(kAllDataTypes)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" +
+                                  std::string(to_string(std::get<1>(info.param)));
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // 16 Mi elements on a subset of dtypes and ops (the suite's time budget).
@@ -249,8 +260,8 @@ TEST_P(AllreduceRandom, MatchesFloat64Reference) {
   const int n = comm.size();
   std::mt19937_64 rng(1234 + static_cast<unsigned>(comm.rank()));
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  for (DataType dtype : {DataType::float32, DataType::float64, DataType::float16,
-                         DataType::bfloat16}) {
+  for (DataType dtype :
+       {DataType::float32, DataType::float64, DataType::float16, DataType::bfloat16}) {
     // Each of the n-1 reduction steps rounds once to the dtype (16-bit types accumulate in
     // float32 but are rounded back to 16 bits per step), adding at most u * |partial sum| <=
     // u * sum|x| per step, with u the unit roundoff; avg adds one more rounding. So |error| <=
@@ -262,8 +273,8 @@ TEST_P(AllreduceRandom, MatchesFloat64Reference) {
     for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
       for (std::size_t count : {std::size_t{1}, std::size_t{97}, std::size_t{65537}}) {
         for (bool in_place : {false, true}) {
-          SCOPED_TRACE("dtype=" + std::string(to_string(dtype)) + " op=" +
-                       std::string(to_string(op)) + " count=" + std::to_string(count) +
+          SCOPED_TRACE("dtype=" + std::string(to_string(dtype)) +
+                       " op=" + std::string(to_string(op)) + " count=" + std::to_string(count) +
                        (in_place ? " in-place" : ""));
           const std::size_t es = element_size(dtype);
           std::vector<std::byte> send(count * es), recv(count * es);
@@ -368,10 +379,12 @@ TEST_F(AllreduceTyped, SpanOverloads) {
   const int n = world().size();
   std::vector<float> in(10, 1.5f), out(10, 0.0f);
   allreduce<float>(world(), std::span<const float>(in), std::span<float>(out), ReduceOp::sum);
-  for (float v : out) EXPECT_EQ(v, 1.5f * n);
+  for (float v : out)
+    EXPECT_EQ(v, 1.5f * n);
   std::vector<std::int64_t> values(5, world().rank());
   allreduce<std::int64_t>(world(), std::span<std::int64_t>(values), ReduceOp::max);
-  for (std::int64_t v : values) EXPECT_EQ(v, n - 1);
+  for (std::int64_t v : values)
+    EXPECT_EQ(v, n - 1);
 }
 
 }  // namespace

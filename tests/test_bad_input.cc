@@ -25,7 +25,8 @@ void expect_error(F&& f, std::initializer_list<std::string> parts) {
     f();
     ADD_FAILURE() << "no exception thrown";
   } catch (const E& e) {
-    for (const std::string& part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
+    for (const std::string& part : parts)
+      EXPECT_THAT(e.what(), HasSubstr(part));
   } catch (const std::exception& e) {
     ADD_FAILURE() << "unexpected exception type: " << e.what();
   }

@@ -37,10 +37,22 @@ TEST(Half, EveryFloat16RoundTripsThroughFloat32) {
 
 TEST(Half, Float32ToFloat16RoundsToNearestEven) {
   std::mt19937 rng(7);
-  std::vector<float> samples = {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, 1e-8f, 5.96e-8f,
-                                2.98e-8f, 2.9802322e-8f, INFINITY, -INFINITY, 1.0f + 0x1p-11f,
-                                1.0f + 0x1p-11f + 0x1p-20f, 6.1035156e-05f};
-  for (int i = 0; i < 200000; ++i) samples.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(rng())));
+  std::vector<float> samples = {0.0f,
+                                -0.0f,
+                                65504.0f,
+                                65519.99f,
+                                65520.0f,
+                                1e-8f,
+                                5.96e-8f,
+                                2.98e-8f,
+                                2.9802322e-8f,
+                                INFINITY,
+                                -INFINITY,
+                                1.0f + 0x1p-11f,
+                                1.0f + 0x1p-11f + 0x1p-20f,
+                                6.1035156e-05f};
+  for (int i = 0; i < 200000; ++i)
+    samples.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(rng())));
   for (float f : samples) {
     if (std::isnan(f)) {
       EXPECT_EQ(float_to_half_bits(f) & 0x7e00, 0x7e00);
@@ -72,7 +84,8 @@ TEST(BFloat16, RoundsToNearestEven) {
       EXPECT_TRUE(std::isnan(bfloat16_bits_to_float(float_to_bfloat16_bits(f))));
       continue;
     }
-    if (std::isinf(bfloat16_bits_to_float(static_cast<std::uint16_t>((std::bit_cast<std::uint32_t>(f) >> 16) + 1))))
+    if (std::isinf(bfloat16_bits_to_float(
+            static_cast<std::uint16_t>((std::bit_cast<std::uint32_t>(f) >> 16) + 1))))
       continue;  // the upper neighbour is infinity: checked separately below
     EXPECT_EQ(float_to_bfloat16_bits(f), bfloat16_reference(f)) << f;
   }
@@ -161,12 +174,24 @@ void check_kernel(DataType dtype) {
   }
 }
 
-TEST(ReduceKernels, Float32) { check_kernel<float>(DataType::float32); }
-TEST(ReduceKernels, Float64) { check_kernel<double>(DataType::float64); }
-TEST(ReduceKernels, Float16) { check_kernel<float16_t>(DataType::float16); }
-TEST(ReduceKernels, BFloat16) { check_kernel<bfloat16_t>(DataType::bfloat16); }
-TEST(ReduceKernels, Int32) { check_kernel<std::int32_t>(DataType::int32); }
-TEST(ReduceKernels, Int64) { check_kernel<std::int64_t>(DataType::int64); }
+TEST(ReduceKernels, Float32) {
+  check_kernel<float>(DataType::float32);
+}
+TEST(ReduceKernels, Float64) {
+  check_kernel<double>(DataType::float64);
+}
+TEST(ReduceKernels, Float16) {
+  check_kernel<float16_t>(DataType::float16);
+}
+TEST(ReduceKernels, BFloat16) {
+  check_kernel<bfloat16_t>(DataType::bfloat16);
+}
+TEST(ReduceKernels, Int32) {
+  check_kernel<std::int32_t>(DataType::int32);
+}
+TEST(ReduceKernels, Int64) {
+  check_kernel<std::int64_t>(DataType::int64);
+}
 
 TEST(ReduceKernels, IntegerOverflowWraps) {
   std::int32_t a = INT32_MAX;
@@ -185,7 +210,8 @@ TEST(DataTypes, NamesSizesAndParsing) {
   EXPECT_FALSE(is_valid(static_cast<DataType>(17)));
   EXPECT_EQ(to_string(static_cast<DataType>(17)), "invalid");
   EXPECT_FALSE(parse_data_type("float8").has_value());
-  for (ReduceOp op : kAllReduceOps) EXPECT_EQ(parse_reduce_op(to_string(op)), op);
+  for (ReduceOp op : kAllReduceOps)
+    EXPECT_EQ(parse_reduce_op(to_string(op)), op);
   EXPECT_FALSE(is_valid(static_cast<ReduceOp>(9)));
 }
 

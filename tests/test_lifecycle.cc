@@ -57,8 +57,7 @@ int main(int argc, char** argv) {
     expect(!finalized(), "gradcomm::finalize left the user's MPI running");
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     int dummy = 1;
-    expect(MPI_Allreduce(MPI_IN_PLACE, &dummy, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD) ==
-               MPI_SUCCESS,
+    expect(MPI_Allreduce(MPI_IN_PLACE, &dummy, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD) == MPI_SUCCESS,
            "MPI still usable after gradcomm::finalize");
     MPI_Finalize();
   } else {
