@@ -54,8 +54,9 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
 
   // Root. Slot layout: depth groups of n segment buffers, indexed by source rank (the root's own
   // entry holds a copy of its contribution, needed only in-place when the root is not rank 0).
-  const std::size_t depth = static_cast<std::size_t>(comm.config().pipeline_depth);
-  const std::size_t seg_bytes = segment_elems * es;
+  // Sized by the call, not only by the configuration: a small call needs small slots.
+  const std::size_t depth = std::min(static_cast<std::size_t>(comm.config().pipeline_depth), K);
+  const std::size_t seg_bytes = std::min(segment_elems, args.count) * es;
   std::byte* slots = comm.scratch(depth * n * seg_bytes);
   auto slot = [&](std::size_t k, int source) {
     return slots + ((k % depth) * n + source) * seg_bytes;

@@ -12,10 +12,10 @@ namespace {
 
 constexpr std::string_view kCall = "allreduce(mpi)";
 
-// MPI user function for a (dtype, op) pair: inout = in op inout.
+// MPI user function for a (dtype, op) pair: inout = in op inout, MPI's operand order.
 template <DataType D, ReduceOp O>
 void user_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
-  reduce_into(inout, in, static_cast<std::size_t>(*len), D, O);
+  reduce_to(inout, in, inout, static_cast<std::size_t>(*len), D, O);
 }
 
 template <DataType D>

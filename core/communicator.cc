@@ -42,6 +42,7 @@ void finalize() {
 }
 
 Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(config)) {
+  config_.validate();
   if (!mpi_ready()) {
     throw InvalidArgument(
         error_message("Communicator", -1, "MPI is not initialized (call gradcomm::init() first)"));

@@ -10,6 +10,10 @@ namespace gradcomm {
 namespace {
 
 constexpr std::string_view kLogLevels[] = {"error", "warn", "info", "debug", "trace"};
+constexpr std::size_t kMinSegmentBytes = 16;
+constexpr std::size_t kMaxSegmentBytes = std::size_t{1} << 30;
+constexpr int kMinPipelineDepth = 1;
+constexpr int kMaxPipelineDepth = 64;
 
 [[noreturn]] void bad_variable(std::string_view name, std::string_view value,
                                std::string_view expected) {
@@ -57,13 +61,34 @@ Config Config::from_environment() {
     if (!found) bad_variable("GRADCOMM_LOG_LEVEL", v, "one of error, warn, info, debug, trace");
   }
   if (const char* v = get("GRADCOMM_SEGMENT_BYTES")) {
-    config.segment_bytes =
-        static_cast<std::size_t>(parse_integer("GRADCOMM_SEGMENT_BYTES", v, 16, 1LL << 30));
+    config.segment_bytes = static_cast<std::size_t>(
+        parse_integer("GRADCOMM_SEGMENT_BYTES", v, static_cast<long long>(kMinSegmentBytes),
+                      static_cast<long long>(kMaxSegmentBytes)));
   }
   if (const char* v = get("GRADCOMM_PIPELINE_DEPTH")) {
-    config.pipeline_depth = static_cast<int>(parse_integer("GRADCOMM_PIPELINE_DEPTH", v, 1, 64));
+    config.pipeline_depth = static_cast<int>(
+        parse_integer("GRADCOMM_PIPELINE_DEPTH", v, kMinPipelineDepth, kMaxPipelineDepth));
   }
+  config.validate();
   return config;
+}
+
+void Config::validate() const {
+  auto bad = [](const std::string& detail) {
+    throw InvalidArgument(error_message("Config", -1, detail));
+  };
+  if (algorithm.empty()) bad("algorithm is empty");
+  if (segment_bytes < kMinSegmentBytes || segment_bytes > kMaxSegmentBytes) {
+    bad("segment_bytes " + std::to_string(segment_bytes) + " is outside [" +
+        std::to_string(kMinSegmentBytes) + ", " + std::to_string(kMaxSegmentBytes) + "]");
+  }
+  if (pipeline_depth < kMinPipelineDepth || pipeline_depth > kMaxPipelineDepth) {
+    bad("pipeline_depth " + std::to_string(pipeline_depth) + " is outside [" +
+        std::to_string(kMinPipelineDepth) + ", " + std::to_string(kMaxPipelineDepth) + "]");
+  }
+  if (to_string(log_level) == "invalid") {
+    bad("log_level " + std::to_string(static_cast<int>(log_level)) + " is invalid");
+  }
 }
 
 }  // namespace gradcomm

@@ -23,6 +23,11 @@ struct Config {
   // Reads the variables above; a variable that is set but invalid throws InvalidArgument naming
   // the variable, its value and the valid values. Unset variables keep the defaults.
   static Config from_environment();
+
+  // Throws InvalidArgument naming the field when a value is out of range (segment_bytes
+  // 16 B - 1 GiB, pipeline_depth 1 - 64, a known log level, a non-empty algorithm name).
+  // Communicator checks every Config it is given.
+  void validate() const;
 };
 
 std::string_view to_string(LogLevel level);

@@ -1,8 +1,8 @@
 #pragma once
 
 // float16 / bfloat16 <-> float32 conversions, written branch-free (selects only) so loops that
-// call them vectorize. Rounding is to nearest, ties to even; NaN stays NaN (quieted), infinities
-// and signed zeros are preserved, float16 subnormals are handled exactly.
+// call them vectorize. Rounding is to nearest, ties to even; NaN stays NaN (quieted, top payload
+// bits kept), infinities and signed zeros are preserved, float16 subnormals are handled exactly.
 
 #include <bit>
 #include <cstdint>
@@ -34,8 +34,10 @@ inline std::uint16_t float_to_half_bits(float f) {
   const std::uint32_t f32_inf = 255u << 23;
   const std::uint32_t f16_overflow = (127u + 16u) << 23;  // first float that rounds to inf
   const std::uint32_t denorm_magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-  // Overflow, infinity, NaN (NaN becomes the quiet 0x7e00).
-  const std::uint32_t special = magnitude > f32_inf ? 0x7e00u : 0x7c00u;
+  // Overflow and infinity give infinity; NaN keeps the top 10 payload bits and is quieted, as
+  // the F16C instruction does, so both paths give the same bits.
+  const std::uint32_t special =
+      magnitude > f32_inf ? 0x7e00u | ((magnitude >> 13) & 0x3ffu) : 0x7c00u;
   // Results that are float16 subnormals: let the FPU round by adding a magic number.
   const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(magnitude) +
                                                                std::bit_cast<float>(denorm_magic)) -

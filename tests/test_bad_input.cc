@@ -138,6 +138,18 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
   unsetenv("GRADCOMM_LOG_LEVEL");
 }
 
+TEST_F(BadNames, OutOfRangeConfigInCode) {
+  Config config;
+  config.pipeline_depth = 0;
+  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
+                                {"Config", "pipeline_depth 0 is outside [1, 64]"});
+  config = Config{};
+  config.segment_bytes = 8;
+  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
+                                {"segment_bytes 8 is outside [16, 1073741824]"});
+  expect_usable(world());
+}
+
 TEST_F(BadNames, NullCommunicator) {
   expect_error<InvalidArgument>([] { Communicator comm(MPI_COMM_NULL); },
                                 {"Communicator", "MPI_COMM_NULL"});
