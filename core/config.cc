@@ -69,6 +69,10 @@ Config Config::from_environment() {
     config.pipeline_depth = static_cast<int>(
         parse_integer("GRADCOMM_PIPELINE_DEPTH", v, kMinPipelineDepth, kMaxPipelineDepth));
   }
+  if (const char* v = get("GRADCOMM_FUSION_THRESHOLD")) {
+    config.fusion_threshold =
+        static_cast<std::size_t>(parse_integer("GRADCOMM_FUSION_THRESHOLD", v, 0, 1LL << 40));
+  }
   config.validate();
   return config;
 }

@@ -19,6 +19,9 @@ struct Config {
   std::size_t segment_bytes = std::size_t{256} << 10;
   // GRADCOMM_PIPELINE_DEPTH: how many segments a pipelined algorithm keeps in flight.
   int pipeline_depth = 4;
+  // GRADCOMM_FUSION_THRESHOLD: the largest fusion bucket of grouped_allreduce, in bytes; 0
+  // disables fusion (every tensor reduced on its own, in place).
+  std::size_t fusion_threshold = std::size_t{64} << 20;
 
   // Reads the variables above; a variable that is set but invalid throws InvalidArgument naming
   // the variable, its value and the valid values. Unset variables keep the defaults.

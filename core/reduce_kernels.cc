@@ -1,8 +1,11 @@
 #include "core/reduce_kernels.h"
 
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <type_traits>
 
+#include "core/error.h"
 #include "core/half.h"
 
 // Each dtype's loops are compiled twice, for x86-64-v3 (AVX2, FMA, F16C) and for the baseline,
@@ -261,6 +264,32 @@ GRADCOMM_VECTOR_CLONES void divide_dispatch(void* buf, std::size_t n, DataType d
   }
 }
 
+template <class From, class To>
+[[gnu::always_inline]] inline void convert_loop(typename To::Storage* __restrict dst,
+                                                const typename From::Storage* __restrict src,
+                                                std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    dst[i] = To::store(From::load(src[i]));
+}
+
+GRADCOMM_VECTOR_CLONES void convert_dispatch(void* dst, DataType to, const void* src, DataType from,
+                                             std::size_t n) {
+  auto* d16 = static_cast<std::uint16_t*>(dst);
+  auto* d32 = static_cast<float*>(dst);
+  const auto* s16 = static_cast<const std::uint16_t*>(src);
+  const auto* s32 = static_cast<const float*>(src);
+  if (from == DataType::float32 && to == DataType::float16) {
+    return convert_loop<Plain<float>, Half>(d16, s32, n);
+  }
+  if (from == DataType::float32 && to == DataType::bfloat16) {
+    return convert_loop<Plain<float>, BFloat16>(d16, s32, n);
+  }
+  if (from == DataType::float16 && to == DataType::float32) {
+    return convert_loop<Half, Plain<float>>(d32, s16, n);
+  }
+  return convert_loop<BFloat16, Plain<float>>(d32, s16, n);
+}
+
 }  // namespace
 
 void reduce_into(void* dst, const void* src, std::size_t n, DataType dtype, ReduceOp op) {
@@ -271,6 +300,23 @@ void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType 
                ReduceOp op) {
   const Form form = dst == a ? Form::dst_first : dst == b ? Form::dst_second : Form::three_operand;
   reduce_dispatch(dst, a, b, n, dtype, form, op);
+}
+
+void convert(void* dst, DataType to, const void* src, DataType from, std::size_t n) {
+  if (to == from) {
+    if (n > 0) std::memcpy(dst, src, n * element_size(to));
+    return;
+  }
+  const bool f32_to_16 =
+      from == DataType::float32 && (to == DataType::float16 || to == DataType::bfloat16);
+  const bool f16_to_32 =
+      to == DataType::float32 && (from == DataType::float16 || from == DataType::bfloat16);
+  if (!f32_to_16 && !f16_to_32) {
+    throw Unsupported(error_message("convert", -1,
+                                    "no conversion from " + std::string(to_string(from)) + " to " +
+                                        std::string(to_string(to))));
+  }
+  convert_dispatch(dst, to, src, from, n);
 }
 
 void divide_by(void* buf, std::size_t n, DataType dtype, int divisor) {

@@ -21,4 +21,9 @@ void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType 
 // float32/float64; float16/bfloat16 divide in float32 and round once); integers truncate.
 void divide_by(void* buf, std::size_t n, DataType dtype, int divisor);
 
+// dst[i] = src[i] converted from `from` to `to`: a plain copy when the types are equal, else one
+// of float32 -> float16 / bfloat16 (round to nearest even) and back (exact). Other pairs throw
+// Unsupported. dst and src must not overlap.
+void convert(void* dst, DataType to, const void* src, DataType from, std::size_t n);
+
 }  // namespace gradcomm

@@ -5,7 +5,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD_DIR=${GRADCOMM_BUILD_DIR:-$ROOT/build}
 
 # Everything the build and the tests need, by Debian package name.
-PACKAGES=(cmake ninja-build g++ pkg-config
+PACKAGES=(cmake ninja-build g++ pkg-config nlohmann-json3-dev
           openmpi-bin libopenmpi-dev libhwloc-dev hwloc
           libgtest-dev libgmock-dev libbenchmark-dev)
 

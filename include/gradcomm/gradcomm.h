@@ -10,3 +10,8 @@
 #include "core/half.h"
 #include "core/reduce_op.h"
 #include "gradcomm/config.h"
+#include "packing/fusion_planner.h"
+#include "packing/gradient_packer.h"
+#include "packing/grouped_allreduce.h"
+#include "packing/tensor.h"
+#include "packing/workload.h"

@@ -1,0 +1,62 @@
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "packing/tensor.h"
+
+namespace gradcomm::packing {
+
+struct PackerOptions {
+  int num_split = 8;                      // chunks per packed buffer
+  std::size_t min_chunk_elements = 1024;  // below this, packing declines
+};
+
+// Concatenates many tensors into one flat buffer per dtype, split into num_split near-equal
+// chunks (the last takes the remainder), and back. Planned once from the tensor list, then
+// pack()/unpack() every step with no allocation; the round trip is bit-exact.
+//
+// Planning declines, instead of failing, when packing makes no sense: no tensors, or a dtype
+// whose chunks would hold fewer than min_chunk_elements elements. Check declined() and
+// decline_reason(); pack()/unpack() of a declined packer throw. Empty tensors are skipped.
+class GradientPacker {
+ public:
+  struct Chunk {
+    std::size_t offset;  // elements from the start of the packed buffer
+    std::size_t count;
+  };
+  struct Packed {
+    DataType dtype;
+    std::size_t count;                 // elements
+    std::byte* data;                   // 64-byte aligned, owned by the packer
+    std::vector<Chunk> chunks;         // num_split of them
+    std::vector<std::size_t> tensors;  // indices into the tensor list, in packing order
+    std::vector<std::size_t> offsets;  // element offset of each of those tensors
+  };
+
+  // Validates the tensors (validate_tensors) and plans. The tensors' memory must stay valid.
+  explicit GradientPacker(std::span<const TensorDesc> tensors, PackerOptions options = {});
+
+  bool declined() const { return !decline_reason_.empty(); }
+  const std::string& decline_reason() const { return decline_reason_; }
+
+  // One packed buffer per dtype, in order of each dtype's first tensor.
+  const std::vector<Packed>& packed() const { return packed_; }
+
+  void pack();    // tensors -> packed buffers
+  void unpack();  // packed buffers -> tensors
+
+ private:
+  void require_plan(const char* call) const;
+
+  std::vector<TensorDesc> tensors_;
+  PackerOptions options_;
+  std::string decline_reason_;
+  std::vector<Packed> packed_;
+  std::vector<std::unique_ptr<std::byte[]>> storage_;
+};
+
+}  // namespace gradcomm::packing

@@ -1,0 +1,175 @@
+#include "packing/grouped_allreduce.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "core/error.h"
+#include "core/reduce_kernels.h"
+
+namespace gradcomm {
+namespace {
+
+using packing::Bucket;
+using packing::FusionPlan;
+using packing::TensorDesc;
+
+constexpr int kFusionScratchSlot = 1;  // slot 0 belongs to the algorithms
+constexpr std::size_t kMaxCachedPlans = 32;
+
+std::uint64_t compression_tag(Compression c) {
+  return static_cast<std::uint64_t>(c) + 1;
+}
+
+// Plans of one communicator, by hash of (tensors, threshold, order, compression).
+class PlanCache : public Attachment {
+ public:
+  explicit PlanCache(Communicator&) {}
+  std::map<std::uint64_t, FusionPlan> plans;
+};
+
+DataType wire_dtype(DataType dtype, Compression compression) {
+  if (dtype != DataType::float32) return dtype;
+  switch (compression) {
+    case Compression::float16:
+      return DataType::float16;
+    case Compression::bfloat16:
+      return DataType::bfloat16;
+    case Compression::none:
+      break;
+  }
+  return dtype;
+}
+
+FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tensors,
+                     const GroupedAllreduceOptions& options) {
+  packing::FusionOptions fusion;
+  fusion.threshold_bytes = options.fusion_threshold.value_or(comm.config().fusion_threshold);
+  fusion.order = options.order;
+  FusionPlan plan = packing::plan_fusion(tensors, fusion);
+  plan.hash = (plan.hash ^ compression_tag(options.compression)) * 1099511628211ull;
+  return plan;
+}
+
+// Called when the ranks' plan hashes differ: finds the first tensor where this rank's list
+// differs from rank 0's and throws on every rank with the same message.
+[[noreturn]] void report_mismatch(Communicator& comm, std::span<const TensorDesc> tensors) {
+  const MPI_Comm mpi = comm.mpi_comm();
+  unsigned long long n0 = tensors.size();
+  MPI_Bcast(&n0, 1, MPI_UNSIGNED_LONG_LONG, 0, mpi);
+  std::vector<unsigned long long> reference(2 * n0);
+  if (comm.rank() == 0) {
+    for (std::size_t i = 0; i < n0; ++i) {
+      reference[2 * i] = tensors[i].count;
+      reference[2 * i + 1] = static_cast<unsigned long long>(tensors[i].dtype);
+    }
+  }
+  MPI_Bcast(reference.data(), static_cast<int>(2 * n0), MPI_UNSIGNED_LONG_LONG, 0, mpi);
+  // First index where this rank differs (n0 and size both count as "the list ends here").
+  unsigned long long first = std::max<unsigned long long>(n0, tensors.size()) + 1;
+  for (std::size_t i = 0; i < std::max<std::size_t>(n0, tensors.size()); ++i) {
+    const bool differs = i >= n0 || i >= tensors.size() || reference[2 * i] != tensors[i].count ||
+                         reference[2 * i + 1] != static_cast<unsigned long long>(tensors[i].dtype);
+    if (differs) {
+      first = i;
+      break;
+    }
+  }
+  // The lowest differing index, and the lowest rank differing there.
+  unsigned long long key[2] = {first, static_cast<unsigned long long>(comm.rank())};
+  unsigned long long global[2] = {0, 0};
+  MPI_Allreduce(&key[0], &global[0], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi);
+  if (key[0] != global[0]) key[1] = ~0ull;
+  MPI_Allreduce(&key[1], &global[1], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi);
+  const std::size_t index = global[0];
+  const int culprit = static_cast<int>(global[1]);
+  auto describe = [](bool present, unsigned long long count, unsigned long long dtype) {
+    return present ? std::to_string(count) + " x " +
+                         std::string(to_string(static_cast<DataType>(dtype)))
+                   : std::string("no tensor");
+  };
+  // What the differing rank has at that index.
+  unsigned long long mine[3] = {
+      index < tensors.size() ? 1ull : 0ull, index < tensors.size() ? tensors[index].count : 0,
+      index < tensors.size() ? static_cast<unsigned long long>(tensors[index].dtype) : 0};
+  if (culprit >= 0 && culprit < comm.size()) {
+    MPI_Bcast(mine, 3, MPI_UNSIGNED_LONG_LONG, culprit, mpi);
+  }
+  const bool on_zero = index < n0;
+  std::string detail = "ranks passed different tensor lists: tensor " + std::to_string(index) +
+                       " is " +
+                       describe(on_zero, on_zero ? reference[2 * index] : 0,
+                                on_zero ? reference[2 * index + 1] : 0) +
+                       " on rank 0 but " + describe(mine[0] != 0, mine[1], mine[2]) + " on rank " +
+                       std::to_string(culprit);
+  if (index > std::max<std::size_t>(n0, tensors.size())) {
+    detail =
+        "ranks passed the same tensors but different fusion options (threshold, order or "
+        "compression)";
+  }
+  throw InvalidArgument(error_message("grouped_allreduce", comm.rank(), detail));
+}
+
+}  // namespace
+
+packing::FusionPlan grouped_allreduce_plan(const Communicator& comm,
+                                           std::span<const TensorDesc> tensors,
+                                           const GroupedAllreduceOptions& options) {
+  return make_plan(comm, tensors, options);
+}
+
+void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
+                       const GroupedAllreduceOptions& options) {
+  packing::validate_tensors(tensors, "grouped_allreduce", comm.rank());
+  if (!is_valid(op)) {
+    throw InvalidArgument(
+        error_message("grouped_allreduce", comm.rank(),
+                      "invalid reduce op " + std::to_string(static_cast<int>(op))));
+  }
+  if (tensors.empty()) return;
+
+  // The plan is cached by a hash of its inputs, computed cheaply from the tensor list.
+  FusionPlan fresh = make_plan(comm, tensors, options);
+  auto& cache = comm.attachment<PlanCache>().plans;
+  auto it = cache.find(fresh.hash);
+  if (it == cache.end()) {
+    if (cache.size() >= kMaxCachedPlans) cache.clear();
+    it = cache.emplace(fresh.hash, std::move(fresh)).first;
+  }
+  const FusionPlan& plan = it->second;
+
+  // Every rank must hold the same plan: compare min and max of the hash in one all-reduce.
+  unsigned long long local[2] = {plan.hash, ~plan.hash};
+  unsigned long long global[2] = {0, 0};
+  check_mpi(MPI_Allreduce(local, global, 2, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm.mpi_comm()),
+            "grouped_allreduce: MPI_Allreduce", comm.rank());
+  if (global[0] != ~global[1]) report_mismatch(comm, tensors);
+
+  const AllreduceOptions call{.algorithm = options.algorithm};
+  for (const Bucket& bucket : plan.buckets) {
+    const DataType wire = wire_dtype(bucket.dtype, options.compression);
+    if (bucket.in_place() && wire == bucket.dtype) {
+      const TensorDesc& t = tensors[bucket.tensors.front()];
+      allreduce(comm, t.data, t.data, t.count, t.dtype, op, call);
+      continue;
+    }
+    const std::size_t wire_es = element_size(wire);
+    std::byte* fused = comm.scratch(bucket.count * wire_es, kFusionScratchSlot);
+    std::size_t offset = 0;
+    for (std::size_t index : bucket.tensors) {
+      const TensorDesc& t = tensors[index];
+      convert(fused + offset * wire_es, wire, t.data, t.dtype, t.count);
+      offset += t.count;
+    }
+    allreduce(comm, fused, fused, bucket.count, wire, op, call);
+    offset = 0;
+    for (std::size_t index : bucket.tensors) {
+      const TensorDesc& t = tensors[index];
+      convert(t.data, t.dtype, fused + offset * wire_es, wire, t.count);
+      offset += t.count;
+    }
+  }
+}
+
+}  // namespace gradcomm
