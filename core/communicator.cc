@@ -64,16 +64,9 @@ Communicator::~Communicator() {
 }
 
 std::byte* Communicator::scratch(std::size_t bytes, int slot) {
-  constexpr std::size_t kAlign = 64;
-  ScratchSlot& s = scratch_[slot];
-  if (bytes > s.capacity || !s.storage) {
-    // Not value-initialized: touching fresh memory is the expensive part, and it is reused.
-    s.storage = std::make_unique_for_overwrite<std::byte[]>(bytes + kAlign);
-    const auto address = reinterpret_cast<std::uintptr_t>(s.storage.get());
-    s.aligned = s.storage.get() + ((kAlign - address % kAlign) % kAlign);
-    s.capacity = bytes;
-  }
-  return s.aligned;
+  AlignedBuffer& buffer = scratch_[slot];
+  if (bytes > buffer.size() || buffer.data() == nullptr) buffer = AlignedBuffer(bytes);
+  return buffer.data();
 }
 
 void Communicator::log(LogLevel level, std::string_view message) const {

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <typeindex>
 
+#include "core/aligned_buffer.h"
 #include "core/config.h"
 
 namespace gradcomm {
@@ -67,18 +68,12 @@ class Communicator {
   void log(LogLevel level, std::string_view message) const;
 
  private:
-  struct ScratchSlot {
-    std::unique_ptr<std::byte[]> storage;
-    std::byte* aligned = nullptr;
-    std::size_t capacity = 0;
-  };
-
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
   Config config_;
   std::uint64_t sequence_ = 0;
-  std::map<int, ScratchSlot> scratch_;
+  std::map<int, AlignedBuffer> scratch_;
   std::map<std::type_index, std::unique_ptr<Attachment>> attachments_;
 };
 

@@ -52,11 +52,7 @@ GradientPacker::GradientPacker(std::span<const TensorDesc> tensors, PackerOption
       p.chunks.push_back({c * per_chunk, count});
     }
     // Not value-initialized: the first pack() writes every byte.
-    constexpr std::size_t kAlign = 64;
-    auto& block = storage_.emplace_back(
-        std::make_unique_for_overwrite<std::byte[]>(p.count * element_size(p.dtype) + kAlign));
-    const auto address = reinterpret_cast<std::uintptr_t>(block.get());
-    p.data = block.get() + (kAlign - address % kAlign) % kAlign;
+    p.data = storage_.emplace_back(p.count * element_size(p.dtype)).data();
   }
 }
 

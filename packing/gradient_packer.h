@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/aligned_buffer.h"
 #include "packing/tensor.h"
 
 namespace gradcomm::packing {
@@ -56,7 +57,7 @@ class GradientPacker {
   PackerOptions options_;
   std::string decline_reason_;
   std::vector<Packed> packed_;
-  std::vector<std::unique_ptr<std::byte[]>> storage_;
+  std::vector<AlignedBuffer> storage_;
 };
 
 }  // namespace gradcomm::packing
