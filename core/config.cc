@@ -73,6 +73,22 @@ Config Config::from_environment() {
     config.fusion_threshold =
         static_cast<std::size_t>(parse_integer("GRADCOMM_FUSION_THRESHOLD", v, 0, 1LL << 40));
   }
+  if (const char* v = get("GRADCOMM_RANKS_PER_NODE")) {
+    config.ranks_per_node =
+        static_cast<int>(parse_integer("GRADCOMM_RANKS_PER_NODE", v, 1, 1 << 20));
+  }
+  if (const char* v = get("GRADCOMM_TOPOLOGY")) {
+    const std::string value = v;
+    if (value != "dgx1" && !value.empty()) bad_variable("GRADCOMM_TOPOLOGY", v, "dgx1 or empty");
+    config.topology_preset = value;
+  }
+  if (const char* v = get("GRADCOMM_BIND")) {
+    const std::string value = v;
+    if (value != "none" && value != "core" && value != "numa") {
+      bad_variable("GRADCOMM_BIND", v, "one of none, core, numa");
+    }
+    config.bind = value;
+  }
   config.validate();
   return config;
 }
@@ -90,6 +106,11 @@ void Config::validate() const {
     bad("pipeline_depth " + std::to_string(pipeline_depth) + " is outside [" +
         std::to_string(kMinPipelineDepth) + ", " + std::to_string(kMaxPipelineDepth) + "]");
   }
+  if (ranks_per_node < 0) bad("ranks_per_node " + std::to_string(ranks_per_node) + " is negative");
+  if (!topology_preset.empty() && topology_preset != "dgx1") {
+    bad("topology_preset '" + topology_preset + "' is not dgx1");
+  }
+  if (bind != "none" && bind != "core" && bind != "numa") bad("bind '" + bind + "' is invalid");
   if (to_string(log_level) == "invalid") {
     bad("log_level " + std::to_string(static_cast<int>(log_level)) + " is invalid");
   }

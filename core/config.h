@@ -25,6 +25,13 @@ struct Config {
   // one node, copying into a fused buffer costs about as much as reducing it, so big tensors
   // are better left in place than fused (Horovod's 64 MiB and DDP's 25 MiB target networks).
   std::size_t fusion_threshold = std::size_t{2} << 20;
+  // GRADCOMM_RANKS_PER_NODE: 0 discovers nodes; k > 0 emulates nodes of k consecutive ranks
+  // (the last node takes the remainder: 5 ranks with k = 3 are 3 + 2).
+  int ranks_per_node = 0;
+  // GRADCOMM_TOPOLOGY: "" (discover) or "dgx1": servers of 8 ranks, each two quads (0-3, 4-7).
+  std::string topology_preset;
+  // GRADCOMM_BIND: "none", "core" (each rank to its share of the node's cores) or "numa".
+  std::string bind = "none";
 
   // Reads the variables above; a variable that is set but invalid throws InvalidArgument naming
   // the variable, its value and the valid values. Unset variables keep the defaults.
