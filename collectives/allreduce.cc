@@ -6,6 +6,7 @@
 #include <string>
 
 #include "collectives/auto_select.h"
+#include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 
@@ -20,6 +21,15 @@ void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,
 }
 
 }  // namespace detail
+
+TrafficReport traffic(Communicator& comm) {
+  const collectives::TrafficCounters& c = comm.attachment<collectives::Traffic>().counters();
+  return {c.intra_bytes, c.inter_bytes, c.intra_messages, c.inter_messages};
+}
+
+void reset_traffic(Communicator& comm) {
+  comm.attachment<collectives::Traffic>().counters() = collectives::TrafficCounters{};
+}
 
 void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                DataType dtype, ReduceOp op, const AllreduceOptions& options) {

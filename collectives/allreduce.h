@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string_view>
 
@@ -24,6 +25,15 @@ struct AllreduceOptions {
 // algorithm), Unsupported when the algorithm cannot take these buffers, CommError when MPI fails.
 void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                DataType dtype, ReduceOp op, const AllreduceOptions& options = {});
+
+// Bytes and messages this rank sent inside its group (node) and across groups, counted by
+// gradcomm's own algorithms (MPI_Allreduce's internals are not visible). The first call on a
+// communicator discovers its topology: collective then.
+struct TrafficReport {
+  std::uint64_t intra_bytes = 0, inter_bytes = 0, intra_messages = 0, inter_messages = 0;
+};
+TrafficReport traffic(Communicator& comm);
+void reset_traffic(Communicator& comm);
 
 namespace detail {
 [[noreturn]] void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,

@@ -25,7 +25,6 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
   const int r = comm.rank();
   const int root = static_cast<int>(args.sequence % static_cast<std::uint64_t>(n));
   const std::size_t es = args.element_bytes();
-  const MPI_Comm mpi = comm.mpi_comm();
   const auto* send = static_cast<const std::byte*>(args.send);
   auto* recv = static_cast<std::byte*>(args.recv);
 
@@ -41,12 +40,12 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
     std::vector<MPI_Request> recvs(K);
     for (std::size_t k = 0; k < K; ++k) {
       sends[k] =
-          isend_bytes(send + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, mpi, kCall);
+          isend_bytes(send + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, comm, kCall);
     }
     for (std::size_t k = 0; k < K; ++k) {
       wait(sends[k], kCall);  // in-place: the result lands where this segment was sent from
       recvs[k] =
-          irecv_bytes(recv + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, mpi, kCall);
+          irecv_bytes(recv + seg_offset(k) * es, seg_length(k) * es, root, kTagFlat, comm, kCall);
     }
     wait_all(recvs.size(), recvs.data(), kCall);
     return;
@@ -66,7 +65,7 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
     for (int p = 0; p < n; ++p) {
       if (p == root) continue;
       recvs[(k % depth) * n + p] =
-          irecv_bytes(slot(k, p), seg_length(k) * es, p, kTagFlat, mpi, kCall);
+          irecv_bytes(slot(k, p), seg_length(k) * es, p, kTagFlat, comm, kCall);
     }
   };
   for (std::size_t k = 0; k < std::min(K, depth); ++k)
@@ -91,7 +90,7 @@ void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
     if (args.op == ReduceOp::avg) divide_by(dst, len, args.dtype, n);
     if (k + depth < K) post(k + depth);
     for (int p = 0; p < n; ++p) {
-      if (p != root) sends.push_back(isend_bytes(dst, len * es, p, kTagFlat, mpi, kCall));
+      if (p != root) sends.push_back(isend_bytes(dst, len * es, p, kTagFlat, comm, kCall));
     }
   }
   wait_all(sends.size(), sends.data(), kCall);

@@ -40,7 +40,6 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
   const int r = comm.rank();
   const std::size_t es = args.element_bytes();
   const std::size_t bytes = args.count * es;
-  const MPI_Comm mpi = comm.mpi_comm();
   const auto* send = static_cast<const std::byte*>(args.send);
   auto* recv = static_cast<std::byte*>(args.recv);
 
@@ -55,12 +54,12 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
   int new_rank;
   if (r < 2 * rem) {
     if (r % 2 == 0) {
-      send_bytes(send, bytes, r + 1, kTagHalvingDoubling, mpi, kCall);
-      recv_bytes(recv, bytes, r + 1, kTagHalvingDoubling, mpi, kCall);
+      send_bytes(send, bytes, r + 1, kTagHalvingDoubling, comm, kCall);
+      recv_bytes(recv, bytes, r + 1, kTagHalvingDoubling, comm, kCall);
       return;
     }
     std::byte* incoming = comm.scratch(bytes);
-    recv_bytes(incoming, bytes, r - 1, kTagHalvingDoubling, mpi, kCall);
+    recv_bytes(incoming, bytes, r - 1, kTagHalvingDoubling, comm, kCall);
     reduce_to(recv, incoming, send, args.count, args.dtype, args.op);  // lower rank first
     data = recv;
     new_rank = r / 2;
@@ -76,7 +75,7 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
     for (int mask = 1; mask < p; mask *= 2) {
       const int partner = new_rank ^ mask;
       send_recv_bytes(data, bytes, real_rank(partner), incoming, bytes, real_rank(partner),
-                      kTagHalvingDoubling, mpi, kCall);
+                      kTagHalvingDoubling, comm, kCall);
       if (new_rank < partner) {
         reduce_to(recv, data, incoming, args.count, args.dtype, args.op);
       } else {
@@ -85,7 +84,7 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
       data = recv;
     }
     if (args.op == ReduceOp::avg) divide_by(recv, args.count, args.dtype, n);
-    if (r < 2 * rem) send_bytes(recv, bytes, r - 1, kTagHalvingDoubling, mpi, kCall);
+    if (r < 2 * rem) send_bytes(recv, bytes, r - 1, kTagHalvingDoubling, comm, kCall);
     return;
   }
 
@@ -108,7 +107,7 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
     const Window keep = lower ? Window{lo, mid} : Window{mid, hi};
     const Window give = lower ? Window{mid, hi} : Window{lo, mid};
     send_recv_bytes(data + give.lo * es, (give.hi - give.lo) * es, partner, incoming,
-                    (keep.hi - keep.lo) * es, partner, kTagHalvingDoubling, mpi, kCall);
+                    (keep.hi - keep.lo) * es, partner, kTagHalvingDoubling, comm, kCall);
     reduce_to(recv + keep.lo * es, data + keep.lo * es, incoming, keep.hi - keep.lo, args.dtype,
               args.op);
     data = recv;
@@ -125,13 +124,13 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
     levels.pop_back();
     const Window other = kept_lower ? Window{hi, parent.hi} : Window{parent.lo, lo};
     send_recv_bytes(recv + lo * es, (hi - lo) * es, partner, recv + other.lo * es,
-                    (other.hi - other.lo) * es, partner, kTagHalvingDoubling, mpi, kCall);
+                    (other.hi - other.lo) * es, partner, kTagHalvingDoubling, comm, kCall);
     lo = parent.lo;
     hi = parent.hi;
   }
 
   // Unfold.
-  if (r < 2 * rem) send_bytes(recv, bytes, r - 1, kTagHalvingDoubling, mpi, kCall);
+  if (r < 2 * rem) send_bytes(recv, bytes, r - 1, kTagHalvingDoubling, comm, kCall);
 }
 
 }  // namespace gradcomm::collectives

@@ -52,7 +52,6 @@ void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
   const int right = (r + 1) % n;
   const int left = (r + n - 1) % n;
   const std::size_t es = args.element_bytes();
-  const MPI_Comm mpi = comm.mpi_comm();
 
   const std::size_t max_chunk = (args.count + n - 1) / n;
   const std::size_t segment_elems = std::max<std::size_t>(1, comm.config().segment_bytes / es);
@@ -80,7 +79,8 @@ void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
   std::vector<MPI_Request> recvs(depth, MPI_REQUEST_NULL);
 
   auto post_send = [&](std::size_t item, const std::byte* base, Range seg) {
-    sends[item] = isend_bytes(base + seg.offset * es, seg.length * es, right, kTagRing, mpi, kCall);
+    sends[item] =
+        isend_bytes(base + seg.offset * es, seg.length * es, right, kTagRing, comm, kCall);
     send_posted[item] = true;
   };
 
@@ -105,7 +105,7 @@ void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
         wait(sends[earlier], kCall);
         target = recv + seg.offset * es;
       }
-      recvs[next_post % depth] = irecv_bytes(target, seg.length * es, left, kTagRing, mpi, kCall);
+      recvs[next_post % depth] = irecv_bytes(target, seg.length * es, left, kTagRing, comm, kCall);
       ++next_post;
     }
   };

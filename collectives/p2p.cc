@@ -4,46 +4,84 @@
 #include <string>
 
 #include "core/error.h"
+#include "topology/topology.h"
 
 namespace gradcomm::collectives {
 namespace {
-
-int rank_of(MPI_Comm comm) {
-  int rank = -1;
-  MPI_Comm_rank(comm, &rank);
-  return rank;
-}
 
 std::string what(std::string_view call, const char* mpi_call) {
   return std::string(call) + ": " + mpi_call;
 }
 
-int checked_count(std::size_t bytes, std::string_view call, MPI_Comm comm) {
+int checked_count(std::size_t bytes, std::string_view call, const Communicator& comm) {
   if (bytes > kMaxMessageBytes) {
     throw Error(ErrorCode::internal,
-                error_message(call, rank_of(comm),
+                error_message(call, comm.rank(),
                               "message of " + std::to_string(bytes) + " bytes exceeds the " +
                                   std::to_string(kMaxMessageBytes) + "-byte piece limit"));
   }
   return static_cast<int>(bytes);
 }
 
+void count(Communicator& comm, int dest, std::size_t bytes) {
+  comm.attachment<Traffic>().count(comm.rank(), dest, bytes);
+}
+
 }  // namespace
 
-MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, MPI_Comm comm,
+Traffic::Traffic(Communicator& comm)
+    : counters_(std::make_shared<TrafficCounters>()),
+      group_of_rank_(topology::topology_of(comm).group_of_rank) {}
+
+Traffic::Traffic(std::shared_ptr<TrafficCounters> counters, std::vector<int> group_of_rank)
+    : counters_(std::move(counters)), group_of_rank_(std::move(group_of_rank)) {}
+
+void Traffic::count(int self, int dest, std::size_t bytes) {
+  const bool inter = group_of_rank_[static_cast<std::size_t>(self)] !=
+                     group_of_rank_[static_cast<std::size_t>(dest)];
+  (inter ? counters_->inter_bytes : counters_->intra_bytes) += bytes;
+  ++(inter ? counters_->inter_messages : counters_->intra_messages);
+}
+
+MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                         std::string_view call) {
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, tag, comm, &request),
-            what(call, "MPI_Isend"), rank_of(comm));
+  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, tag, comm.mpi_comm(),
+                      &request),
+            what(call, "MPI_Isend"), comm.rank());
+  count(comm, dest, bytes);
   return request;
 }
 
-MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, MPI_Comm comm,
+MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                         std::string_view call) {
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, tag, comm, &request),
-            what(call, "MPI_Irecv"), rank_of(comm));
+  check_mpi(MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, tag, comm.mpi_comm(),
+                      &request),
+            what(call, "MPI_Irecv"), comm.rank());
   return request;
+}
+
+void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
+                  std::string_view call, std::vector<MPI_Request>& requests) {
+  const auto* p = static_cast<const std::byte*>(buf);
+  std::size_t offset = 0;
+  do {
+    const std::size_t n = std::min(kMaxMessageBytes, bytes - offset);
+    requests.push_back(isend_bytes(p + offset, n, dest, tag, comm, call));
+    offset += n;
+  } while (offset < bytes);
+}
+
+void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
+                  std::string_view call, std::vector<MPI_Request>& requests) {
+  auto* p = static_cast<std::byte*>(buf);
+  std::size_t offset = 0;
+  do {
+    const std::size_t n = std::min(kMaxMessageBytes, bytes - offset);
+    requests.push_back(irecv_bytes(p + offset, n, source, tag, comm, call));
+    offset += n;
+  } while (offset < bytes);
 }
 
 void wait(MPI_Request& request, std::string_view call) {
@@ -56,7 +94,7 @@ void wait_all(std::size_t n, MPI_Request* requests, std::string_view call) {
 }
 
 void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* recv,
-                     std::size_t recv_bytes, int source, int tag, MPI_Comm comm,
+                     std::size_t recv_bytes, int source, int tag, Communicator& comm,
                      std::string_view call) {
   const auto* s = static_cast<const std::byte*>(send);
   auto* r = static_cast<std::byte*>(recv);
@@ -68,34 +106,37 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
     const std::size_t nr =
         recv_bytes > offset ? std::min(kMaxMessageBytes, recv_bytes - offset) : 0;
     check_mpi(MPI_Sendrecv(s + (ns ? offset : 0), static_cast<int>(ns), MPI_BYTE, dest, tag,
-                           r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE, source, tag, comm,
-                           MPI_STATUS_IGNORE),
-              what(call, "MPI_Sendrecv"), rank_of(comm));
+                           r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE, source, tag,
+                           comm.mpi_comm(), MPI_STATUS_IGNORE),
+              what(call, "MPI_Sendrecv"), comm.rank());
+    count(comm, dest, ns);
     offset += kMaxMessageBytes;
   } while (offset < std::max(send_bytes, recv_bytes));
 }
 
-void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, MPI_Comm comm,
+void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                 std::string_view call) {
   const auto* p = static_cast<const std::byte*>(buf);
   std::size_t offset = 0;
   do {
     const std::size_t n = bytes > offset ? std::min(kMaxMessageBytes, bytes - offset) : 0;
-    check_mpi(MPI_Send(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, dest, tag, comm),
-              what(call, "MPI_Send"), rank_of(comm));
+    check_mpi(
+        MPI_Send(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, dest, tag, comm.mpi_comm()),
+        what(call, "MPI_Send"), comm.rank());
+    count(comm, dest, n);
     offset += kMaxMessageBytes;
   } while (offset < bytes);
 }
 
-void recv_bytes(void* buf, std::size_t bytes, int source, int tag, MPI_Comm comm,
+void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                 std::string_view call) {
   auto* p = static_cast<std::byte*>(buf);
   std::size_t offset = 0;
   do {
     const std::size_t n = bytes > offset ? std::min(kMaxMessageBytes, bytes - offset) : 0;
-    check_mpi(MPI_Recv(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, source, tag, comm,
-                       MPI_STATUS_IGNORE),
-              what(call, "MPI_Recv"), rank_of(comm));
+    check_mpi(MPI_Recv(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, source, tag,
+                       comm.mpi_comm(), MPI_STATUS_IGNORE),
+              what(call, "MPI_Recv"), comm.rank());
     offset += kMaxMessageBytes;
   } while (offset < bytes);
 }

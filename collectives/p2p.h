@@ -6,30 +6,72 @@
 #include <mpi.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <string_view>
+#include <vector>
+
+#include "core/communicator.h"
 
 namespace gradcomm::collectives {
 
 inline constexpr std::size_t kMaxMessageBytes = std::size_t{1} << 30;
 
 // Tags, one per algorithm, so a trace shows which algorithm a message belongs to.
-enum Tag : int { kTagFlat = 101, kTagRing = 102, kTagHalvingDoubling = 103 };
+enum Tag : int {
+  kTagFlat = 101,
+  kTagRing = 102,
+  kTagHalvingDoubling = 103,
+  kTagHierarchical = 104,
+};
+
+// Bytes and messages a rank sent inside its hierarchical group (node) and across groups, counted
+// by the helpers below for gradcomm's own algorithms (not for MPI_Allreduce's internals).
+struct TrafficCounters {
+  std::uint64_t intra_bytes = 0;
+  std::uint64_t inter_bytes = 0;
+  std::uint64_t intra_messages = 0;
+  std::uint64_t inter_messages = 0;
+};
+
+// Per-communicator classification of destinations and the counters it adds to. By default the
+// groups come from the communicator's topology (discovered on first use, collectively) and the
+// counters are its own; a sub-communicator created by an algorithm shares its parent's.
+class Traffic : public Attachment {
+ public:
+  explicit Traffic(Communicator& comm);
+  Traffic(std::shared_ptr<TrafficCounters> counters, std::vector<int> group_of_rank);
+  void count(int self, int dest, std::size_t bytes);
+  TrafficCounters& counters() { return *counters_; }
+  std::shared_ptr<TrafficCounters> shared_counters() const { return counters_; }
+
+ private:
+  std::shared_ptr<TrafficCounters> counters_;
+  std::vector<int> group_of_rank_;
+};
 
 // Non-blocking send/receive of at most kMaxMessageBytes. `call` names the caller in errors.
-MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, MPI_Comm comm,
+MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                         std::string_view call);
-MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, MPI_Comm comm,
+MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                         std::string_view call);
 void wait(MPI_Request& request, std::string_view call);
 void wait_all(std::size_t n, MPI_Request* requests, std::string_view call);
 
 // Blocking exchange of any size (split into pieces when large).
 void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* recv,
-                     std::size_t recv_bytes, int source, int tag, MPI_Comm comm,
+                     std::size_t recv_bytes, int source, int tag, Communicator& comm,
                      std::string_view call);
-void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, MPI_Comm comm,
+void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                 std::string_view call);
-void recv_bytes(void* buf, std::size_t bytes, int source, int tag, MPI_Comm comm,
+void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                 std::string_view call);
+
+// Non-blocking transfers of any size, split into pieces of at most kMaxMessageBytes (both sides
+// split identically); the requests are appended to `requests`.
+void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
+                  std::string_view call, std::vector<MPI_Request>& requests);
+void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
+                  std::string_view call, std::vector<MPI_Request>& requests);
 
 }  // namespace gradcomm::collectives

@@ -2,6 +2,7 @@
 
 #include "collectives/allreduce_flat.h"
 #include "collectives/allreduce_halving_doubling.h"
+#include "collectives/allreduce_hierarchical.h"
 #include "collectives/allreduce_mpi.h"
 #include "collectives/allreduce_ring.h"
 
@@ -18,6 +19,8 @@ const std::vector<AlgorithmEntry>& registered_algorithms() {
       {"ring", "pipelined ring reduce-scatter + all-gather", make<AllreduceRing>},
       {"halving_doubling", "Rabenseifner recursive halving + doubling",
        make<AllreduceHalvingDoubling>},
+      {"hierarchical", "reduce-scatter in groups (nodes), all-reduce across, all-gather in groups",
+       make<AllreduceHierarchical>},
       {"mpi", "MPI_Allreduce of the MPI library", make<AllreduceMpi>},
   };
   return entries;

@@ -63,6 +63,16 @@ class Communicator {
     return static_cast<T&>(*entry);
   }
 
+  // Installs a prepared attachment (replacing any of the same type); for state a parent
+  // communicator hands to a sub-communicator it created.
+  template <class T>
+  T& attach(std::unique_ptr<T> value) {
+    static_assert(std::is_base_of_v<Attachment, T>, "attachments derive from Attachment");
+    T& result = *value;
+    attachments_[std::type_index(typeid(T))] = std::move(value);
+    return result;
+  }
+
   bool log_enabled(LogLevel level) const { return level <= config_.log_level; }
   // Writes "[gradcomm rank R] level: message" to stderr when `level` is enabled.
   void log(LogLevel level, std::string_view message) const;
