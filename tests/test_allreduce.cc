@@ -18,6 +18,7 @@
 #include "collectives/registry.h"
 #include "core/half.h"
 #include "tests/mpi_test.h"
+#include "topology/topology.h"
 
 namespace gradcomm::testing {
 namespace {
@@ -386,6 +387,140 @@ TEST_F(AllreduceTyped, SpanOverloads) {
   for (std::int64_t v : values)
     EXPECT_EQ(v, n - 1);
 }
+
+}  // namespace
+}  // namespace gradcomm::testing
+
+namespace gradcomm::testing {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Hierarchical on emulated layouts: 8 = 2x4, 8 = 4x2, 6 = 2x3, 5 = 3+2, 4 = 1x4 and the DGX-1
+// preset at 8, each on a sub-communicator of the needed size cut from the world.
+
+struct Layout {
+  const char* label;
+  int ranks;
+  int ranks_per_node;  // 0 with the preset
+  const char* preset;
+};
+constexpr Layout kLayouts[] = {{"8=2x4", 8, 4, ""}, {"8=4x2", 8, 2, ""}, {"6=2x3", 6, 3, ""},
+                               {"5=3+2", 5, 3, ""}, {"4=1x4", 4, 4, ""}, {"dgx1", 8, 0, "dgx1"}};
+
+// Runs `body` on a communicator of `layout.ranks` ranks with the layout's config, on the ranks
+// that take part; returns false (nothing run) when the world is too small.
+template <class Body>
+bool with_layout(const Layout& layout, Body body) {
+  if (world().size() < layout.ranks) return false;
+  MPI_Comm split = MPI_COMM_NULL;
+  const bool member = world().rank() < layout.ranks;
+  MPI_Comm_split(MPI_COMM_WORLD, member ? 0 : MPI_UNDEFINED, world().rank(), &split);
+  if (member) {
+    Config config;
+    config.ranks_per_node = layout.ranks_per_node;
+    config.topology_preset = layout.preset;
+    config.segment_bytes = std::size_t{1} << 30;  // one segment per step: messages == steps
+    Communicator comm(split, config);
+    body(comm);
+    MPI_Comm_free(&split);
+  }
+  return true;
+}
+
+class HierarchicalLayouts : public MpiTestWithParam<Layout> {};
+
+TEST_P(HierarchicalLayouts, EveryDtypeOpCountAndPlacement) {
+  const Layout& layout = GetParam();
+  const bool ran = with_layout(layout, [&](Communicator& comm) {
+    std::vector<std::byte> send, recv;
+    for (DataType dtype : kAllDataTypes) {
+      for (ReduceOp op : kAllReduceOps) {
+        for (std::size_t count : small_counts(comm.size())) {
+          if (count > 100000 && (dtype != DataType::float32 || op != ReduceOp::sum)) continue;
+          for (bool in_place : {false, true}) {
+            check_exact(comm, "hierarchical", dtype, op, count, in_place, send, recv);
+          }
+        }
+      }
+    }
+  });
+  if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
+}
+
+// Bytes and messages sent inside and across groups equal the analytic values, for the flat ring
+// and for hierarchical. Counts in elements of 4 bytes; the ring sends every chunk but the two
+// after its own (one per phase): 2*S - chunk(r+1) - chunk(r+2).
+std::size_t ring_sent(std::size_t count, std::size_t n, std::size_t index) {
+  auto chunk = [&](std::size_t c) { return count / n + (c % n < count % n ? 1 : 0); };
+  return 2 * count - chunk((index + 1) % n) - chunk((index + 2) % n);
+}
+
+TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
+  const Layout& layout = GetParam();
+  const bool ran = with_layout(layout, [&](Communicator& comm) {
+    const std::size_t count = std::size_t{1} << 22;  // 16 MiB: columns >= 4 MiB use the ring
+    std::vector<float> data(count, 1.0f);
+    const auto& topo = topology::topology_of(comm);
+    const auto n = static_cast<std::size_t>(comm.size());
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const auto G = topo.groups.size();
+    const int my_group = topo.group_of_rank[r];
+
+    // Flat ring: only ranks whose right neighbour is in another group send across.
+    reset_traffic(comm);
+    allreduce(comm, data.data(), data.data(), count, DataType::float32, ReduceOp::sum,
+              {.algorithm = "ring"});
+    TrafficReport t = traffic(comm);
+    const bool boundary = topo.group_of_rank[(r + 1) % n] != my_group;
+    const std::uint64_t ring_bytes = 4 * ring_sent(count, n, r);
+    EXPECT_EQ(boundary ? t.inter_bytes : t.intra_bytes, ring_bytes);
+    EXPECT_EQ(boundary ? t.intra_bytes : t.inter_bytes, 0u);
+    EXPECT_EQ(boundary ? t.inter_messages : t.intra_messages, 2 * (n - 1));
+
+    // Hierarchical.
+    reset_traffic(comm);
+    allreduce(comm, data.data(), data.data(), count, DataType::float32, ReduceOp::sum,
+              {.algorithm = "hierarchical"});
+    t = traffic(comm);
+    const auto& mine = topo.groups[static_cast<std::size_t>(my_group)];
+    const std::size_t g = mine.size();
+    const std::size_t local = std::find(mine.begin(), mine.end(), comm.rank()) - mine.begin();
+    std::size_t P = 0;
+    for (const auto& group : topo.groups)
+      P = std::max(P, group.size());
+    std::uint64_t intra = 0, inter = 0, intra_messages = 0, inter_messages = 0;
+    for (std::size_t c = 0; c < P; ++c) {
+      const std::size_t length = count / P + (c < count % P ? 1 : 0);
+      if (c % g == local) {
+        intra += 4 * length * (g - 1);  // phase 3: to every other member
+        intra_messages += g - 1;
+        // Phase 2: ring over the G owners of column c; this rank's index is its group's.
+        inter += 4 * ring_sent(length, G, static_cast<std::size_t>(my_group));
+        inter_messages += 2 * (G - 1);
+      } else {
+        intra += 4 * length;  // phase 1: to the column's owner
+        intra_messages += 1;
+      }
+    }
+    EXPECT_EQ(t.intra_bytes, intra);
+    EXPECT_EQ(t.inter_bytes, inter);
+    EXPECT_EQ(t.intra_messages, intra_messages);
+    EXPECT_EQ(t.inter_messages, inter_messages);
+    // Cross-group bytes cut by the group size against the ring's boundary ranks (even layouts).
+    if (n % G == 0 && G > 1 && g > 1) {
+      EXPECT_LE(t.inter_bytes * g, ring_bytes + 4 * g * G);
+    }
+  });
+  if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
+}
+
+INSTANTIATE_TEST_SUITE_P(Emulated, HierarchicalLayouts, ::testing::ValuesIn(kLayouts),
+                         [](const auto& info) {
+                           std::string name = info.param.label;
+                           std::replace(name.begin(), name.end(), '=', '_');
+                           std::replace(name.begin(), name.end(), '+', 'p');
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace gradcomm::testing
