@@ -66,6 +66,9 @@ struct Row {
   double algbw = 0, busbw = 0;
   long long wrong = -1;  // -1: not checked
   double vs_mpi = 0;
+  // Bytes one call sent inside / across hierarchical groups, largest over ranks (gradcomm's own
+  // algorithms; 0 for mpi, whose internals are not visible).
+  unsigned long long intra_bytes = 0, inter_bytes = 0;
 };
 
 const char kUsage[] =
@@ -342,6 +345,13 @@ std::vector<Row> measure_size(Communicator& comm, const Options& o, std::size_t 
     row.p99_us = percentile(t, 0.99) * 1e6;
     row.algbw = row.mean_us > 0 ? static_cast<double>(bytes) / (row.mean_us * 1e-6) / 1e9 : 0;
     row.busbw = row.algbw * bus_factor;
+    gradcomm::reset_traffic(comm);
+    call(row.algorithm);
+    const gradcomm::TrafficReport traffic = gradcomm::traffic(comm);
+    unsigned long long sent[2] = {traffic.intra_bytes, traffic.inter_bytes};
+    MPI_Allreduce(MPI_IN_PLACE, sent, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi);
+    row.intra_bytes = sent[0];
+    row.inter_bytes = sent[1];
     if (o.check)
       row.wrong = count_wrong(comm, o, row.algorithm, count, send, recv, ref_in, ref_out);
     rows.push_back(row);
@@ -356,7 +366,7 @@ void print_header(const Options& o, int n) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
-        "p99_us,algbw,busbw,wrong,vs_mpi\n");
+        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes\n");
   } else if (o.format == Options::Format::table) {
     std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
                 std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
@@ -367,10 +377,13 @@ void print_header(const Options& o, int n) {
         " busbw = algbw * 2(n-1)/n\n");
     std::printf(
         "# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
-        "faster)\n#\n");
-    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s\n", "size",
+        "faster)\n");
+    std::printf(
+        "# xgroup_MB: bytes one call sends across hierarchical groups (nodes), largest "
+        "rank\n#\n");
+    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %10s\n", "size",
                 "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us", "p50_us",
-                "p99_us", "algbw", "busbw", "#wrong", "vs_mpi");
+                "p99_us", "algbw", "busbw", "#wrong", "vs_mpi", "xgroup_MB");
   }
 }
 
@@ -378,24 +391,27 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
   const std::string type(to_string(o.dtype));
   const std::string op(to_string(o.op));
   if (o.format == Options::Format::csv) {
-    std::printf("%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f\n",
+    std::printf("%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu\n",
                 r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0,
                 n, r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong,
-                r.vs_mpi);
+                r.vs_mpi, r.intra_bytes, r.inter_bytes);
   } else if (o.format == Options::Format::json) {
     std::printf(
         "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
         "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
-        "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f}",
+        "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f, "
+        "\"intra_bytes\": %llu, \"inter_bytes\": %llu}",
         first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
-        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi);
+        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi, r.intra_bytes,
+        r.inter_bytes);
   } else {
     const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
     std::printf(
         "  %10zu %11zu %8s %5s %-16s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %6s "
-        "%6.2f\n",
+        "%6.2f %10.3f\n",
         r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us, r.min_us,
-        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi);
+        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi,
+        static_cast<double>(r.inter_bytes) / 1e6);
   }
   std::fflush(stdout);
 }
