@@ -6,6 +6,7 @@
 #include <string>
 
 #include "collectives/auto_select.h"
+#include "collectives/owner_exchange.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
@@ -78,6 +79,10 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     return;  // avg over one rank divides by 1
   }
 
+  if (comm.config().deterministic) {
+    // Reproducible mode: whatever the name, the reduction order is the serial rank order.
+    return collectives::reproducible_allreduce(args, comm);
+  }
   const std::string_view name =
       requested == "auto" ? collectives::select_allreduce_algorithm(args, comm) : requested;
   collectives::AllreduceAlgorithm* algorithm =

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/owner_exchange.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
@@ -37,15 +38,6 @@ namespace {
 
 constexpr std::string_view kCall = "allreduce(hierarchical)";
 constexpr std::size_t kRingFromBytes = std::size_t{4} << 20;
-
-struct Range {
-  std::size_t offset, length;
-};
-Range split(std::size_t total, std::size_t parts, std::size_t index) {
-  const std::size_t base = total / parts;
-  const std::size_t extra = total % parts;
-  return {index * base + std::min(index, extra), base + (index < extra ? 1 : 0)};
-}
 
 // The sub-communicators of one communicator, built once (collectively, on first use).
 class Hierarchy : public Attachment {
@@ -62,8 +54,7 @@ class Hierarchy : public Attachment {
     trivial = groups == 1 || columns == 1;
     if (trivial) return;
     // Sub-communicators add to this communicator's counters.
-    const std::shared_ptr<TrafficCounters> counters =
-        comm.attachment<Traffic>().shared_counters();
+    const std::shared_ptr<TrafficCounters> counters = comm.attachment<Traffic>().shared_counters();
     MPI_Comm split = MPI_COMM_NULL;
     check_mpi(MPI_Comm_split(comm.mpi_comm(), group, comm.rank(), &split),
               "allreduce(hierarchical): MPI_Comm_split", comm.rank());
@@ -98,73 +89,15 @@ void AllreduceHierarchical::run(const AllreduceArgs& args, Communicator& comm) {
   Hierarchy& h = comm.attachment<Hierarchy>();
   if (h.trivial) return comm.attachment<AlgorithmCache>().find("ring")->run(args, comm);
 
-  const std::size_t es = args.element_bytes();
-  const auto P = static_cast<std::size_t>(h.columns);
-  const int g = h.group_size;
-  auto owner = [&](std::size_t c) { return static_cast<int>(c % static_cast<std::size_t>(g)); };
-  std::vector<std::size_t> owned;
-  std::size_t owned_elements = 0;
-  for (std::size_t c = 0; c < P; ++c) {
-    if (owner(c) == h.local) {
-      owned.push_back(c);
-      owned_elements += split(args.count, P, c).length;
-    }
-  }
-  const auto* send = static_cast<const std::byte*>(args.send);
-  auto* recv = static_cast<std::byte*>(args.recv);
-  Communicator& group = *h.group_comm;
-
-  // Phase 1. Scratch: one slot per group member (the own slot holds a copy of this rank's
-  // contribution, needed in-place when this rank is not local rank 0), each `owned_elements`.
-  std::byte* slots = comm.scratch(static_cast<std::size_t>(g) * owned_elements * es);
-  auto slot = [&](int member) {
-    return slots + static_cast<std::size_t>(member) * owned_elements * es;
-  };
-  std::vector<MPI_Request> requests;
-  for (int m = 0; m < g; ++m) {
-    if (m == h.local) continue;
-    std::size_t offset = 0;
-    for (std::size_t c : owned) {
-      const Range col = split(args.count, P, c);
-      irecv_pieces(slot(m) + offset * es, col.length * es, m, kTagHierarchical, group, kCall,
-                   requests);
-      offset += col.length;
-    }
-  }
-  for (std::size_t c = 0; c < P; ++c) {
-    if (owner(c) == h.local) continue;
-    const Range col = split(args.count, P, c);
-    isend_pieces(send + col.offset * es, col.length * es, owner(c), kTagHierarchical, group, kCall,
-                 requests);
-  }
-  wait_all(requests.size(), requests.data(), kCall);
-  requests.clear();
+  const ColumnLayout layout(args.count, static_cast<std::size_t>(h.columns), h.group_size, h.local);
   const ReduceOp phase_op = args.op == ReduceOp::avg ? ReduceOp::sum : args.op;
-  std::size_t offset = 0;
-  for (std::size_t c : owned) {
-    const Range col = split(args.count, P, c);
-    std::byte* dst = recv + col.offset * es;
-    const std::byte* own = send + col.offset * es;
-    if (args.in_place() && h.local != 0) {
-      std::memcpy(slot(h.local) + offset * es, own, col.length * es);
-      own = slot(h.local) + offset * es;
-    }
-    auto contribution = [&](int m) { return m == h.local ? own : slot(m) + offset * es; };
-    if (g == 1) {
-      if (dst != own) std::memcpy(dst, own, col.length * es);
-    } else {
-      reduce_to(dst, contribution(0), contribution(1), col.length, args.dtype, phase_op);
-      for (int m = 2; m < g; ++m) {
-        reduce_into(dst, contribution(m), col.length, args.dtype, phase_op);
-      }
-    }
-    offset += col.length;
-  }
+  reduce_scatter_to_owners(args, phase_op, layout, *h.group_comm, comm);  // phase 1
 
   // Phase 2: across groups, column by column.
-  for (std::size_t c : owned) {
-    const Range col = split(args.count, P, c);
-    std::byte* data = recv + col.offset * es;
+  const std::size_t es = args.element_bytes();
+  for (std::size_t c : layout.owned) {
+    const auto col = layout.column(c);
+    std::byte* data = static_cast<std::byte*>(args.recv) + col.offset * es;
     const std::string_view algorithm =
         col.length * es < kRingFromBytes ? "halving_doubling" : "ring";
     allreduce(*h.column_comms[c], data, data, col.length, args.dtype, phase_op,
@@ -172,22 +105,7 @@ void AllreduceHierarchical::run(const AllreduceArgs& args, Communicator& comm) {
     if (args.op == ReduceOp::avg) divide_by(data, col.length, args.dtype, comm.size());
   }
 
-  // Phase 3: all-gather inside the group, straight into the output.
-  for (std::size_t c = 0; c < P; ++c) {
-    const Range col = split(args.count, P, c);
-    if (owner(c) == h.local) {
-      for (int m = 0; m < g; ++m) {
-        if (m != h.local) {
-          isend_pieces(recv + col.offset * es, col.length * es, m, kTagHierarchical, group, kCall,
-                       requests);
-        }
-      }
-    } else {
-      irecv_pieces(recv + col.offset * es, col.length * es, owner(c), kTagHierarchical, group,
-                   kCall, requests);
-    }
-  }
-  wait_all(requests.size(), requests.data(), kCall);
+  allgather_from_owners(args, layout, *h.group_comm);  // phase 3
 }
 
 }  // namespace gradcomm::collectives

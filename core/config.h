@@ -25,6 +25,9 @@ struct Config {
   // one node, copying into a fused buffer costs about as much as reducing it, so big tensors
   // are better left in place than fused (Horovod's 64 MiB and DDP's 25 MiB target networks).
   std::size_t fusion_threshold = std::size_t{2} << 20;
+  // GRADCOMM_DETERMINISTIC: 1 makes every algorithm return exactly the bits of the serial
+  // reduction in rank order ((x0 op x1) op x2 ...), reproducible for a given rank count.
+  bool deterministic = false;
   // GRADCOMM_RANKS_PER_NODE: 0 discovers nodes; k > 0 emulates nodes of k consecutive ranks
   // (the last node takes the remainder: 5 ranks with k = 3 are 3 + 2).
   int ranks_per_node = 0;

@@ -524,3 +524,126 @@ INSTANTIATE_TEST_SUITE_P(Emulated, HierarchicalLayouts, ::testing::ValuesIn(kLay
 
 }  // namespace
 }  // namespace gradcomm::testing
+
+namespace gradcomm::testing {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Reproducible mode: every algorithm returns exactly the bits of the serial reduction in rank
+// order, computed here from all ranks' inputs with plain scalar arithmetic (16-bit types
+// rounded after every step, as the mode promises).
+
+template <class T>
+double as_double(T v) {
+  if constexpr (std::is_same_v<T, float16_t> || std::is_same_v<T, bfloat16_t>) {
+    return to_float(v);
+  } else {
+    return static_cast<double>(v);
+  }
+}
+
+template <class T>
+T combine(T a, T b, ReduceOp op) {
+  auto apply = [op](auto x, auto y) -> decltype(x) {
+    switch (op) {
+      case ReduceOp::sum:
+      case ReduceOp::avg:
+        return x + y;
+      case ReduceOp::prod:
+        return x * y;
+      case ReduceOp::min:
+        return y < x ? y : x;
+      case ReduceOp::max:
+        return x < y ? y : x;
+    }
+    return x;
+  };
+  if constexpr (std::is_same_v<T, float16_t>) {
+    return to_float16(apply(to_float(a), to_float(b)));
+  } else if constexpr (std::is_same_v<T, bfloat16_t>) {
+    return to_bfloat16(apply(to_float(a), to_float(b)));
+  } else {
+    return apply(a, b);
+  }
+}
+
+template <class T>
+void check_reproducible(DataType dtype) {
+  const int n = world().size();
+  Config config;
+  config.deterministic = true;
+  Communicator comm(MPI_COMM_WORLD, config);
+  std::mt19937 rng(99 + comm.rank());
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::prod, ReduceOp::max}) {
+    for (std::size_t count : {std::size_t{1}, std::size_t{7}, static_cast<std::size_t>(n + 1),
+                              std::size_t{1000}, std::size_t{65537}}) {
+      std::vector<T> input(count);
+      for (T& v : input) {
+        const float x = uniform(rng);
+        if constexpr (std::is_same_v<T, float16_t>) {
+          v = to_float16(x);
+        } else if constexpr (std::is_same_v<T, bfloat16_t>) {
+          v = to_bfloat16(x);
+        } else {
+          v = static_cast<T>(x);
+        }
+      }
+      std::vector<T> all(count * static_cast<std::size_t>(n));
+      MPI_Allgather(input.data(), static_cast<int>(count * sizeof(T)), MPI_BYTE, all.data(),
+                    static_cast<int>(count * sizeof(T)), MPI_BYTE, comm.mpi_comm());
+      std::vector<T> expected(count);
+      for (std::size_t i = 0; i < count; ++i) {
+        T acc = all[i];
+        for (int r = 1; r < n; ++r)
+          acc = combine(acc, all[r * count + i], op);
+        if (op == ReduceOp::avg) {
+          if constexpr (std::is_same_v<T, float16_t>) {
+            acc = to_float16(to_float(acc) / static_cast<float>(n));
+          } else if constexpr (std::is_same_v<T, bfloat16_t>) {
+            acc = to_bfloat16(to_float(acc) / static_cast<float>(n));
+          } else {
+            acc = acc / static_cast<T>(n);
+          }
+        }
+        expected[i] = acc;
+      }
+      for (const std::string& algorithm : all_algorithms()) {
+        for (bool in_place : {false, true}) {
+          SCOPED_TRACE(algorithm + " " + std::string(to_string(dtype)) + " " +
+                       std::string(to_string(op)) + " count=" + std::to_string(count) +
+                       (in_place ? " in-place" : ""));
+          std::vector<T> out(count), work = input;
+          T* dst = in_place ? work.data() : out.data();
+          allreduce(comm, work.data(), dst, count, dtype, op, {.algorithm = algorithm});
+          std::size_t wrong = 0;
+          for (std::size_t i = 0; i < count; ++i) {
+            if (std::memcmp(&dst[i], &expected[i], sizeof(T)) != 0 && wrong++ == 0) {
+              ADD_FAILURE() << "element " << i << ": " << as_double(dst[i]) << " vs serial "
+                            << as_double(expected[i]);
+            }
+          }
+          EXPECT_EQ(wrong, 0u);
+        }
+      }
+    }
+  }
+}
+
+class Reproducible : public MpiTest {};
+
+TEST_F(Reproducible, Float32) {
+  check_reproducible<float>(DataType::float32);
+}
+TEST_F(Reproducible, Float64) {
+  check_reproducible<double>(DataType::float64);
+}
+TEST_F(Reproducible, Float16) {
+  check_reproducible<float16_t>(DataType::float16);
+}
+TEST_F(Reproducible, BFloat16) {
+  check_reproducible<bfloat16_t>(DataType::bfloat16);
+}
+
+}  // namespace
+}  // namespace gradcomm::testing
