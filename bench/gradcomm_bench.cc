@@ -285,16 +285,21 @@ double percentile(std::vector<double> sorted, double p) {
   return sorted[lo] + (sorted[hi] - sorted[lo]) * (position - static_cast<double>(lo));
 }
 
-std::vector<Row> measure_size(Communicator& comm, const Options& o, std::size_t count,
-                              std::byte* send, std::byte* recv, std::vector<double>& ref_in,
-                              std::vector<double>& ref_out) {
+std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
+                              std::size_t count, std::byte* send, std::byte* recv,
+                              std::vector<double>& ref_in, std::vector<double>& ref_out) {
   const std::size_t es = gradcomm::element_size(o.dtype);
   const std::size_t bytes = count * es;
   const int n = comm.size();
   const MPI_Comm mpi = comm.mpi_comm();
   std::byte* out = o.in_place ? send : recv;
+  // The baseline is MPI_Allreduce itself, also when GRADCOMM_DETERMINISTIC reroutes gradcomm.
+  auto comm_for = [&](const std::string& algorithm) -> Communicator& {
+    return algorithm == "mpi" ? baseline : comm;
+  };
   auto call = [&](const std::string& algorithm) {
-    gradcomm::allreduce(comm, send, out, count, o.dtype, o.op, {.algorithm = algorithm});
+    gradcomm::allreduce(comm_for(algorithm), send, out, count, o.dtype, o.op,
+                        {.algorithm = algorithm});
   };
 
   // Warm up and size each algorithm's batch so a round lasts >= ~100 us on the slowest rank.
@@ -353,7 +358,8 @@ std::vector<Row> measure_size(Communicator& comm, const Options& o, std::size_t 
     row.intra_bytes = sent[0];
     row.inter_bytes = sent[1];
     if (o.check)
-      row.wrong = count_wrong(comm, o, row.algorithm, count, send, recv, ref_in, ref_out);
+      row.wrong = count_wrong(comm_for(row.algorithm), o, row.algorithm, count, send, recv, ref_in,
+                              ref_out);
     rows.push_back(row);
   }
   const double mpi_p50 = rows.back().p50_us;
@@ -573,6 +579,9 @@ int run(int argc, char** argv) {
   const Options& o = *parsed;
   Communicator comm(MPI_COMM_WORLD);
   if (!o.workload.empty()) return run_workload(comm, o);
+  gradcomm::Config plain = comm.config();
+  plain.deterministic = false;
+  Communicator baseline(MPI_COMM_WORLD, plain);
   const std::size_t es = gradcomm::element_size(o.dtype);
   const std::size_t max_count = o.max_bytes / es;
   // Buffers allocated and touched once, reused for every size.
@@ -597,7 +606,8 @@ int run(int argc, char** argv) {
   for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
        size *= o.factor) {
     const std::size_t count = static_cast<std::size_t>(size) / es;
-    for (const Row& row : measure_size(comm, o, count, send.data(), recv.data(), ref_in, ref_out)) {
+    for (const Row& row :
+         measure_size(comm, baseline, o, count, send.data(), recv.data(), ref_in, ref_out)) {
       if (rank == 0) print_row(o, row, comm.size(), first);
       first = false;
       total_wrong += std::max(row.wrong, 0LL);
