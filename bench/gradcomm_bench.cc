@@ -20,7 +20,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -29,12 +31,14 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/auto_select.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "packing/gradient_packer.h"
 #include "packing/grouped_allreduce.h"
 #include "packing/workload.h"
+#include "topology/topology.h"
 
 namespace {
 
@@ -56,6 +60,7 @@ struct Options {
   enum class Format { table, csv, json } format = Format::table;
   std::string workload;                         // --workload: per-step mode comparison
   std::optional<std::size_t> fusion_threshold;  // --fusion-threshold, for --workload
+  std::string tune_file;                        // --tune: write auto's decision table here
 };
 
 struct Row {
@@ -90,7 +95,10 @@ const char kUsage[] =
     "                        mobilenet_v2, bert_base, vgg16, or a path to a workload file):\n"
     "                        one MPI_Allreduce per tensor, grouped_allreduce, one MPI_Allreduce\n"
     "                        of a pre-concatenated buffer, and pack+unpack against memcpy\n"
-    "      --fusion-threshold B  bucket size for --workload (default GRADCOMM_FUSION_THRESHOLD)\n";
+    "      --fusion-threshold B  bucket size for --workload (default GRADCOMM_FUSION_THRESHOLD)\n"
+    "      --tune FILE       sweep every registered algorithm (and MPI_Allreduce) and write the\n"
+    "                        fastest per size as a decision table for auto\n"
+    "                        (GRADCOMM_TUNING_FILE=FILE)\n";
 
 [[noreturn]] void usage_error(const std::string& message) {
   throw gradcomm::InvalidArgument("gradcomm-bench: " + message + "\n" + kUsage);
@@ -156,6 +164,8 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       o.in_place = true;
     else if (arg == "--workload")
       o.workload = value();
+    else if (arg == "--tune")
+      o.tune_file = value();
     else if (arg == "--fusion-threshold")
       o.fusion_threshold = parse_size(value());
     else if (arg == "--csv")
@@ -192,6 +202,12 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
     if (!gradcomm::collectives::is_algorithm_name(name)) {
       usage_error("unknown algorithm '" + name +
                   "'; valid: " + gradcomm::collectives::algorithm_names_joined());
+    }
+  }
+  if (!o.tune_file.empty()) {  // every registered algorithm competes
+    o.algorithms.clear();
+    for (const auto& entry : gradcomm::collectives::registered_algorithms()) {
+      o.algorithms.emplace_back(entry.name);
     }
   }
   // The baseline is always measured, last in each round.
@@ -603,16 +619,49 @@ int run(int argc, char** argv) {
   }
   bool first = true;
   long long total_wrong = 0;
+  std::vector<std::pair<std::size_t, std::string>> winners;  // for --tune: size, fastest
   for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
        size *= o.factor) {
     const std::size_t count = static_cast<std::size_t>(size) / es;
-    for (const Row& row :
-         measure_size(comm, baseline, o, count, send.data(), recv.data(), ref_in, ref_out)) {
+    const std::vector<Row> rows =
+        measure_size(comm, baseline, o, count, send.data(), recv.data(), ref_in, ref_out);
+    const auto fastest = std::min_element(
+        rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.p50_us < b.p50_us; });
+    if (fastest != rows.end()) winners.emplace_back(count * es, fastest->algorithm);
+    for (const Row& row : rows) {
       if (rank == 0) print_row(o, row, comm.size(), first);
       first = false;
       total_wrong += std::max(row.wrong, 0LL);
     }
     if (o.min_bytes == 0) break;  // a size-0 sweep is one row
+  }
+  // Collective on first use, so every rank asks.
+  const auto groups = static_cast<int>(gradcomm::topology::topology_of(comm).groups.size());
+  if (!o.tune_file.empty() && rank == 0 && !winners.empty()) {
+    // Each measured size decides up to the geometric midpoint to the next one.
+    gradcomm::collectives::TuningTable table;
+    table.ranks = comm.size();
+    table.groups = groups;
+    for (std::size_t i = 0; i < winners.size(); ++i) {
+      const std::size_t limit =
+          i + 1 < winners.size()
+              ? static_cast<std::size_t>(std::sqrt(static_cast<double>(winners[i].first) *
+                                                   static_cast<double>(winners[i + 1].first)))
+              : std::numeric_limits<std::size_t>::max();
+      if (!table.rows.empty() && table.rows.back().algorithm == winners[i].second) {
+        table.rows.back().max_bytes = limit;
+      } else {
+        table.rows.push_back({limit, winners[i].second});
+      }
+    }
+    std::ofstream out(o.tune_file);
+    out << table.to_json();
+    if (!out) throw gradcomm::InvalidArgument("gradcomm-bench: cannot write " + o.tune_file);
+    std::printf("# tuning table for %d ranks, %d group(s) written to %s (GRADCOMM_TUNING_FILE):\n",
+                table.ranks, table.groups, o.tune_file.c_str());
+    for (const auto& row : table.rows) {
+      std::printf("#   <= %zu bytes: %s\n", row.max_bytes, row.algorithm.c_str());
+    }
   }
   if (rank == 0) {
     if (o.format == Options::Format::json) std::printf("\n]}\n");

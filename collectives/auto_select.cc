@@ -1,39 +1,270 @@
-// Selection policy of "auto", from measurements on a 2-core machine with Open MPI 4.1 at 2 and 4
-// ranks (README, "Measured"): recursive halving/doubling has the fewest steps (2 log2 n, or
-// log2 n as whole-buffer recursive doubling up to 16 KiB) and wins up to a few MiB; the
-// pipelined ring moves the same bytes in more, smaller steps and wins from 8 MiB on (at 2 MiB
-// halving_doubling led by 1.27x vs 1.13x on 2 ranks and 1.10x vs 1.00x on 4; at 8 MiB ring led
-// by 1.52x vs 1.38x and 1.25x vs 1.15x). A cost model calibrated per machine replaces this
-// fixed threshold when topology-aware selection lands.
-
 #include "collectives/auto_select.h"
 
-#include <string>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <vector>
+
+#include "collectives/registry.h"
+#include "core/error.h"
+#include "core/reduce_kernels.h"
+#include "topology/topology.h"
 
 namespace gradcomm::collectives {
 namespace {
 
-// The last choice, logged again only when it changes, so debug logs stay readable.
-class AutoChoice : public Attachment {
+constexpr int kCalibrationTag = 105;
+constexpr std::size_t kRecursiveDoublingMaxBytes = std::size_t{16} << 10;  // as halving_doubling
+
+std::string broadcast_string(Communicator& comm, std::string text) {
+  unsigned long long length = text.size();
+  MPI_Bcast(&length, 1, MPI_UNSIGNED_LONG_LONG, 0, comm.mpi_comm());
+  text.resize(length);
+  MPI_Bcast(text.data(), static_cast<int>(length), MPI_CHAR, 0, comm.mpi_comm());
+  return text;
+}
+
+// Ping-pong between rank 0 and `peer`: {alpha, beta}. Other ranks do nothing.
+CostModel::Link ping_pong(Communicator& comm, int peer) {
+  constexpr int kSmallRounds = 20, kLargeRounds = 4;
+  constexpr std::size_t kLarge = std::size_t{1} << 20;
+  std::vector<std::byte> buffer(kLarge);
+  const MPI_Comm mpi = comm.mpi_comm();
+  auto round_trips = [&](std::size_t bytes, int rounds) {
+    const int count = static_cast<int>(bytes);
+    const double t0 = MPI_Wtime();
+    for (int i = 0; i < rounds; ++i) {
+      if (comm.rank() == 0) {
+        MPI_Send(buffer.data(), count, MPI_BYTE, peer, kCalibrationTag, mpi);
+        MPI_Recv(buffer.data(), count, MPI_BYTE, peer, kCalibrationTag, mpi, MPI_STATUS_IGNORE);
+      } else {
+        MPI_Recv(buffer.data(), count, MPI_BYTE, 0, kCalibrationTag, mpi, MPI_STATUS_IGNORE);
+        MPI_Send(buffer.data(), count, MPI_BYTE, 0, kCalibrationTag, mpi);
+      }
+    }
+    return (MPI_Wtime() - t0) / rounds / 2;  // one way
+  };
+  round_trips(8, 2);  // warm up the path
+  const double small = round_trips(8, kSmallRounds);
+  const double large = round_trips(kLarge, kLargeRounds);
+  return {small, std::max(1e-12, (large - small) / static_cast<double>(kLarge))};
+}
+
+// Measures the links and the reduction rate on rank 0 and its peers; every rank gets rank 0's
+// values, so every rank's model is the same. Well under a second (a few ms here).
+CostModel calibrate(Communicator& comm, const topology::Topology& topo) {
+  CostModel model;
+  const int my_group = topo.group_of_rank[0];
+  int intra_peer = -1, inter_peer = -1;
+  for (int r = 1; r < comm.size(); ++r) {
+    const bool same = topo.group_of_rank[static_cast<std::size_t>(r)] == my_group;
+    if (same && intra_peer < 0) intra_peer = r;
+    if (!same && inter_peer < 0) inter_peer = r;
+  }
+  double values[5] = {model.intra.alpha, model.intra.beta, model.inter.alpha, model.inter.beta,
+                      model.gamma};
+  if (intra_peer > 0 && (comm.rank() == 0 || comm.rank() == intra_peer)) {
+    const CostModel::Link link = ping_pong(comm, intra_peer);
+    values[0] = link.alpha;
+    values[1] = link.beta;
+  }
+  if (inter_peer > 0 && (comm.rank() == 0 || comm.rank() == inter_peer)) {
+    const CostModel::Link link = ping_pong(comm, inter_peer);
+    values[2] = link.alpha;
+    values[3] = link.beta;
+  } else if (inter_peer < 0) {
+    values[2] = values[0];  // one group: every link is intra-group
+    values[3] = values[1];
+  }
+  if (comm.rank() == 0) {
+    constexpr std::size_t kCount = 1 << 16;  // 256 KiB of float32
+    std::vector<float> a(kCount, 1.0f), b(kCount, 2.0f);
+    reduce_into(a.data(), b.data(), kCount, DataType::float32, ReduceOp::sum);
+    const double t0 = MPI_Wtime();
+    for (int i = 0; i < 8; ++i)
+      reduce_into(a.data(), b.data(), kCount, DataType::float32, ReduceOp::sum);
+    values[4] = (MPI_Wtime() - t0) / 8 / static_cast<double>(kCount * sizeof(float));
+  }
+  MPI_Bcast(values, 5, MPI_DOUBLE, 0, comm.mpi_comm());
+  model.intra = {values[0], values[1]};
+  model.inter = {values[2], values[3]};
+  model.gamma = values[4];
+  return model;
+}
+
+std::string milliseconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g ms", seconds * 1e3);
+  return text;
+}
+
+// What auto knows about one communicator, set up on its first auto call.
+class AutoState : public Attachment {
  public:
-  explicit AutoChoice(Communicator&) {}
-  std::string_view last;
+  explicit AutoState(Communicator& comm) {
+    const topology::Topology& topo = topology::topology_of(comm);
+    groups = static_cast<int>(topo.groups.size());
+    for (const auto& g : topo.groups)
+      group_size = std::max(group_size, static_cast<int>(g.size()));
+    const Config& config = comm.config();
+    // The table: rank 0 reads it, everyone parses rank 0's text.
+    std::string text;
+    bool have_file = !config.tuning_file.empty();
+    if (have_file && comm.rank() == 0) {
+      std::ifstream in(config.tuning_file);
+      std::ostringstream content;
+      content << in.rdbuf();
+      text = in ? content.str() : std::string();
+    }
+    if (have_file) {
+      text = broadcast_string(comm, text);
+      if (text.empty()) {
+        throw InvalidArgument(error_message(
+            "auto", comm.rank(), "cannot read GRADCOMM_TUNING_FILE '" + config.tuning_file + "'"));
+      }
+      TuningTable parsed = TuningTable::parse(text, config.tuning_file);
+      if (parsed.ranks == comm.size() && parsed.groups == groups) {
+        table = std::move(parsed);
+      } else {
+        comm.log(LogLevel::info, "auto: tuning table " + config.tuning_file + " is for " +
+                                     std::to_string(parsed.ranks) + " ranks in " +
+                                     std::to_string(parsed.groups) +
+                                     " groups; using the cost model");
+      }
+    }
+    if (config.calibrate) model = calibrate(comm, topo);
+    if (comm.log_enabled(LogLevel::debug)) {
+      comm.log(LogLevel::debug,
+               "auto: model intra alpha " + std::to_string(model.intra.alpha * 1e6) + " us, " +
+                   std::to_string(1e-9 / model.intra.beta) + " GB/s; inter alpha " +
+                   std::to_string(model.inter.alpha * 1e6) + " us, " +
+                   std::to_string(1e-9 / model.inter.beta) + " GB/s; reduce " +
+                   std::to_string(1e-9 / model.gamma) + " GB/s" +
+                   (config.calibrate ? " (calibrated)" : " (defaults)"));
+    }
+  }
+
+  std::optional<TuningTable> table;
+  CostModel model;
+  int groups = 1;
+  int group_size = 1;
+  std::string last;
 };
 
 }  // namespace
 
+std::optional<double> CostModel::predict(std::string_view algorithm, std::size_t bytes, int n,
+                                         int groups, int group_size) const {
+  const double S = static_cast<double>(bytes);
+  const Link link = groups > 1 ? inter : intra;  // flat algorithms are as slow as their worst link
+  if (algorithm == "ring") {
+    return 2.0 * (n - 1) * (link.alpha + S / n * link.beta) + (n - 1.0) / n * S * gamma;
+  }
+  if (algorithm == "halving_doubling") {
+    int p = 1, steps = 0;
+    while (p * 2 <= n) {
+      p *= 2;
+      ++steps;
+    }
+    const double fold = p == n ? 0.0 : 2 * (link.alpha + S * link.beta) + S * gamma;
+    if (bytes <= kRecursiveDoublingMaxBytes)
+      return steps * (link.alpha + S * link.beta + S * gamma) + fold;
+    return 2.0 * steps * link.alpha + 2.0 * (p - 1) / p * S * link.beta +
+           (p - 1.0) / p * S * gamma + fold;
+  }
+  if (algorithm == "flat") {
+    return 2 * link.alpha + 2.0 * (n - 1) * S * link.beta + (n - 1.0) * S * gamma;
+  }
+  if (algorithm == "hierarchical") {
+    if (groups <= 1 || group_size <= 1) return predict("ring", bytes, n, 1, n);
+    const double g = group_size;
+    const double shard = S / g;
+    const double intra_phases =
+        2 * (g - 1) * intra.alpha + 2 * (g - 1) / g * S * intra.beta + (g - 1) / g * S * gamma;
+    CostModel across = *this;
+    across.intra = inter;
+    const std::string_view cross = shard < (4 << 20) ? "halving_doubling" : "ring";
+    return intra_phases +
+           *across.predict(cross, static_cast<std::size_t>(shard), groups, 1, groups);
+  }
+  return std::nullopt;
+}
+
+std::string TuningTable::to_json() const {
+  nlohmann::json doc;
+  doc["version"] = 1;
+  doc["ranks"] = ranks;
+  doc["groups"] = groups;
+  doc["rows"] = nlohmann::json::array();
+  for (const Row& row : rows) {
+    doc["rows"].push_back({{"max_bytes", row.max_bytes}, {"algorithm", row.algorithm}});
+  }
+  return doc.dump(2) + "\n";
+}
+
+TuningTable TuningTable::parse(const std::string& text, const std::string& origin) {
+  auto bad = [&](const std::string& detail) {
+    throw InvalidArgument(error_message("tuning table", -1, origin + ": " + detail));
+  };
+  TuningTable table;
+  try {
+    const nlohmann::json doc = nlohmann::json::parse(text);
+    if (!doc.is_object() || doc.value("version", 0) != 1) bad("expected {\"version\": 1, ...}");
+    table.ranks = doc.at("ranks").get<int>();
+    table.groups = doc.at("groups").get<int>();
+    for (const auto& row : doc.at("rows")) {
+      table.rows.push_back(
+          {row.at("max_bytes").get<std::size_t>(), row.at("algorithm").get<std::string>()});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    bad(std::string("malformed: ") + e.what());
+  }
+  if (table.rows.empty()) bad("no rows");
+  for (const Row& row : table.rows) {
+    if (row.algorithm == "auto" || !is_algorithm_name(row.algorithm)) {
+      bad("unknown algorithm '" + row.algorithm + "'; valid: " + algorithm_names_joined());
+    }
+  }
+  return table;
+}
+
 std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm) {
+  AutoState& state = comm.attachment<AutoState>();
   const std::size_t bytes = args.count * args.element_bytes();
-  constexpr std::size_t threshold = std::size_t{4} << 20;
-  const std::string_view choice = bytes < threshold ? "halving_doubling" : "ring";
-  AutoChoice& state = comm.attachment<AutoChoice>();
+  std::string choice;
+  std::string why;
+  if (state.table) {
+    const auto& rows = state.table->rows;
+    const auto it = std::find_if(rows.begin(), rows.end(),
+                                 [&](const TuningTable::Row& r) { return bytes <= r.max_bytes; });
+    choice = (it == rows.end() ? rows.back() : *it).algorithm;
+    why = "tuning table " + comm.config().tuning_file;
+  } else {
+    double best = 0;
+    for (const AlgorithmEntry& entry : registered_algorithms()) {
+      const auto predicted =
+          state.model.predict(entry.name, bytes, comm.size(), state.groups, state.group_size);
+      if (!predicted) continue;
+      why += (why.empty() ? "predicted " : ", ") + std::string(entry.name) + " " +
+             milliseconds(*predicted);
+      if (choice.empty() || *predicted < best) {
+        best = *predicted;
+        choice = entry.name;
+      }
+    }
+  }
   if (state.last != choice && comm.log_enabled(LogLevel::debug)) {
-    comm.log(LogLevel::debug, "auto: " + std::string(choice) + " for " + std::to_string(bytes) +
-                                  " bytes on " + std::to_string(comm.size()) +
-                                  " ranks (ring from " + std::to_string(threshold) + " bytes)");
+    comm.log(LogLevel::debug, "auto: " + choice + " for " + std::to_string(bytes) + " bytes on " +
+                                  std::to_string(comm.size()) + " ranks (" + why + ")");
   }
   state.last = choice;
-  return choice;
+  // A stable view: the registry's own name.
+  for (const AlgorithmEntry& entry : registered_algorithms()) {
+    if (entry.name == choice) return entry.name;
+  }
+  return "ring";
 }
 
 }  // namespace gradcomm::collectives

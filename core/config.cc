@@ -73,6 +73,12 @@ Config Config::from_environment() {
     config.fusion_threshold =
         static_cast<std::size_t>(parse_integer("GRADCOMM_FUSION_THRESHOLD", v, 0, 1LL << 40));
   }
+  if (const char* v = get("GRADCOMM_TUNING_FILE")) config.tuning_file = v;
+  if (const char* v = get("GRADCOMM_CALIBRATE")) {
+    const std::string value = v;
+    if (value != "0" && value != "1") bad_variable("GRADCOMM_CALIBRATE", v, "0 or 1");
+    config.calibrate = value == "1";
+  }
   if (const char* v = get("GRADCOMM_DETERMINISTIC")) {
     const std::string value = v;
     if (value != "0" && value != "1") bad_variable("GRADCOMM_DETERMINISTIC", v, "0 or 1");

@@ -25,6 +25,11 @@ struct Config {
   // one node, copying into a fused buffer costs about as much as reducing it, so big tensors
   // are better left in place than fused (Horovod's 64 MiB and DDP's 25 MiB target networks).
   std::size_t fusion_threshold = std::size_t{2} << 20;
+  // GRADCOMM_TUNING_FILE: a decision table written by `gradcomm-bench --tune` for `auto`.
+  std::string tuning_file;
+  // GRADCOMM_CALIBRATE: 1 measures links and reduction speed for auto's cost model on its first
+  // use (a few ms); 0 uses defaults.
+  bool calibrate = true;
   // GRADCOMM_DETERMINISTIC: 1 makes every algorithm return exactly the bits of the serial
   // reduction in rank order ((x0 op x1) op x2 ...), reproducible for a given rank count.
   bool deterministic = false;

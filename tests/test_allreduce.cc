@@ -6,16 +6,23 @@
 // - every rank checks its own output, that all ranks' outputs are bit-identical, that guard
 //   elements after the output are untouched, and (out-of-place) that the input is unchanged.
 
+#include <gmock/gmock.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/auto_select.h"
 #include "collectives/registry.h"
+#include "core/error.h"
 #include "core/half.h"
 #include "tests/mpi_test.h"
 #include "topology/topology.h"
@@ -643,6 +650,79 @@ TEST_F(Reproducible, Float16) {
 }
 TEST_F(Reproducible, BFloat16) {
   check_reproducible<bfloat16_t>(DataType::bfloat16);
+}
+
+}  // namespace
+}  // namespace gradcomm::testing
+
+namespace gradcomm::testing {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// auto: a tuning table decides when it matches the layout; otherwise the cost model, which
+// every rank evaluates identically.
+
+collectives::AllreduceArgs args_of(std::size_t bytes) {
+  return {nullptr, nullptr, bytes / 4, DataType::float32, ReduceOp::sum};
+}
+
+class AutoSelection : public MpiTest {};
+
+TEST_F(AutoSelection, TuningTableDecidesWhenItMatches) {
+  if (world().size() < 2) GTEST_SKIP() << "auto runs only with 2 or more ranks";
+  const std::string path = "/tmp/gradcomm_test_tuning_" + std::to_string(getpid()) + ".json";
+  collectives::TuningTable table;
+  table.ranks = world().size();
+  table.groups = 1;
+  table.rows = {{1000, "flat"}, {100000, "mpi"}, {SIZE_MAX, "ring"}};
+  if (world().rank() == 0) {
+    std::ofstream(path) << table.to_json();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Config config;
+  config.tuning_file = path;
+  Communicator comm(MPI_COMM_WORLD, config);
+  EXPECT_EQ(collectives::select_allreduce_algorithm(args_of(8), comm), "flat");
+  EXPECT_EQ(collectives::select_allreduce_algorithm(args_of(1000), comm), "flat");
+  EXPECT_EQ(collectives::select_allreduce_algorithm(args_of(4096), comm), "mpi");
+  EXPECT_EQ(collectives::select_allreduce_algorithm(args_of(1 << 24), comm), "ring");
+  std::vector<std::byte> send, recv;
+  for (std::size_t count : {std::size_t{3}, std::size_t{5000}, std::size_t{1000003}}) {
+    check_exact(comm, "auto", DataType::float32, ReduceOp::sum, count, false, send, recv);
+  }
+  // A table for another rank count is ignored: the model decides.
+  table.ranks = world().size() + 1;
+  if (world().rank() == 0) {
+    std::ofstream(path) << table.to_json();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  Communicator other(MPI_COMM_WORLD, config);
+  EXPECT_NE(collectives::select_allreduce_algorithm(args_of(8), other), "flat");
+  if (world().rank() == 0) std::remove(path.c_str());
+}
+
+TEST_F(AutoSelection, MalformedTablesAreErrors) {
+  EXPECT_THAT([] { collectives::TuningTable::parse("{", "t.json"); },
+              ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("t.json: malformed")));
+  EXPECT_THAT(
+      [] {
+        collectives::TuningTable::parse(
+            R"({"version": 1, "ranks": 2, "groups": 1, "rows": [{"max_bytes": 8, "algorithm": "tree"}]})",
+            "t.json");
+      },
+      ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("unknown algorithm 'tree'")));
+}
+
+TEST_F(AutoSelection, CostModelPrefersFewStepsSmallAndFewBytesLarge) {
+  const collectives::CostModel model;  // defaults
+  auto t = [&](std::string_view a, std::size_t bytes, int n, int groups, int g) {
+    return *model.predict(a, bytes, n, groups, g);
+  };
+  EXPECT_LT(t("halving_doubling", 8, 8, 1, 8), t("ring", 8, 8, 1, 8));
+  EXPECT_LT(t("ring", 64 << 20, 8, 1, 8), t("flat", 64 << 20, 8, 1, 8));
+  // Across two slow-linked groups, hierarchical beats the flat ring at 1 MiB (the README table).
+  EXPECT_LT(t("hierarchical", 1 << 20, 16, 2, 8), t("ring", 1 << 20, 16, 2, 8));
+  EXPECT_FALSE(model.predict("mpi", 8, 2, 1, 2).has_value());
 }
 
 }  // namespace

@@ -99,7 +99,8 @@ TEST_F(BadNames, UnknownAlgorithmListsValidNames) {
         allreduce(world(), buf.data(), buf.data(), 4, DataType::float32, ReduceOp::sum,
                   {.algorithm = "tree"});
       },
-      {"unknown algorithm 'tree'", "valid names: auto, flat, ring, halving_doubling, mpi"});
+      {"unknown algorithm 'tree'",
+       "valid names: auto, flat, ring, halving_doubling, hierarchical, mpi"});
   // The same through the configured default (what GRADCOMM_ALGORITHM sets).
   Config config;
   config.algorithm = "bogus";
