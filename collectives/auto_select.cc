@@ -5,6 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <unordered_map>
 #include <vector>
 
 #include "collectives/registry.h"
@@ -150,7 +151,8 @@ class AutoState : public Attachment {
   CostModel model;
   int groups = 1;
   int group_size = 1;
-  std::string last;
+  std::string_view last;
+  std::unordered_map<std::size_t, std::string_view> decisions;  // bytes -> registry name
 };
 
 }  // namespace
@@ -233,38 +235,51 @@ TuningTable TuningTable::parse(const std::string& text, const std::string& origi
 std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm) {
   AutoState& state = comm.attachment<AutoState>();
   const std::size_t bytes = args.count * args.element_bytes();
-  std::string choice;
-  std::string why;
+  // Decisions are cached per size: this runs on every auto call, and small calls take ~1 us.
+  if (const auto hit = state.decisions.find(bytes); hit != state.decisions.end()) {
+    return hit->second;
+  }
+  std::string_view choice;
   if (state.table) {
     const auto& rows = state.table->rows;
     const auto it = std::find_if(rows.begin(), rows.end(),
                                  [&](const TuningTable::Row& r) { return bytes <= r.max_bytes; });
-    choice = (it == rows.end() ? rows.back() : *it).algorithm;
-    why = "tuning table " + comm.config().tuning_file;
+    const std::string& name = (it == rows.end() ? rows.back() : *it).algorithm;
+    for (const AlgorithmEntry& entry : registered_algorithms()) {
+      if (entry.name == name) choice = entry.name;
+    }
   } else {
     double best = 0;
     for (const AlgorithmEntry& entry : registered_algorithms()) {
       const auto predicted =
           state.model.predict(entry.name, bytes, comm.size(), state.groups, state.group_size);
-      if (!predicted) continue;
-      why += (why.empty() ? "predicted " : ", ") + std::string(entry.name) + " " +
-             milliseconds(*predicted);
-      if (choice.empty() || *predicted < best) {
+      if (predicted && (choice.empty() || *predicted < best)) {
         best = *predicted;
         choice = entry.name;
       }
     }
   }
+  if (state.decisions.size() >= 4096) state.decisions.clear();
+  state.decisions.emplace(bytes, choice);
   if (state.last != choice && comm.log_enabled(LogLevel::debug)) {
-    comm.log(LogLevel::debug, "auto: " + choice + " for " + std::to_string(bytes) + " bytes on " +
-                                  std::to_string(comm.size()) + " ranks (" + why + ")");
+    std::string why;
+    if (state.table) {
+      why = "tuning table " + comm.config().tuning_file;
+    } else {
+      for (const AlgorithmEntry& entry : registered_algorithms()) {
+        const auto predicted =
+            state.model.predict(entry.name, bytes, comm.size(), state.groups, state.group_size);
+        if (!predicted) continue;
+        why += (why.empty() ? "predicted " : ", ") + std::string(entry.name) + " " +
+               milliseconds(*predicted);
+      }
+    }
+    comm.log(LogLevel::debug, "auto: " + std::string(choice) + " for " + std::to_string(bytes) +
+                                  " bytes on " + std::to_string(comm.size()) + " ranks (" + why +
+                                  ")");
   }
   state.last = choice;
-  // A stable view: the registry's own name.
-  for (const AlgorithmEntry& entry : registered_algorithms()) {
-    if (entry.name == choice) return entry.name;
-  }
-  return "ring";
+  return choice;
 }
 
 }  // namespace gradcomm::collectives
