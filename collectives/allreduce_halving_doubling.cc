@@ -30,10 +30,6 @@
 
 namespace gradcomm::collectives {
 
-// Up to this size the whole-buffer recursive doubling (half the steps, log2(p) times the bytes)
-// beats halving + doubling; measured on 2 and 4 ranks (README, "Measured").
-constexpr std::size_t kRecursiveDoublingMaxBytes = std::size_t{16} << 10;
-
 void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm) {
   constexpr std::string_view kCall = "allreduce(halving_doubling)";
   const int n = comm.size();

@@ -37,7 +37,6 @@ namespace gradcomm::collectives {
 namespace {
 
 constexpr std::string_view kCall = "allreduce(hierarchical)";
-constexpr std::size_t kRingFromBytes = std::size_t{4} << 20;
 
 // The sub-communicators of one communicator, built once (collectively, on first use).
 class Hierarchy : public Attachment {
@@ -99,7 +98,7 @@ void AllreduceHierarchical::run(const AllreduceArgs& args, Communicator& comm) {
     const auto col = layout.column(c);
     std::byte* data = static_cast<std::byte*>(args.recv) + col.offset * es;
     const std::string_view algorithm =
-        col.length * es < kRingFromBytes ? "halving_doubling" : "ring";
+        col.length * es < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";
     allreduce(*h.column_comms[c], data, data, col.length, args.dtype, phase_op,
               {.algorithm = algorithm});
     if (args.op == ReduceOp::avg) divide_by(data, col.length, args.dtype, comm.size());

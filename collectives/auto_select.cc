@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "collectives/allreduce_halving_doubling.h"
+#include "collectives/allreduce_hierarchical.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "core/reduce_kernels.h"
@@ -17,7 +19,6 @@ namespace gradcomm::collectives {
 namespace {
 
 constexpr int kCalibrationTag = 105;
-constexpr std::size_t kRecursiveDoublingMaxBytes = std::size_t{16} << 10;  // as halving_doubling
 
 std::string broadcast_string(Communicator& comm, std::string text) {
   unsigned long long length = text.size();
@@ -187,7 +188,7 @@ std::optional<double> CostModel::predict(std::string_view algorithm, std::size_t
         2 * (g - 1) * intra.alpha + 2 * (g - 1) / g * S * intra.beta + (g - 1) / g * S * gamma;
     CostModel across = *this;
     across.intra = inter;
-    const std::string_view cross = shard < (4 << 20) ? "halving_doubling" : "ring";
+    const std::string_view cross = shard < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";
     return intra_phases +
            *across.predict(cross, static_cast<std::size_t>(shard), groups, 1, groups);
   }
