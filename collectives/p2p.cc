@@ -23,6 +23,18 @@ int checked_count(std::size_t bytes, std::string_view call, const Communicator& 
   return static_cast<int>(bytes);
 }
 
+// Calls f(offset, length) for consecutive pieces of at most kMaxMessageBytes covering `bytes`;
+// at least once, so an empty transfer is still one (empty) message that pairs up.
+template <class F>
+void for_each_piece(std::size_t bytes, F f) {
+  std::size_t offset = 0;
+  do {
+    const std::size_t n = std::min(kMaxMessageBytes, bytes - offset);
+    f(offset, n);
+    offset += n;
+  } while (offset < bytes);
+}
+
 void count(Communicator& comm, int dest, std::size_t bytes) {
   comm.attachment<Traffic>().count(comm.rank(), dest, bytes);
 }
@@ -65,23 +77,17 @@ MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Commu
 void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                   std::string_view call, std::vector<MPI_Request>& requests) {
   const auto* p = static_cast<const std::byte*>(buf);
-  std::size_t offset = 0;
-  do {
-    const std::size_t n = std::min(kMaxMessageBytes, bytes - offset);
+  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
     requests.push_back(isend_bytes(p + offset, n, dest, tag, comm, call));
-    offset += n;
-  } while (offset < bytes);
+  });
 }
 
 void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                   std::string_view call, std::vector<MPI_Request>& requests) {
   auto* p = static_cast<std::byte*>(buf);
-  std::size_t offset = 0;
-  do {
-    const std::size_t n = std::min(kMaxMessageBytes, bytes - offset);
+  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
     requests.push_back(irecv_bytes(p + offset, n, source, tag, comm, call));
-    offset += n;
-  } while (offset < bytes);
+  });
 }
 
 void wait(MPI_Request& request, std::string_view call) {
@@ -117,28 +123,21 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
 void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                 std::string_view call) {
   const auto* p = static_cast<const std::byte*>(buf);
-  std::size_t offset = 0;
-  do {
-    const std::size_t n = bytes > offset ? std::min(kMaxMessageBytes, bytes - offset) : 0;
-    check_mpi(
-        MPI_Send(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, dest, tag, comm.mpi_comm()),
-        what(call, "MPI_Send"), comm.rank());
+  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
+    check_mpi(MPI_Send(p + offset, static_cast<int>(n), MPI_BYTE, dest, tag, comm.mpi_comm()),
+              what(call, "MPI_Send"), comm.rank());
     count(comm, dest, n);
-    offset += kMaxMessageBytes;
-  } while (offset < bytes);
+  });
 }
 
 void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                 std::string_view call) {
   auto* p = static_cast<std::byte*>(buf);
-  std::size_t offset = 0;
-  do {
-    const std::size_t n = bytes > offset ? std::min(kMaxMessageBytes, bytes - offset) : 0;
-    check_mpi(MPI_Recv(p + (n ? offset : 0), static_cast<int>(n), MPI_BYTE, source, tag,
-                       comm.mpi_comm(), MPI_STATUS_IGNORE),
+  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
+    check_mpi(MPI_Recv(p + offset, static_cast<int>(n), MPI_BYTE, source, tag, comm.mpi_comm(),
+                       MPI_STATUS_IGNORE),
               what(call, "MPI_Recv"), comm.rank());
-    offset += kMaxMessageBytes;
-  } while (offset < bytes);
+  });
 }
 
 }  // namespace gradcomm::collectives

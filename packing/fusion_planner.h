@@ -42,4 +42,7 @@ struct FusionPlan {
 // Throws InvalidArgument when `order` is not a permutation of the tensor indices.
 FusionPlan plan_fusion(std::span<const TensorDesc> tensors, const FusionOptions& options);
 
+// plan_fusion(tensors, options).hash without building the plan (cheap: one pass, no buckets).
+std::uint64_t fusion_hash(std::span<const TensorDesc> tensors, const FusionOptions& options);
+
 }  // namespace gradcomm::packing

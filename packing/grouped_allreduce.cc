@@ -42,13 +42,23 @@ DataType wire_dtype(DataType dtype, Compression compression) {
   return dtype;
 }
 
-FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tensors,
-                     const GroupedAllreduceOptions& options) {
+packing::FusionOptions fusion_options(const Communicator& comm,
+                                      const GroupedAllreduceOptions& options) {
   packing::FusionOptions fusion;
   fusion.threshold_bytes = options.fusion_threshold.value_or(comm.config().fusion_threshold);
   fusion.order = options.order;
-  FusionPlan plan = packing::plan_fusion(tensors, fusion);
-  plan.hash = (plan.hash ^ compression_tag(options.compression)) * 1099511628211ull;
+  return fusion;
+}
+
+// The cache key and plan fingerprint: the fusion inputs and the compression.
+std::uint64_t plan_key(std::uint64_t fusion_hash, Compression compression) {
+  return (fusion_hash ^ compression_tag(compression)) * 1099511628211ull;
+}
+
+FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tensors,
+                     const GroupedAllreduceOptions& options) {
+  FusionPlan plan = packing::plan_fusion(tensors, fusion_options(comm, options));
+  plan.hash = plan_key(plan.hash, options.compression);
   return plan;
 }
 
@@ -129,13 +139,15 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
   }
   if (tensors.empty()) return;
 
-  // The plan is cached by a hash of its inputs, computed cheaply from the tensor list.
-  FusionPlan fresh = make_plan(comm, tensors, options);
+  // The plan is cached by a hash of its inputs, computed in one pass over the tensor list; the
+  // buckets are planned only on a miss.
+  const std::uint64_t key =
+      plan_key(packing::fusion_hash(tensors, fusion_options(comm, options)), options.compression);
   auto& cache = comm.attachment<PlanCache>().plans;
-  auto it = cache.find(fresh.hash);
+  auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() >= kMaxCachedPlans) cache.clear();
-    it = cache.emplace(fresh.hash, std::move(fresh)).first;
+    it = cache.emplace(key, make_plan(comm, tensors, options)).first;
   }
   const FusionPlan& plan = it->second;
 
