@@ -1,7 +1,9 @@
 // gradcomm: all-reduce for data-parallel training. The one header C++ users include.
 #pragma once
 
+#include "collectives/allgather.h"
 #include "collectives/allreduce.h"
+#include "collectives/broadcast.h"
 #include "collectives/registry.h"
 #include "core/communicator.h"
 #include "core/config.h"

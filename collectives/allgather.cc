@@ -1,0 +1,55 @@
+#include "collectives/allgather.h"
+
+#include <mpi.h>
+
+#include <climits>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace gradcomm {
+
+void allgatherv(Communicator& comm, const void* send, std::size_t send_count, void* recv,
+                std::span<const std::size_t> counts, DataType dtype) {
+  const char* call = "allgatherv";
+  const std::size_t es = element_size(dtype);
+  if (!is_valid(dtype)) {
+    throw InvalidArgument(error_message(
+        call, comm.rank(), "invalid dtype " + std::to_string(static_cast<int>(dtype))));
+  }
+  auto invalid = [&](const std::string& detail) {
+    throw InvalidArgument(error_message(call, comm.rank(), detail));
+  };
+  if (counts.size() != static_cast<std::size_t>(comm.size())) {
+    invalid("counts has " + std::to_string(counts.size()) + " entries for " +
+            std::to_string(comm.size()) + " ranks");
+  }
+  if (counts[static_cast<std::size_t>(comm.rank())] != send_count) {
+    invalid("counts[" + std::to_string(comm.rank()) + "] is " +
+            std::to_string(counts[static_cast<std::size_t>(comm.rank())]) +
+            " but this rank sends " + std::to_string(send_count) + " elements");
+  }
+  std::vector<int> byte_counts(counts.size()), displs(counts.size());
+  std::size_t total = 0;
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    const std::size_t bytes = counts[r] * es;
+    if (counts[r] > static_cast<std::size_t>(INT_MAX) / es || total + bytes > INT_MAX) {
+      invalid("the gathered data exceeds 2 GiB (MPI's int displacements)");
+    }
+    byte_counts[r] = static_cast<int>(bytes);
+    displs[r] = static_cast<int>(total);
+    total += bytes;
+  }
+  if (send_count > 0 && send == nullptr)
+    invalid("send is null with count " + std::to_string(send_count));
+  if (total > 0 && recv == nullptr)
+    invalid("recv is null with " + std::to_string(total) + " bytes to gather");
+  comm.next_sequence();
+  if (total == 0) return;
+  check_mpi(MPI_Allgatherv(send, static_cast<int>(send_count * es), MPI_BYTE, recv,
+                           byte_counts.data(), displs.data(), MPI_BYTE, comm.mpi_comm()),
+            "allgatherv: MPI_Allgatherv", comm.rank());
+}
+
+}  // namespace gradcomm

@@ -1,0 +1,48 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradcomm::trainer {
+
+// Everything a run needs to continue exactly where it stopped.
+struct CheckpointState {
+  struct Tensor {
+    std::string name;
+    std::vector<std::uint64_t> shape;
+    std::vector<float> values;
+  };
+  std::string model;  // Model::describe()
+  std::vector<Tensor> parameters;
+  std::string optimizer;  // Optimizer::name()
+  std::uint64_t optimizer_steps = 0;
+  std::vector<std::vector<float>> optimizer_state;
+  std::uint64_t step = 0;  // trainer steps done; with the data fields, the data position
+  std::uint64_t global_batch = 0;
+  std::uint64_t data_rows = 0;
+  std::uint64_t data_seed = 0;
+};
+
+// The file format, version 1 (little-endian):
+//   "GRADCKPT" | u32 version | u32 0 | u64 payload bytes | payload | u64 checksum
+// The checksum is a 64-bit FNV-1a of everything before it. The payload is the fields of
+// CheckpointState in order: strings and vectors as a u64 length then the elements.
+inline constexpr std::uint32_t kCheckpointVersion = 1;
+
+std::vector<std::byte> encode_checkpoint(const CheckpointState& state);
+// Throws InvalidArgument naming `source` and the problem for anything but an intact version-1
+// checkpoint: too short or truncated, not a checkpoint (magic), another version, a checksum
+// mismatch (corrupted bytes), or a payload whose lengths run past its end.
+CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::string& source);
+
+// Writes `bytes` to `path` so that a reader sees either the old file or the complete new one:
+// write to a temporary file in the same directory, fsync, rename over `path`, fsync the
+// directory. Creates the directory if missing. Throws Error naming the path on failure.
+void write_file_atomically(const std::string& path, std::span<const std::byte> bytes);
+// The whole file; throws InvalidArgument naming the path when it cannot be read.
+std::vector<std::byte> read_file(const std::string& path);
+
+}  // namespace gradcomm::trainer
