@@ -69,42 +69,46 @@ std::string share_outcome(Communicator& comm, std::string message, int root = 0)
 DataParallelTrainer::DataParallelTrainer(Communicator& comm, Model& model, Optimizer& optimizer,
                                          TrainerOptions options)
     : comm_(comm), model_(model), optimizer_(optimizer), options_(std::move(options)) {
-  auto invalid = [&](const std::string& detail) {
-    throw InvalidArgument(error_message("DataParallelTrainer", comm_.rank(), detail));
-  };
+  // Local checks first, but raised only after the ranks have compared notes: a rank whose
+  // options differ must not throw alone and leave the others waiting in a collective.
+  std::string problem;
   const auto n = static_cast<std::size_t>(comm_.size());
   const std::size_t b = options_.global_batch;
-  if (b == 0) invalid("global_batch must be positive");
-  if (options_.shard_policy == ShardPolicy::strict && b % n != 0) {
-    invalid("global batch " + std::to_string(b) + " does not divide by " + std::to_string(n) +
-            " ranks; use a multiple of " + std::to_string(n) +
-            " or a shard policy (drop_remainder, uneven)");
-  }
-  if (options_.shard_policy == ShardPolicy::drop_remainder && b < n) {
-    invalid("global batch " + std::to_string(b) + " is smaller than the " + std::to_string(n) +
-            " ranks, so drop_remainder leaves every shard empty");
-  }
-  if (options_.interval_steps == 0) invalid("interval_steps must be at least 1");
-  if (options_.checkpoint_every > 0 && options_.checkpoint_dir.empty()) {
-    invalid("checkpoint_every is " + std::to_string(options_.checkpoint_every) +
-            " but checkpoint_dir is empty");
-  }
-  if (options_.mode == SyncMode::model_averaging && options_.checkpoint_every > 0 &&
-      options_.checkpoint_every % options_.interval_steps != 0) {
-    invalid("with model averaging, checkpoint_every (" + std::to_string(options_.checkpoint_every) +
-            ") must be a multiple of interval_steps (" + std::to_string(options_.interval_steps) +
-            "): only right after averaging are the replicas identical");
-  }
-  options_.lr.validate();
-  const auto state = optimizer_.state();
-  if (optimizer_.options().kind != OptimizerKind::sgd &&
-      state.size() !=
-          model_.parameters().size() * (optimizer_.options().kind == OptimizerKind::adam ? 2 : 1)) {
-    invalid("the optimizer was built for another parameter list");
+  if (b == 0) {
+    problem = "global_batch must be positive";
+  } else if (options_.shard_policy == ShardPolicy::strict && b % n != 0) {
+    problem = "global batch " + std::to_string(b) + " does not divide by " + std::to_string(n) +
+              " ranks; use a multiple of " + std::to_string(n) +
+              " or a shard policy (drop_remainder, uneven)";
+  } else if (options_.shard_policy == ShardPolicy::drop_remainder && b < n) {
+    problem = "global batch " + std::to_string(b) + " is smaller than the " + std::to_string(n) +
+              " ranks, so drop_remainder leaves every shard empty";
+  } else if (options_.interval_steps == 0) {
+    problem = "interval_steps must be at least 1";
+  } else if (options_.checkpoint_every > 0 && options_.checkpoint_dir.empty()) {
+    problem = "checkpoint_every is " + std::to_string(options_.checkpoint_every) +
+              " but checkpoint_dir is empty";
+  } else if (options_.mode == SyncMode::model_averaging && options_.checkpoint_every > 0 &&
+             options_.checkpoint_every % options_.interval_steps != 0) {
+    problem = "with model averaging, checkpoint_every (" +
+              std::to_string(options_.checkpoint_every) +
+              ") must be a multiple of interval_steps (" + std::to_string(options_.interval_steps) +
+              "): only right after averaging are the replicas identical";
+  } else if (optimizer_.options().kind != OptimizerKind::sgd &&
+             optimizer_.state().size() !=
+                 model_.parameters().size() *
+                     (optimizer_.options().kind == OptimizerKind::adam ? 2 : 1)) {
+    problem = "the optimizer was built for another parameter list";
+  } else {
+    try {
+      options_.lr.validate();
+    } catch (const InvalidArgument& e) {
+      problem = e.what();
+    }
   }
 
   // Every rank must have built the same trainer: compare a fingerprint of what shapes the
-  // collective calls (min and max of it in one all-reduce), before the first of them.
+  // collective calls (its min and max in one all-reduce), and whether any rank found a problem.
   Hasher h;
   const std::string arch = model_.describe() + "|" + std::string(optimizer_.name());
   h.add(arch.data(), arch.size());
@@ -118,14 +122,17 @@ DataParallelTrainer::DataParallelTrainer(Communicator& comm, Model& model, Optim
                                   options_.shuffle ? 1u : 0u};
   h.add(fields, sizeof fields);
   const auto fp = static_cast<std::int64_t>(h.value() >> 1);
-  std::int64_t range[2] = {fp, -fp};
-  allreduce(comm_, range, range, 2, DataType::int64, ReduceOp::min);
-  if (range[0] != -range[1]) {
-    throw InvalidArgument(error_message(
-        "DataParallelTrainer", comm_.rank(),
-        "the ranks built different trainers (model " + model_.describe() + ", optimizer " +
+  std::int64_t agreed[3] = {fp, -fp, problem.empty() ? 0 : -1};
+  allreduce(comm_, agreed, agreed, 3, DataType::int64, ReduceOp::min);
+  auto invalid = [&](const std::string& detail) {
+    throw InvalidArgument(error_message("DataParallelTrainer", comm_.rank(), detail));
+  };
+  if (!problem.empty()) invalid(problem);
+  if (agreed[2] < 0) invalid("another rank rejected its options (see that rank's error)");
+  if (agreed[0] != -agreed[1]) {
+    invalid("the ranks built different trainers (model " + model_.describe() + ", optimizer " +
             std::string(optimizer_.name()) + ", batch " + std::to_string(b) +
-            " here): every rank must pass the same model, optimizer and options"));
+            " here): every rank must pass the same model, optimizer and options");
   }
   broadcast_state(0);
 }

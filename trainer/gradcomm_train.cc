@@ -41,7 +41,8 @@ const char* const kUsage =
     "                              16384, 32, 10, 2.0; linear regression defaults to 0 classes)\n"
     "  --validation F              hold out the last fraction F of the rows (default 0.1)\n"
     "training:\n"
-    "  --batch B                   global batch, split across ranks (default 256)\n"
+    "  --batch B                   global batch, split across ranks (default 240: divides by\n"
+    "                              1-6 and 8 ranks)\n"
     "  --steps S | --epochs E      length (default 500 steps)\n"
     "  --shard strict|drop|uneven  batch not divisible by N: error (default), drop the\n"
     "                              remainder, or uneven shards with weighted averaging\n"
@@ -120,7 +121,7 @@ struct Options {
 // nullopt: --help was printed.
 std::optional<Options> parse(int argc, char** argv, int rank) {
   Options o;
-  o.trainer.global_batch = 256;
+  o.trainer.global_batch = 240;
   o.trainer.lr.lr = 0.05;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
