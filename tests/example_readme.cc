@@ -22,7 +22,24 @@ int main(int argc, char** argv) {
 
     failures += grads[12345] != 1.0f;
     failures += sum[12345] != static_cast<float>(comm.size());
-    if (comm.rank() == 0) std::printf("%d passed, %d failed\n", 2 - failures, failures);
+
+    // The trainer example (README, "Training").
+    using namespace gradcomm::trainer;
+    Dataset data = Dataset::synthetic({.samples = 16384, .features = 32, .classes = 10});
+    auto model = make_mlp(32, {128, 128}, 10);
+    Optimizer optimizer({.kind = OptimizerKind::adam}, model->parameters());
+    DataParallelTrainer trainer(comm, *model, optimizer,
+                                {.global_batch = 240, .lr = {.lr = 1e-3, .warmup_steps = 20}});
+    for (int i = 0; i < 500; ++i) {
+      StepStats st = trainer.step(data);
+      (void)st;
+    }
+    Evaluation e = trainer.evaluate(data);
+    std::vector<float> p = trainer.predict(data.rows(0, 100));
+    failures += e.accuracy < 0.9;
+    failures += p.size() != 100;
+    if (comm.rank() == 0)
+      std::printf("%d passed, %d failed (accuracy %.3f)\n", 4 - failures, failures, e.accuracy);
   }                      // free communicators before finalize
   gradcomm::finalize();  // finalizes MPI only if init() started it
   return failures == 0 ? 0 : 1;

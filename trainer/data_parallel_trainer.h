@@ -36,8 +36,8 @@ struct TrainerOptions {
   SyncMode mode = SyncMode::gradients;
   std::size_t interval_steps = 1;  // model_averaging: steps between averagings
   // grouped_allreduce's options for the gradients (and for model averaging's parameters).
-  std::string algorithm;  // empty: the communicator's Config::algorithm
-  std::optional<std::size_t> fusion_threshold;
+  std::string algorithm = {};  // empty: the communicator's Config::algorithm
+  std::optional<std::size_t> fusion_threshold = std::nullopt;
   Compression compression = Compression::none;
   LearningRateSchedule lr;
   // Every verify_every steps (0: never) check that all replicas are bit-identical (parameters,
@@ -47,7 +47,7 @@ struct TrainerOptions {
   std::uint64_t data_seed = 1;
   bool shuffle = true;
   // Every checkpoint_every steps (0: never) rank 0 writes checkpoint_dir/checkpoint.bin.
-  std::string checkpoint_dir;
+  std::string checkpoint_dir = {};
   std::size_t checkpoint_every = 0;
 };
 

@@ -407,8 +407,8 @@ int run(int argc, char** argv) {
   const Evaluation eval = trainer.evaluate(data);
   const Evaluation valid = trainer.evaluate(validation);
   const std::uint64_t hash = trainer.replica_hash();
+  const std::uint64_t run_steps = trainer.steps_done() - first_step;
   if (root) {
-    const std::uint64_t run_steps = trainer.steps_done() - first_step;
     std::printf(
         "done: %llu steps in %.2f s, %.0f samples/s, all-reduce %.1f%% and compute %.1f%% "
         "of step time\n  training set: loss %.4f, accuracy %.4f (%zu samples); validation set: "
@@ -426,6 +426,7 @@ int run(int argc, char** argv) {
                         {"model", model->describe()},
                         {"parameters", model->parameter_count()},
                         {"steps", trainer.steps_done()},
+                        {"steps_run", run_steps},
                         {"global_batch", b},
                         {"seconds", total_wall},
                         {"samples_per_second",

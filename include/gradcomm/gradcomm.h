@@ -17,3 +17,8 @@
 #include "packing/grouped_allreduce.h"
 #include "packing/tensor.h"
 #include "packing/workload.h"
+#include "trainer/checkpoint.h"
+#include "trainer/data_parallel_trainer.h"
+#include "trainer/dataset.h"
+#include "trainer/model.h"
+#include "trainer/optimizer.h"
