@@ -203,6 +203,12 @@ StepStats DataParallelTrainer::step(const Batch& batch) {
         error_message("DataParallelTrainer::step", comm_.rank(), "the batch is empty"));
   }
   const Shard s = shard(batch.rows);
+  if (used_rows(batch.rows) == 0) {
+    throw InvalidArgument(error_message(
+        "DataParallelTrainer::step", comm_.rank(),
+        "a batch of " + std::to_string(batch.rows) + " rows leaves every shard empty on " +
+            std::to_string(comm_.size()) + " ranks (shard policy drop_remainder)"));
+  }
   const Batch local{batch.features ? batch.features + s.first * batch.dim : nullptr,
                     batch.labels ? batch.labels + s.first : nullptr, s.count, batch.dim};
   return run_step(local, used_rows(batch.rows));

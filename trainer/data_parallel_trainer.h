@@ -25,7 +25,8 @@ enum class GradientReduction { average, sum };  // sum = size x average (Horovod
 enum class LossReduction { mean, sum };         // of per-sample losses over the global batch
 enum class SyncMode {
   gradients,        // all-reduce gradients every step; replicas identical after every step
-  model_averaging,  // local steps; every interval_steps average parameters and optimizer state
+  model_averaging,  // local steps on the local mean gradient; every interval_steps the
+                    // parameters and optimizer state are averaged, each rank weighing the same
 };
 
 struct TrainerOptions {

@@ -1,0 +1,116 @@
+/* gradcomm: the stable C ABI (C11). No C++ or MPI types: a user's MPI communicator comes in as
+ * its Fortran handle (MPI_Comm_c2f), so this header needs no mpi.h.
+ *
+ * Every call returns a gradcomm_status; GRADCOMM_SUCCESS is 0. On failure,
+ * gradcomm_last_error() returns this thread's message for the last failed call, naming the call,
+ * the rank and the problem. No C++ exception crosses this boundary. Collective calls must be
+ * made by every rank of the communicator in the same order with matching arguments. */
+#ifndef GRADCOMM_C_H_
+#define GRADCOMM_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GRADCOMM_VERSION_MAJOR 0
+#define GRADCOMM_VERSION_MINOR 1
+#define GRADCOMM_VERSION_PATCH 0
+/* major * 10000 + minor * 100 + patch */
+#define GRADCOMM_VERSION \
+  (GRADCOMM_VERSION_MAJOR * 10000 + GRADCOMM_VERSION_MINOR * 100 + GRADCOMM_VERSION_PATCH)
+
+typedef enum gradcomm_status {
+  GRADCOMM_SUCCESS = 0,
+  GRADCOMM_ERROR_INVALID_ARGUMENT = 1, /* bad input, caught before any communication */
+  GRADCOMM_ERROR_UNSUPPORTED = 2,      /* valid input this algorithm or build cannot handle */
+  GRADCOMM_ERROR_COMM = 3,             /* MPI reported a failure */
+  GRADCOMM_ERROR_INTERNAL = 4          /* a bug in gradcomm, or an out-of-memory */
+} gradcomm_status;
+
+typedef enum gradcomm_dtype {
+  GRADCOMM_FLOAT32 = 0,
+  GRADCOMM_FLOAT64 = 1,
+  GRADCOMM_FLOAT16 = 2,
+  GRADCOMM_BFLOAT16 = 3,
+  GRADCOMM_INT32 = 4,
+  GRADCOMM_INT64 = 5
+} gradcomm_dtype;
+
+typedef enum gradcomm_op {
+  GRADCOMM_SUM = 0,
+  GRADCOMM_AVG = 1, /* sum / ranks; integers truncate toward zero */
+  GRADCOMM_MIN = 2,
+  GRADCOMM_MAX = 3,
+  GRADCOMM_PROD = 4
+} gradcomm_op;
+
+typedef struct gradcomm_comm_s* gradcomm_comm;
+typedef struct gradcomm_packer_s* gradcomm_packer;
+
+/* The version this library was built as (GRADCOMM_VERSION of its header). */
+int gradcomm_version(void);
+
+/* Initializes MPI unless it already is (argc/argv may be NULL); finalize ends MPI only if init
+ * started it. Both are safe to call more than once. */
+gradcomm_status gradcomm_init(int* argc, char*** argv);
+gradcomm_status gradcomm_finalize(void);
+
+/* A communicator over MPI_COMM_WORLD, or over the user's communicator given by its Fortran
+ * handle (MPI_Comm_c2f(comm)). Collective; configuration is read from GRADCOMM_* variables. */
+gradcomm_status gradcomm_comm_create_world(gradcomm_comm* out);
+gradcomm_status gradcomm_comm_create_from_fortran(int64_t mpi_fortran_handle, gradcomm_comm* out);
+gradcomm_status gradcomm_comm_rank(gradcomm_comm comm, int* rank);
+gradcomm_status gradcomm_comm_size(gradcomm_comm comm, int* size);
+/* Frees the communicator (NULL is a no-op); call it before gradcomm_finalize. */
+gradcomm_status gradcomm_comm_free(gradcomm_comm comm);
+
+/* recv = op over all ranks of send (count elements); send == recv is in place. algorithm: a
+ * registered name ("ring", "halving_doubling", ...), "auto", or NULL for GRADCOMM_ALGORITHM. */
+gradcomm_status gradcomm_allreduce(gradcomm_comm comm, const void* send, void* recv, size_t count,
+                                   gradcomm_dtype dtype, gradcomm_op op, const char* algorithm);
+
+/* All-reduces n buffers in place, fused into buckets of at most fusion_threshold bytes
+ * (0: GRADCOMM_FUSION_THRESHOLD). Every rank passes the same counts and dtypes in order. */
+gradcomm_status gradcomm_grouped_allreduce(gradcomm_comm comm, void* const* buffers,
+                                           const size_t* counts, const gradcomm_dtype* dtypes,
+                                           size_t n, gradcomm_op op, const char* algorithm,
+                                           size_t fusion_threshold);
+
+/* Copies count elements of buffer on root to every rank. */
+gradcomm_status gradcomm_broadcast(gradcomm_comm comm, void* buffer, size_t count,
+                                   gradcomm_dtype dtype, int root);
+
+/* Bytes and messages this rank sent inside its node (group) and across nodes, counted by
+ * gradcomm's own algorithms. Any output pointer may be NULL. */
+gradcomm_status gradcomm_traffic(gradcomm_comm comm, uint64_t* intra_bytes, uint64_t* inter_bytes,
+                                 uint64_t* intra_messages, uint64_t* inter_messages);
+gradcomm_status gradcomm_reset_traffic(gradcomm_comm comm);
+
+/* A packer concatenates n tensors into one buffer per dtype, split into num_split chunks
+ * (0: 8), and back; the tensors' memory must stay valid while the packer lives. When packing
+ * makes no sense (tiny tensors) creation succeeds with *declined set to 1 and pack/unpack fail;
+ * declined may be NULL. */
+gradcomm_status gradcomm_packer_create(void* const* buffers, const size_t* counts,
+                                       const gradcomm_dtype* dtypes, size_t n, int num_split,
+                                       gradcomm_packer* out, int* declined);
+gradcomm_status gradcomm_packer_pack(gradcomm_packer packer);
+gradcomm_status gradcomm_packer_unpack(gradcomm_packer packer);
+/* Number of packed buffers (one per dtype), and each one's memory, element count and dtype. */
+gradcomm_status gradcomm_packer_buffer_count(gradcomm_packer packer, size_t* count);
+gradcomm_status gradcomm_packer_buffer(gradcomm_packer packer, size_t index, void** data,
+                                       size_t* count, gradcomm_dtype* dtype);
+gradcomm_status gradcomm_packer_free(gradcomm_packer packer);
+
+/* A fixed description of a status ("invalid argument", ...); never NULL. */
+const char* gradcomm_error_string(gradcomm_status status);
+/* This thread's message for its last failed call ("" if none); valid until its next call. */
+const char* gradcomm_last_error(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* GRADCOMM_C_H_ */

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs the build tree into a temporary prefix, then, against that prefix only:
+#  1. compiles tests/c_abi/example.c with plain gcc and pkg-config (no MPI flags: gradcomm.h
+#     needs no MPI types) and runs it under mpirun at 1, 2 and 3 ranks;
+#  2. compiles it again with MPI's flags to wrap a user communicator via its Fortran handle;
+#  3. configures a CMake project that finds the package (find_package(gradcomm)) and builds the
+#     C example and a C++ program against gradcomm::gradcomm, and runs both.
+# usage: c_abi_install_test.sh BUILD_DIR MPIEXEC
+set -euo pipefail
+BUILD=$1
+MPIEXEC=$2
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+RUN=("$MPIEXEC" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
+
+cmake --install "$BUILD" --prefix "$WORK/prefix" >/dev/null
+export PKG_CONFIG_PATH="$WORK/prefix/lib/pkgconfig"
+LIBDIR=$(pkg-config --variable=libdir gradcomm)
+echo "== gcc against $(pkg-config --modversion gradcomm) in $WORK/prefix"
+gcc -std=c11 -Wall -Wextra -Werror "$HERE/c_abi/example.c" -o "$WORK/example" \
+  $(pkg-config --cflags --libs gradcomm) -Wl,-rpath,"$LIBDIR"
+for np in 1 2 3; do "${RUN[@]}" -np "$np" "$WORK/example"; done
+gcc -std=c11 -Wall -Wextra -Werror -DGRADCOMM_TEST_MPI "$HERE/c_abi/example.c" \
+  -o "$WORK/example_mpi" $(pkg-config --cflags --libs gradcomm ompi-c) -Wl,-rpath,"$LIBDIR"
+"${RUN[@]}" -np 2 "$WORK/example_mpi"
+
+echo "== find_package(gradcomm)"
+cmake -S "$HERE/c_abi/consumer" -B "$WORK/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$WORK/prefix" \
+  -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$WORK/consumer" >/dev/null
+"${RUN[@]}" -np 2 "$WORK/consumer/consumer_c"
+"${RUN[@]}" -np 2 "$WORK/consumer/consumer_cxx"
+echo "installed-tree checks passed"
