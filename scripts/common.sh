@@ -7,7 +7,9 @@ BUILD_DIR=${GRADCOMM_BUILD_DIR:-$ROOT/build}
 # Everything the build and the tests need, by Debian package name.
 PACKAGES=(cmake ninja-build g++ pkg-config nlohmann-json3-dev
           openmpi-bin libopenmpi-dev libhwloc-dev hwloc
-          libgtest-dev libgmock-dev libbenchmark-dev)
+          libgtest-dev libgmock-dev libbenchmark-dev
+          pybind11-dev python3-dev python3-numpy python3-mpi4py python3-torch python3-sklearn
+          python3-pytest)
 
 install_missing() {
   local missing=() p

@@ -1,0 +1,108 @@
+"""gradcomm: gradient all-reduce for data-parallel training, from Python.
+
+In the style of Horovod::
+
+    import numpy as np
+    import gradcomm
+    gradcomm.init()
+    grads = np.ones(1000, dtype=np.float32)
+    gradcomm.allreduce(grads, out=grads)          # in place, averaged over ranks
+    total = gradcomm.allreduce(grads, op="sum")   # a new array
+
+Arrays are NumPy (or anything with the buffer protocol), C-contiguous, of dtype float32,
+float64, float16, int32 or int64; they are used without copies and the GIL is released while
+gradcomm communicates. Errors raise gradcomm.Error (subclasses InvalidArgument, Unsupported,
+CommError) naming the call, the rank and the problem.
+
+MPI comes from mpi4py (imported here; it initializes MPI), so gradcomm and mpi4py share it:
+``gradcomm.Communicator(MPI.COMM_WORLD.Split(...))`` wraps any mpi4py communicator.
+"""
+
+import atexit as _atexit
+
+from mpi4py import MPI as _MPI  # initializes MPI (and loads libmpi with RTLD_GLOBAL)
+
+from ._gradcomm import (  # noqa: F401
+    CommError,
+    Communicator,
+    Error,
+    GradientPacker,
+    InvalidArgument,
+    Unsupported,
+    algorithm_names,
+)
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "allreduce", "grouped_allreduce", "broadcast", "world", "Communicator", "GradientPacker",
+    "Error", "InvalidArgument", "Unsupported", "CommError", "algorithm_names",
+]
+
+_world = None
+_communicators = []
+
+
+def init(comm=None):
+    """Creates the default communicator (over MPI.COMM_WORLD, or the given mpi4py one).
+    Safe to call more than once. Collective."""
+    global _world
+    if _world is None:
+        _world = Communicator.world() if comm is None else Communicator(comm)
+        _communicators.append(_world)
+    return _world
+
+
+def is_initialized():
+    return _world is not None
+
+
+def shutdown():
+    """Frees gradcomm's communicators (MPI itself is finalized by mpi4py at exit)."""
+    global _world
+    for c in _communicators:
+        c.free()
+    _communicators.clear()
+    _world = None
+
+
+# Runs before mpi4py's own exit handler (registered earlier): communicators go before MPI.
+_atexit.register(shutdown)
+
+
+def world():
+    if _world is None:
+        raise InvalidArgument("gradcomm: call gradcomm.init() first")
+    return _world
+
+
+def rank():
+    return world().rank()
+
+
+def size():
+    return world().size()
+
+
+def local_rank():
+    return world().local_rank()
+
+
+def local_size():
+    return world().local_size()
+
+
+def allreduce(array, op="average", algorithm=None, out=None, comm=None):
+    """Reduces `array` over all ranks with op ("sum", "average", "min", "max", "prod").
+    Returns `out` (a new array when None; in place when `out is array`)."""
+    return (comm or world()).allreduce(array, op, algorithm, out)
+
+
+def grouped_allreduce(arrays, op="average", algorithm=None, fusion_threshold=None, comm=None):
+    """All-reduces every array of the list in place, fused into buckets of at most
+    fusion_threshold bytes (default GRADCOMM_FUSION_THRESHOLD). Returns the list."""
+    return (comm or world()).grouped_allreduce(list(arrays), op, algorithm, fusion_threshold)
+
+
+def broadcast(array, root=0, comm=None):
+    """Copies root's `array` into `array` on every rank (in place). Returns it."""
+    return (comm or world()).broadcast(array, root)

@@ -1,0 +1,343 @@
+// _gradcomm: the compiled half of the Python module `gradcomm` (the package in gradcomm/ wraps
+// it). Arrays travel through the buffer protocol without copies; torch tensors as raw pointers
+// from gradcomm.torch. The GIL is released while gradcomm communicates. C++ errors become
+// gradcomm.Error (subclasses InvalidArgument, Unsupported, CommError) with the same message.
+
+#include <mpi.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "collectives/broadcast.h"
+#include "collectives/registry.h"
+#include "core/communicator.h"
+#include "core/error.h"
+#include "packing/gradient_packer.h"
+#include "packing/grouped_allreduce.h"
+#include "topology/topology.h"
+
+namespace py = pybind11;
+
+namespace gradcomm::python {
+namespace {
+
+[[noreturn]] void invalid(const std::string& call, const std::string& detail, int rank) {
+  throw InvalidArgument(error_message(call, rank, detail));
+}
+
+ReduceOp parse_op(const std::string& name, const std::string& call, int rank) {
+  if (name == "average" || name == "avg" || name == "mean") return ReduceOp::avg;
+  if (name == "product") return ReduceOp::prod;
+  if (const auto op = parse_reduce_op(name)) return *op;
+  invalid(call, "unknown op '" + name + "' (sum, average, min, max, prod)", rank);
+}
+
+// The gradcomm dtype of a NumPy dtype (float16 is 'e'; NumPy has no bfloat16).
+DataType dtype_of_array(const py::buffer_info& info, const std::string& call, int rank) {
+  const std::string& f = info.format;
+  const char kind = f.empty() ? '?' : f.back();
+  if (info.itemsize == 4 && kind == 'f') return DataType::float32;
+  if (info.itemsize == 8 && kind == 'd') return DataType::float64;
+  if (info.itemsize == 2 && kind == 'e') return DataType::float16;
+  if (info.itemsize == 4 && (kind == 'i' || kind == 'l')) return DataType::int32;
+  if (info.itemsize == 8 && (kind == 'l' || kind == 'q')) return DataType::int64;
+  invalid(call,
+          "unsupported dtype (buffer format '" + f + "', " + std::to_string(info.itemsize) +
+              " bytes); supported: float32, float64, float16, int32, int64",
+          rank);
+}
+
+DataType parse_dtype(const std::string& name, const std::string& call, int rank) {
+  if (const auto d = parse_data_type(name)) return *d;
+  invalid(call, "unknown dtype '" + name + "'", rank);
+}
+
+// A C-contiguous view of an array; writable when asked.
+struct View {
+  py::buffer_info info;
+  DataType dtype;
+  std::size_t count;
+};
+
+View view_of(const py::object& obj, bool writable, const std::string& call, const std::string& what,
+             int rank) {
+  if (!py::isinstance<py::buffer>(obj)) {
+    invalid(
+        call,
+        what + " is a " + std::string(py::str(obj.get_type().attr("__name__"))) + ", not an array",
+        rank);
+  }
+  py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request(writable);
+  // C-contiguous: strides are the row-major ones.
+  py::ssize_t expected = info.itemsize;
+  for (py::ssize_t d = info.ndim; d-- > 0;) {
+    if (info.shape[d] > 1 && info.strides[d] != expected) {
+      invalid(call, what + " is not C-contiguous (use numpy.ascontiguousarray)", rank);
+    }
+    expected *= info.shape[d];
+  }
+  if (writable && info.readonly) invalid(call, what + " is read-only", rank);
+  const DataType dtype = dtype_of_array(info, call, rank);
+  const auto count = static_cast<std::size_t>(info.size);
+  return {std::move(info), dtype, count};
+}
+
+// The communicator handed to Python: owns a gradcomm::Communicator.
+class PyCommunicator {
+ public:
+  explicit PyCommunicator(MPI_Comm comm) : comm_(std::make_unique<Communicator>(comm)) {}
+
+  static std::shared_ptr<PyCommunicator> from_mpi4py(const py::object& mpi4py_comm) {
+    if (!mpi_ready()) invalid("Communicator", "MPI is not initialized", -1);
+    if (!py::hasattr(mpi4py_comm, "py2f")) {
+      invalid("Communicator", "expected an mpi4py communicator (with py2f())", -1);
+    }
+    const auto handle = mpi4py_comm.attr("py2f")().cast<MPI_Fint>();
+    const MPI_Comm c = MPI_Comm_f2c(handle);
+    if (c == MPI_COMM_NULL) invalid("Communicator", "the communicator is MPI.COMM_NULL", -1);
+    return std::make_shared<PyCommunicator>(c);
+  }
+
+  Communicator& get() {
+    if (!comm_) invalid("gradcomm", "the communicator was freed (after shutdown())", -1);
+    return *comm_;
+  }
+  int rank() { return get().rank(); }
+  int size() { return get().size(); }
+  int local_rank() { return topology::topology_of(get()).local_rank(); }
+  int local_size() { return topology::topology_of(get()).local_size(); }
+  void free() { comm_.reset(); }
+
+  py::object allreduce(const py::object& array, const std::string& op,
+                       const std::optional<std::string>& algorithm, const py::object& out) {
+    Communicator& c = get();
+    const std::string call = "allreduce";
+    const ReduceOp rop = parse_op(op, call, c.rank());
+    const bool in_place = !out.is_none() && out.is(array);
+    View send = view_of(array, in_place, call, "array", c.rank());
+    py::object result = out;
+    if (out.is_none()) {
+      result = py::array(py::dtype(send.info), send.info.shape);
+    }
+    void* recv_ptr = send.info.ptr;
+    if (!in_place) {
+      const View recv = view_of(result, true, call, "out", c.rank());
+      if (recv.dtype != send.dtype || recv.count != send.count) {
+        invalid(call,
+                "out has " + std::to_string(recv.count) + " elements of " +
+                    std::string(to_string(recv.dtype)) + ", array has " +
+                    std::to_string(send.count) + " of " + std::string(to_string(send.dtype)),
+                c.rank());
+      }
+      recv_ptr = recv.info.ptr;  // result keeps the memory alive
+    }
+    const std::string alg = algorithm.value_or("");
+    {
+      py::gil_scoped_release release;
+      gradcomm::allreduce(c, send.info.ptr, recv_ptr, send.count, send.dtype, rop,
+                          {.algorithm = alg});
+    }
+    return result;
+  }
+
+  // In place on each array of the list; returns the list.
+  py::list grouped_allreduce(const py::list& arrays, const std::string& op,
+                             const std::optional<std::string>& algorithm,
+                             std::optional<std::size_t> fusion_threshold) {
+    Communicator& c = get();
+    const std::string call = "grouped_allreduce";
+    const ReduceOp rop = parse_op(op, call, c.rank());
+    std::vector<View> views;
+    std::vector<packing::TensorDesc> tensors;
+    for (std::size_t i = 0; i < arrays.size(); ++i) {
+      views.push_back(view_of(arrays[i], true, call, "array " + std::to_string(i), c.rank()));
+      tensors.push_back({views.back().info.ptr, views.back().count, views.back().dtype});
+    }
+    run_grouped(c, tensors, rop, algorithm, fusion_threshold);
+    return arrays;
+  }
+
+  // Raw form for gradcomm.torch: data pointers, element counts and dtype names.
+  void grouped_allreduce_ptrs(const std::vector<std::uintptr_t>& ptrs,
+                              const std::vector<std::size_t>& counts,
+                              const std::vector<std::string>& dtypes, const std::string& op,
+                              const std::optional<std::string>& algorithm,
+                              std::optional<std::size_t> fusion_threshold) {
+    Communicator& c = get();
+    const std::string call = "grouped_allreduce";
+    if (ptrs.size() != counts.size() || ptrs.size() != dtypes.size()) {
+      invalid(call, "ptrs, counts and dtypes differ in length", c.rank());
+    }
+    const ReduceOp rop = parse_op(op, call, c.rank());
+    std::vector<packing::TensorDesc> tensors;
+    for (std::size_t i = 0; i < ptrs.size(); ++i) {
+      tensors.push_back(
+          {reinterpret_cast<void*>(ptrs[i]), counts[i], parse_dtype(dtypes[i], call, c.rank())});
+    }
+    run_grouped(c, tensors, rop, algorithm, fusion_threshold);
+  }
+
+  void allreduce_ptr(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
+                     const std::string& dtype, const std::string& op,
+                     const std::optional<std::string>& algorithm) {
+    Communicator& c = get();
+    const ReduceOp rop = parse_op(op, "allreduce", c.rank());
+    const DataType dt = parse_dtype(dtype, "allreduce", c.rank());
+    const std::string alg = algorithm.value_or("");
+    py::gil_scoped_release release;
+    gradcomm::allreduce(c, reinterpret_cast<const void*>(send), reinterpret_cast<void*>(recv),
+                        count, dt, rop, {.algorithm = alg});
+  }
+
+  py::object broadcast(const py::object& array, int root) {
+    Communicator& c = get();
+    View v = view_of(array, true, "broadcast", "array", c.rank());
+    py::gil_scoped_release release;
+    gradcomm::broadcast(c, v.info.ptr, v.count, v.dtype, root);
+    return array;
+  }
+
+  void broadcast_ptr(std::uintptr_t data, std::size_t count, const std::string& dtype, int root) {
+    Communicator& c = get();
+    const DataType dt = parse_dtype(dtype, "broadcast", c.rank());
+    py::gil_scoped_release release;
+    gradcomm::broadcast(c, reinterpret_cast<void*>(data), count, dt, root);
+  }
+
+ private:
+  static void run_grouped(Communicator& c, const std::vector<packing::TensorDesc>& tensors,
+                          ReduceOp op, const std::optional<std::string>& algorithm,
+                          std::optional<std::size_t> fusion_threshold) {
+    const std::string alg = algorithm.value_or("");
+    GroupedAllreduceOptions o;
+    o.algorithm = alg;
+    o.fusion_threshold = fusion_threshold;
+    py::gil_scoped_release release;
+    gradcomm::grouped_allreduce(c, tensors, op, o);
+  }
+
+  std::unique_ptr<Communicator> comm_;
+};
+
+// GradientPacker over a list of arrays; buffers() are NumPy views of the packed memory that
+// keep the packer alive.
+class PyPacker {
+ public:
+  PyPacker(const py::list& arrays, int num_split) : arrays_(arrays) {
+    std::vector<packing::TensorDesc> tensors;
+    for (std::size_t i = 0; i < arrays.size(); ++i) {
+      views_.push_back(
+          view_of(arrays[i], true, "GradientPacker", "array " + std::to_string(i), -1));
+      tensors.push_back({views_.back().info.ptr, views_.back().count, views_.back().dtype});
+    }
+    packing::PackerOptions o;
+    if (num_split < 1) invalid("GradientPacker", "num_split must be at least 1", -1);
+    o.num_split = num_split;
+    packer_ = std::make_unique<packing::GradientPacker>(tensors, o);
+  }
+  bool declined() const { return packer_->declined(); }
+  std::string decline_reason() const { return packer_->decline_reason(); }
+  void pack() { packer_->pack(); }
+  void unpack() { packer_->unpack(); }
+  packing::GradientPacker& get() { return *packer_; }
+
+ private:
+  py::list arrays_;  // keeps the tensors alive
+  std::vector<View> views_;
+  std::unique_ptr<packing::GradientPacker> packer_;
+};
+
+py::dtype numpy_dtype(DataType d) {
+  switch (d) {
+    case DataType::float32:
+      return py::dtype::of<float>();
+    case DataType::float64:
+      return py::dtype::of<double>();
+    case DataType::float16:
+      return py::dtype("float16");
+    case DataType::int32:
+      return py::dtype::of<std::int32_t>();
+    case DataType::int64:
+      return py::dtype::of<std::int64_t>();
+    default:
+      return py::dtype("uint16");
+  }
+}
+
+}  // namespace
+}  // namespace gradcomm::python
+
+PYBIND11_MODULE(_gradcomm, m) {
+  using namespace gradcomm;
+  using namespace gradcomm::python;
+  m.doc() = "gradcomm: gradient all-reduce for data-parallel training (compiled core)";
+
+  static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
+  static py::exception<InvalidArgument> invalid_argument(m, "InvalidArgument", error.ptr());
+  static py::exception<Unsupported> unsupported(m, "Unsupported", error.ptr());
+  static py::exception<CommError> comm_error(m, "CommError", error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      invalid_argument(e.what());
+    } catch (const Unsupported& e) {
+      unsupported(e.what());
+    } catch (const CommError& e) {
+      comm_error(e.what());
+    } catch (const Error& e) {
+      error(e.what());
+    }
+  });
+
+  m.def("mpi_initialized", &mpi_ready);
+  m.def(
+      "init_mpi", [] { gradcomm::init(); }, "MPI_Init_thread unless MPI is initialized");
+  m.def("algorithm_names", &collectives::algorithm_names);
+
+  py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
+      .def(py::init(&PyCommunicator::from_mpi4py), py::arg("mpi4py_comm"),
+           "Wraps (duplicates) an mpi4py communicator")
+      .def_static("world", [] { return std::make_shared<PyCommunicator>(MPI_COMM_WORLD); })
+      .def("rank", &PyCommunicator::rank)
+      .def("size", &PyCommunicator::size)
+      .def("local_rank", &PyCommunicator::local_rank)
+      .def("local_size", &PyCommunicator::local_size)
+      .def("free", &PyCommunicator::free)
+      .def("allreduce", &PyCommunicator::allreduce, py::arg("array"), py::arg("op") = "average",
+           py::arg("algorithm") = py::none(), py::arg("out") = py::none())
+      .def("grouped_allreduce", &PyCommunicator::grouped_allreduce, py::arg("arrays"),
+           py::arg("op") = "average", py::arg("algorithm") = py::none(),
+           py::arg("fusion_threshold") = py::none())
+      .def("broadcast", &PyCommunicator::broadcast, py::arg("array"), py::arg("root") = 0)
+      .def("_allreduce_ptr", &PyCommunicator::allreduce_ptr)
+      .def("_grouped_allreduce_ptrs", &PyCommunicator::grouped_allreduce_ptrs)
+      .def("_broadcast_ptr", &PyCommunicator::broadcast_ptr);
+
+  py::class_<PyPacker>(m, "GradientPacker")
+      .def(py::init<const py::list&, int>(), py::arg("arrays"), py::arg("num_split") = 8)
+      .def_property_readonly("declined", &PyPacker::declined)
+      .def_property_readonly("decline_reason", &PyPacker::decline_reason)
+      .def("pack", &PyPacker::pack)
+      .def("unpack", &PyPacker::unpack)
+      .def(
+          "buffers",
+          [](py::object self) {
+            PyPacker& p = self.cast<PyPacker&>();
+            py::list out;
+            for (const auto& packed : p.get().packed()) {
+              out.append(py::array(numpy_dtype(packed.dtype),
+                                   {static_cast<py::ssize_t>(packed.count)}, {}, packed.data,
+                                   self));
+            }
+            return out;
+          },
+          "NumPy views of the packed buffers (one per dtype); they keep the packer alive");
+}
