@@ -74,7 +74,7 @@ View view_of(const py::object& obj, bool writable, const std::string& call, cons
         what + " is a " + std::string(py::str(obj.get_type().attr("__name__"))) + ", not an array",
         rank);
   }
-  py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request(writable);
+  py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();  // checked below
   // C-contiguous: strides are the row-major ones.
   py::ssize_t expected = info.itemsize;
   for (py::ssize_t d = info.ndim; d-- > 0;) {

@@ -74,6 +74,17 @@ int main(int argc, char** argv) {
   CHECK(strstr(gradcomm_last_error(), "sendbuf is null") != NULL);
   CHECK(gradcomm_allreduce(comm, x, y, 4, (gradcomm_dtype)42, GRADCOMM_SUM, NULL) ==
         GRADCOMM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gradcomm_last_error(), "invalid dtype 42") != NULL);
+  CHECK(gradcomm_allreduce(comm, x, y, 4, GRADCOMM_FLOAT32, (gradcomm_op)9, NULL) ==
+        GRADCOMM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gradcomm_last_error(), "invalid reduce op 9") != NULL);
+  /* A negative count converted to size_t. */
+  CHECK(gradcomm_allreduce(comm, x, y, (size_t)-1, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL) ==
+        GRADCOMM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gradcomm_last_error(), "overflows size_t") != NULL);
+  CHECK(gradcomm_comm_rank(NULL, &my_rank) == GRADCOMM_ERROR_INVALID_ARGUMENT);
+  CHECK(gradcomm_packer_pack(NULL) == GRADCOMM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gradcomm_last_error(), "packer is NULL") != NULL);
   CHECK(gradcomm_broadcast(comm, x, 4, GRADCOMM_FLOAT32, size) == GRADCOMM_ERROR_INVALID_ARGUMENT);
   CHECK(strstr(gradcomm_last_error(), "root") != NULL);
   CHECK(strcmp(gradcomm_error_string(GRADCOMM_ERROR_INVALID_ARGUMENT), "invalid argument") == 0);

@@ -1,0 +1,152 @@
+"""gradcomm's Python module under mpirun (2 and 4 ranks from CTest), against NumPy references:
+every dtype and op, in place and out of place, mpi4py sub-communicators, grouped all-reduce,
+broadcast, the packer, and errors (gradcomm.Error with the message; the module stays usable).
+Each test makes its collective calls on every rank before asserting, so a failure on one rank
+cannot leave the others waiting."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import gradcomm
+
+gradcomm.init()
+RANK = gradcomm.rank()
+SIZE = gradcomm.size()
+DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64]
+OPS = ["sum", "average", "min", "max", "prod"]
+COUNTS = [0, 1, 7, 1000, 65537]
+
+
+def values(rank, count, dtype, op):
+    """Small integers (exact in every dtype and in their sums and products)."""
+    i = np.arange(count)
+    if op == "prod":
+        v = 1 + (rank + i) % 2  # 1 or 2: products stay below 2^SIZE
+    else:
+        v = (rank * 3 + i) % 11 - 5
+    return v.astype(dtype)
+
+
+def reference(count, dtype, op):
+    stack = np.stack([values(r, count, dtype, op).astype(np.float64) for r in range(SIZE)])
+    if op == "sum":
+        return stack.sum(axis=0)
+    if op == "min":
+        return stack.min(axis=0)
+    if op == "max":
+        return stack.max(axis=0)
+    if op == "prod":
+        return stack.prod(axis=0)
+    total = stack.sum(axis=0)
+    if np.issubdtype(dtype, np.integer):
+        return np.trunc(total / SIZE)  # integer average truncates toward zero
+    return total / SIZE
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS)
+def test_every_dtype_and_op_against_numpy(dtype, op):
+    failures = []
+    for count in COUNTS:
+        for algorithm in [None, "ring", "halving_doubling", "flat", "mpi"]:
+            x = values(RANK, count, dtype, op)
+            out = gradcomm.allreduce(x, op=op, algorithm=algorithm)            # new array
+            inplace = x.copy()
+            gradcomm.allreduce(inplace, op=op, algorithm=algorithm, out=inplace)  # in place
+            given = np.empty_like(x)
+            gradcomm.allreduce(x, op=op, algorithm=algorithm, out=given)      # into `out`
+            ref = reference(count, dtype, op)
+            tol = 1e-3 if dtype == np.float16 else 1e-6
+            for name, got in [("new", out), ("inplace", inplace), ("out", given)]:
+                if got.dtype != np.dtype(dtype) or got.shape != x.shape or not np.allclose(
+                        got.astype(np.float64), ref, rtol=tol, atol=0):
+                    failures.append(f"{name} count={count} algorithm={algorithm}")
+            if not np.array_equal(x, values(RANK, count, dtype, op)):
+                failures.append(f"input changed count={count} algorithm={algorithm}")
+    assert not failures, failures[:5]
+
+
+def test_shapes_are_kept_and_views_work():
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4) * (RANK + 1)
+    out = gradcomm.allreduce(x, op="sum")
+    assert out.shape == (2, 3, 4)
+    assert np.array_equal(out, np.arange(24, dtype=np.float32).reshape(2, 3, 4) *
+                          (SIZE * (SIZE + 1) / 2))
+    big = np.ones(100, dtype=np.float64)
+    gradcomm.allreduce(big[10:20], op="sum", out=big[10:20])  # a contiguous slice, in place
+    assert big[9] == 1 and big[10] == SIZE and big[19] == SIZE and big[20] == 1
+
+
+def test_mpi4py_sub_communicators():
+    color = RANK % 2
+    sub = MPI.COMM_WORLD.Split(color, RANK)
+    comm = gradcomm.Communicator(sub)
+    members = [r for r in range(SIZE) if r % 2 == color]
+    x = np.full(5, RANK, dtype=np.int64)
+    out = gradcomm.allreduce(x, op="sum", comm=comm)
+    assert comm.size() == len(members) and comm.rank() == members.index(RANK)
+    assert np.all(out == sum(members))
+    comm.free()
+    sub.Free()
+
+
+def test_grouped_allreduce_and_broadcast():
+    a = np.full(3, RANK, dtype=np.float32)
+    b = np.arange(5000, dtype=np.float64) + RANK
+    c = np.full(7, 2 * RANK, dtype=np.int32)
+    result = gradcomm.grouped_allreduce([a, b, c], op="sum", fusion_threshold=1024)
+    s = SIZE * (SIZE - 1) // 2
+    assert result[0] is a
+    assert np.all(a == s) and np.array_equal(b, np.arange(5000) * SIZE + s) and np.all(c == 2 * s)
+    v = np.full(4, RANK, dtype=np.float64)
+    gradcomm.broadcast(v, root=SIZE - 1)
+    assert np.all(v == SIZE - 1)
+
+
+def test_packer_round_trip_through_an_allreduce():
+    tensors = [np.full(3000, RANK + 1, dtype=np.float32), np.arange(5000, dtype=np.float32)]
+    packer = gradcomm.GradientPacker(tensors, num_split=4)
+    assert not packer.declined
+    packer.pack()
+    (buffer,) = packer.buffers()
+    assert buffer.shape == (8000,) and buffer.dtype == np.float32
+    gradcomm.allreduce(buffer, op="sum", out=buffer)
+    packer.unpack()
+    assert np.all(tensors[0] == SIZE * (SIZE + 1) / 2)
+    assert np.array_equal(tensors[1], np.arange(5000, dtype=np.float32) * SIZE)
+    tiny = gradcomm.GradientPacker([np.zeros(3, dtype=np.float32)])
+    assert tiny.declined and "min_chunk" in tiny.decline_reason or tiny.decline_reason
+
+
+def expect_error(cls, text, fn):
+    with pytest.raises(cls) as info:
+        fn()
+    assert text in str(info.value), str(info.value)
+
+
+def test_errors_name_the_problem_and_leave_the_module_usable():
+    x = np.ones(8, dtype=np.float32)
+    expect_error(gradcomm.InvalidArgument, "unknown op 'median'",
+                 lambda: gradcomm.allreduce(x, op="median"))
+    expect_error(gradcomm.Error, "unknown algorithm 'nope'",
+                 lambda: gradcomm.allreduce(x, algorithm="nope"))
+    expect_error(gradcomm.Error, "not C-contiguous",
+                 lambda: gradcomm.allreduce(np.ones((4, 4), dtype=np.float32).T))
+    expect_error(gradcomm.Error, "unsupported dtype",
+                 lambda: gradcomm.allreduce(np.ones(4, dtype=np.uint8)))
+    ro = np.ones(4, dtype=np.float32)
+    ro.setflags(write=False)
+    expect_error(gradcomm.Error, "read-only", lambda: gradcomm.allreduce(ro, out=ro))
+    expect_error(gradcomm.Error, "out has 3 elements",
+                 lambda: gradcomm.allreduce(x, out=np.ones(3, dtype=np.float32)))
+    expect_error(gradcomm.Error, "not an array", lambda: gradcomm.allreduce([1.0, 2.0]))
+    expect_error(gradcomm.Error, "root", lambda: gradcomm.broadcast(x, root=SIZE))
+    assert issubclass(gradcomm.InvalidArgument, gradcomm.Error)
+    out = gradcomm.allreduce(x, op="sum")  # still usable
+    assert np.all(out == SIZE)
+
+
+def test_topology_queries():
+    assert 0 <= gradcomm.local_rank() < gradcomm.local_size() <= SIZE
+    assert "ring" in gradcomm.algorithm_names()
