@@ -5,10 +5,12 @@
 #  2. compiles it again with MPI's flags to wrap a user communicator via its Fortran handle;
 #  3. configures a CMake project that finds the package (find_package(gradcomm)) and builds the
 #     C example and a C++ program against gradcomm::gradcomm, and runs both.
-# usage: c_abi_install_test.sh BUILD_DIR MPIEXEC
+#  4. with a Python interpreter given, imports the installed Python package and all-reduces.
+# usage: c_abi_install_test.sh BUILD_DIR MPIEXEC [PYTHON]
 set -euo pipefail
 BUILD=$1
 MPIEXEC=$2
+PYTHON=${3:-}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -31,4 +33,15 @@ cmake -S "$HERE/c_abi/consumer" -B "$WORK/consumer" -G Ninja -DCMAKE_PREFIX_PATH
 cmake --build "$WORK/consumer" >/dev/null
 "${RUN[@]}" -np 2 "$WORK/consumer/consumer_c"
 "${RUN[@]}" -np 2 "$WORK/consumer/consumer_cxx"
+if [ -n "$PYTHON" ]; then
+  echo "== the installed Python package"
+  site=$(find "$WORK/prefix" -type d -name gradcomm -path "*-packages/*" | head -1)
+  [ -n "$site" ] || { echo "no Python package under $WORK/prefix"; exit 1; }
+  PYTHONPATH=$(dirname "$site") "${RUN[@]}" -np 2 "$PYTHON" -c '
+import numpy as np, gradcomm
+gradcomm.init()
+x = gradcomm.allreduce(np.ones(3, dtype=np.float32), op="sum")
+assert x.tolist() == [gradcomm.size()] * 3, x
+if gradcomm.rank() == 0: print("python package: ok from", gradcomm.__file__)'
+fi
 echo "installed-tree checks passed"

@@ -204,6 +204,22 @@ class PyCommunicator {
     return array;
   }
 
+  // `iterations` back-to-back all-reduces of `array` in place from C++ (GIL released once):
+  // the baseline for measuring what a Python call adds. Returns seconds.
+  double bench_allreduce(const py::object& array, int iterations, const std::string& op,
+                         const std::optional<std::string>& algorithm) {
+    Communicator& c = get();
+    View v = view_of(array, true, "_bench_allreduce", "array", c.rank());
+    const ReduceOp rop = parse_op(op, "_bench_allreduce", c.rank());
+    const std::string alg = algorithm.value_or("");
+    py::gil_scoped_release release;
+    const double t0 = MPI_Wtime();
+    for (int i = 0; i < iterations; ++i) {
+      gradcomm::allreduce(c, v.info.ptr, v.info.ptr, v.count, v.dtype, rop, {.algorithm = alg});
+    }
+    return MPI_Wtime() - t0;
+  }
+
   void broadcast_ptr(std::uintptr_t data, std::size_t count, const std::string& dtype, int root) {
     Communicator& c = get();
     const DataType dt = parse_dtype(dtype, "broadcast", c.rank());
@@ -319,7 +335,9 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("broadcast", &PyCommunicator::broadcast, py::arg("array"), py::arg("root") = 0)
       .def("_allreduce_ptr", &PyCommunicator::allreduce_ptr)
       .def("_grouped_allreduce_ptrs", &PyCommunicator::grouped_allreduce_ptrs)
-      .def("_broadcast_ptr", &PyCommunicator::broadcast_ptr);
+      .def("_broadcast_ptr", &PyCommunicator::broadcast_ptr)
+      .def("_bench_allreduce", &PyCommunicator::bench_allreduce, py::arg("array"),
+           py::arg("iterations"), py::arg("op") = "sum", py::arg("algorithm") = py::none());
 
   py::class_<PyPacker>(m, "GradientPacker")
       .def(py::init<const py::list&, int>(), py::arg("arrays"), py::arg("num_split") = 8)
