@@ -190,33 +190,28 @@ void write_file_atomically(const std::string& path, std::span<const std::byte> b
     fail("cannot create directory " + dir.string());
   }
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("cannot create " + tmp);
+  // Every later failure closes the file (if still open), removes it, and reports the first errno.
+  auto abandon = [&](const std::string& what) {
+    const int saved = errno;
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    errno = saved;
+    fail(what);
+  };
   std::size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int saved = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      errno = saved;
-      fail("write to " + tmp + " failed");
-    }
+    if (n <= 0) abandon("write to " + tmp + " failed");
     done += static_cast<std::size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    errno = saved;
-    fail("fsync of " + tmp + " failed");
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    errno = saved;
-    fail("rename of " + tmp + " failed");
-  }
+  if (::fsync(fd) != 0) abandon("fsync of " + tmp + " failed");
+  const int closed = ::close(fd);
+  fd = -1;
+  if (closed != 0) abandon("close of " + tmp + " failed");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) abandon("rename of " + tmp + " failed");
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);  // best effort: makes the rename itself durable
