@@ -382,6 +382,27 @@ TEST(Checkpoint, RoundTripsThroughAFile) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Checkpoint, AFailedWriteNamesThePathAndLeavesNothingBehind) {
+  const auto dir = temp_dir("ckpt_fail");
+  std::ofstream(dir / "plain_file") << "x";
+  const std::string under_a_file = (dir / "plain_file" / "checkpoint.bin").string();
+  try {
+    write_file_atomically(under_a_file, encode_checkpoint(sample_state()));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("write checkpoint " + under_a_file));
+  }
+  // A directory where the file should go: the rename fails and the temporary file is removed.
+  std::filesystem::create_directories(dir / "taken" / "checkpoint.bin" / "inside");
+  const std::string taken = (dir / "taken" / "checkpoint.bin").string();
+  EXPECT_THROW(write_file_atomically(taken, encode_checkpoint(sample_state())), Error);
+  std::size_t files = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir / "taken"))
+    ++files;
+  EXPECT_EQ(files, 1u) << "the temporary file was left behind";
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Checkpoint, RejectsTruncatedCorruptForeignAndNewerFiles) {
   const std::vector<std::byte> good = encode_checkpoint(sample_state());
   EXPECT_EQ(decode_error(good), "no error");
