@@ -55,6 +55,13 @@ class Hasher {
   std::uint64_t lanes_[4] = {1, 2, 3, 4};
 };
 
+// Rows [first, first + count) of `rows` that rank r of n takes when the first rows % n ranks
+// take one row more (the uneven policy, evaluation and prediction).
+DataParallelTrainer::Shard uneven_shard(std::size_t rows, std::size_t n, std::size_t r) {
+  const std::size_t base = rows / n, extra = rows % n;
+  return {r * base + std::min(r, extra), base + (r < extra ? 1 : 0)};
+}
+
 // Rank `root` passes its `message` (empty: success) to every rank; returns it.
 std::string share_outcome(Communicator& comm, std::string message, int root = 0) {
   std::int64_t length = static_cast<std::int64_t>(message.size());
@@ -153,7 +160,7 @@ DataParallelTrainer::Shard DataParallelTrainer::shard(std::size_t rows) const {
     case ShardPolicy::drop_remainder:
       return {r * base, base};
     case ShardPolicy::uneven:
-      return {r * base + std::min(r, extra), base + (r < extra ? 1 : 0)};
+      return uneven_shard(rows, n, r);
   }
   return {};
 }
@@ -304,11 +311,8 @@ StepStats DataParallelTrainer::run_step(const Batch& local, std::size_t used) {
 }
 
 Evaluation DataParallelTrainer::evaluate(const Dataset& data) {
-  const auto n = static_cast<std::size_t>(comm_.size());
-  const auto r = static_cast<std::size_t>(comm_.rank());
-  const std::size_t base = data.rows() / n, extra = data.rows() % n;
-  const std::size_t first = r * base + std::min(r, extra);
-  const std::size_t count = base + (r < extra ? 1 : 0);
+  const auto [first, count] = uneven_shard(data.rows(), static_cast<std::size_t>(comm_.size()),
+                                           static_cast<std::size_t>(comm_.rank()));
   constexpr std::size_t kChunk = 1024;  // bounds the activations held at once
   double totals[3] = {0, 0, static_cast<double>(count)};
   for (std::size_t i = 0; i < count; i += kChunk) {
@@ -328,15 +332,13 @@ Evaluation DataParallelTrainer::evaluate(const Dataset& data) {
 
 std::vector<float> DataParallelTrainer::predict(const Batch& batch) {
   const auto n = static_cast<std::size_t>(comm_.size());
-  const std::size_t base = batch.rows / n, extra = batch.rows % n;
   std::vector<std::size_t> counts(n);
   for (std::size_t r = 0; r < n; ++r)
-    counts[r] = base + (r < extra ? 1 : 0);
-  const auto r = static_cast<std::size_t>(comm_.rank());
-  const std::size_t first = r * base + std::min(r, extra);
-  std::vector<float> local(counts[r]);
+    counts[r] = uneven_shard(batch.rows, n, r).count;
+  const auto [first, count] = uneven_shard(batch.rows, n, static_cast<std::size_t>(comm_.rank()));
+  std::vector<float> local(count);
   const Batch mine{batch.features ? batch.features + first * batch.dim : nullptr,
-                   batch.labels ? batch.labels + first : nullptr, counts[r], batch.dim};
+                   batch.labels ? batch.labels + first : nullptr, count, batch.dim};
   model_.predict(mine, local);
   return allgatherv<float>(comm_, local, counts);
 }
