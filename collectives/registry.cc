@@ -5,6 +5,7 @@
 #include "collectives/allreduce_hierarchical.h"
 #include "collectives/allreduce_mpi.h"
 #include "collectives/allreduce_ring.h"
+#include "collectives/allreduce_shm.h"
 
 namespace gradcomm::collectives {
 
@@ -21,6 +22,8 @@ const std::vector<AlgorithmEntry>& registered_algorithms() {
        make<AllreduceHalvingDoubling>},
       {"hierarchical", "reduce-scatter in groups (nodes), all-reduce across, all-gather in groups",
        make<AllreduceHierarchical>},
+      {"shm", "shared memory inside one node: reduce slices from peers' slots, copy out",
+       make<AllreduceShm>},
       {"mpi", "MPI_Allreduce of the MPI library", make<AllreduceMpi>},
   };
   return entries;

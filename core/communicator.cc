@@ -69,6 +69,29 @@ std::byte* Communicator::scratch(std::size_t bytes, int slot) {
   return buffer.data();
 }
 
+RegisteredBuffer Communicator::allocate(std::size_t bytes) {
+  unsigned long long range[2] = {bytes, ~static_cast<unsigned long long>(bytes)};  // max, min
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_),
+            "allocate: MPI_Allreduce", rank_);
+  const unsigned long long largest = range[0], smallest = ~range[1];
+  if (largest != smallest) {
+    throw InvalidArgument(
+        error_message("allocate", rank_,
+                      "ranks asked for different sizes (" + std::to_string(smallest) + " to " +
+                          std::to_string(largest) + " bytes, this rank " + std::to_string(bytes) +
+                          "); every rank must allocate the same size"));
+  }
+  if (bytes == 0) return {};
+  MPI_Comm node = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
+            "allocate: MPI_Comm_split_type", rank_);
+  struct Free {
+    MPI_Comm& c;
+    ~Free() { MPI_Comm_free(&c); }
+  } free_node{node};
+  return detail::allocate_registered(node, bytes, "allocate");
+}
+
 void Communicator::log(LogLevel level, std::string_view message) const {
   if (!log_enabled(level)) return;
   const std::string name(to_string(level));

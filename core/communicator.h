@@ -12,6 +12,7 @@
 
 #include "core/aligned_buffer.h"
 #include "core/config.h"
+#include "core/shared_memory.h"
 
 namespace gradcomm {
 
@@ -54,6 +55,13 @@ class Communicator {
   // A reusable, 64-byte aligned scratch buffer of at least `bytes`. Slots are independent; a slot
   // only grows. The pointer stays valid until the next call for the same slot with more bytes.
   std::byte* scratch(std::size_t bytes, int slot = 0);
+
+  // Registered memory (collective): `bytes` for this rank in a segment that every rank of this
+  // communicator on the same host maps, so `shm` reads it in place (an all-reduce on it skips
+  // the copy-in). Every rank must pass the same `bytes`: a mismatch throws InvalidArgument on
+  // every rank, naming the sizes. bytes == 0 gives an empty handle. The memory is not zeroed
+  // for reuse; a fresh one reads as zeros.
+  RegisteredBuffer allocate(std::size_t bytes);
 
   template <class T>
   T& attachment() {
