@@ -76,19 +76,27 @@ int usable_cores() {
   return std::max(1, CPU_COUNT(&set));
 }
 
-// The segment of one communicator and this rank's view of it, built on first use.
-class ShmState : public Attachment {
+// How many ranks of the communicator share this rank's host (collective on first use).
+class HostCheck : public Attachment {
  public:
-  explicit ShmState(Communicator& comm) : rank(comm.rank()), size(comm.size()) {
+  explicit HostCheck(Communicator& comm) {
     MPI_Comm node = MPI_COMM_NULL;
     check_mpi(MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, comm.rank(), MPI_INFO_NULL,
                                   &node),
               "allreduce(shm): MPI_Comm_split_type", comm.rank());
-    int on_host = 0;
     MPI_Comm_size(node, &on_host);
     MPI_Comm_free(&node);
-    if (on_host != size) {
-      unavailable = "only " + std::to_string(on_host) + " of the " + std::to_string(size) +
+  }
+  int on_host = 1;
+};
+
+// The segment of one communicator and this rank's view of it, built on first use.
+class ShmState : public Attachment {
+ public:
+  explicit ShmState(Communicator& comm) : rank(comm.rank()), size(comm.size()) {
+    const HostCheck& host = comm.attachment<HostCheck>();
+    if (host.on_host != size) {
+      unavailable = "only " + std::to_string(host.on_host) + " of the " + std::to_string(size) +
                     " ranks share this host; shm works inside one node (use hierarchical, which "
                     "runs shm inside each node)";
       return;
@@ -200,7 +208,7 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
 }  // namespace
 
 bool shares_one_host(Communicator& comm) {
-  return comm.size() == 1 || comm.attachment<ShmState>().unavailable.empty();
+  return comm.attachment<HostCheck>().on_host == comm.size();
 }
 
 void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {

@@ -52,7 +52,10 @@ GradientPacker::GradientPacker(std::span<const TensorDesc> tensors, PackerOption
       p.chunks.push_back({c * per_chunk, count});
     }
     // Not value-initialized: the first pack() writes every byte.
-    p.data = storage_.emplace_back(p.count * element_size(p.dtype)).data();
+    const std::size_t bytes = p.count * element_size(p.dtype);
+    p.data = options.registered_on
+                 ? registered_.emplace_back(options.registered_on->allocate(bytes)).data()
+                 : storage_.emplace_back(bytes).data();
   }
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/aligned_buffer.h"
+#include "core/communicator.h"
 #include "packing/tensor.h"
 
 namespace gradcomm::packing {
@@ -14,6 +15,10 @@ namespace gradcomm::packing {
 struct PackerOptions {
   int num_split = 8;                      // chunks per packed buffer
   std::size_t min_chunk_elements = 1024;  // below this, packing declines
+  // When set, the packed buffers are registered memory of this communicator
+  // (Communicator::allocate): packing is then the copy-in of `shm`, which reads them in place.
+  // Construction becomes collective over it (every rank plans the same tensors).
+  Communicator* registered_on = nullptr;
 };
 
 // Concatenates many tensors into one flat buffer per dtype, split into num_split near-equal
@@ -32,7 +37,7 @@ class GradientPacker {
   struct Packed {
     DataType dtype;
     std::size_t count;                 // elements
-    std::byte* data;                   // 64-byte aligned, owned by the packer
+    std::byte* data;                   // 64-byte aligned (page-aligned if registered), owned
     std::vector<Chunk> chunks;         // num_split of them
     std::vector<std::size_t> tensors;  // indices into the tensor list, in packing order
     std::vector<std::size_t> offsets;  // element offset of each of those tensors
@@ -58,6 +63,7 @@ class GradientPacker {
   std::string decline_reason_;
   std::vector<Packed> packed_;
   std::vector<AlignedBuffer> storage_;
+  std::vector<RegisteredBuffer> registered_;
 };
 
 }  // namespace gradcomm::packing

@@ -1,10 +1,12 @@
 #include "packing/grouped_allreduce.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/allreduce_shm.h"
 #include "core/error.h"
 #include "core/reduce_kernels.h"
 
@@ -22,11 +24,33 @@ std::uint64_t compression_tag(Compression c) {
   return static_cast<std::uint64_t>(c) + 1;
 }
 
-// Plans of one communicator, by hash of (tensors, threshold, order, compression).
+// Plans of one communicator, by hash of (tensors, threshold, order, compression), and the
+// fused buffer: registered memory when the ranks share one host, so that packing a bucket is
+// already the copy-in of `shm` (it reads peers' fused buffers in place).
 class PlanCache : public Attachment {
  public:
-  explicit PlanCache(Communicator&) {}
+  explicit PlanCache(Communicator& comm) : use_registered(collectives::shares_one_host(comm)) {}
+
+  // Collective when it grows the registered buffer: every rank holds the same plan (checked).
+  std::byte* fused_buffer(Communicator& comm, std::size_t bytes) {
+    if (!use_registered || comm.size() == 1) return comm.scratch(bytes, kFusionScratchSlot);
+    if (registered.size() < bytes) {
+      registered = RegisteredBuffer();
+      try {
+        registered = comm.allocate(bytes);
+      } catch (const CommError& e) {  // thrown on every rank alike: fall back together
+        comm.log(LogLevel::warn,
+                 std::string("grouped_allreduce: private fused buffers: ") + e.what());
+        use_registered = false;
+        return comm.scratch(bytes, kFusionScratchSlot);
+      }
+    }
+    return registered.data();
+  }
+
   std::map<std::uint64_t, FusionPlan> plans;
+  bool use_registered;
+  RegisteredBuffer registered;
 };
 
 DataType wire_dtype(DataType dtype, Compression compression) {
@@ -143,7 +167,8 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
   // buckets are planned only on a miss.
   const std::uint64_t key =
       plan_key(packing::fusion_hash(tensors, fusion_options(comm, options)), options.compression);
-  auto& cache = comm.attachment<PlanCache>().plans;
+  PlanCache& state = comm.attachment<PlanCache>();
+  auto& cache = state.plans;
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() >= kMaxCachedPlans) cache.clear();
@@ -158,6 +183,15 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
             "grouped_allreduce: MPI_Allreduce", comm.rank());
   if (global[0] != ~global[1]) report_mismatch(comm, tensors);
 
+  // One fused buffer for the largest bucket, sized before the first (collective) call.
+  std::size_t fused_bytes = 0;
+  for (const Bucket& bucket : plan.buckets) {
+    const DataType wire = wire_dtype(bucket.dtype, options.compression);
+    if (!bucket.in_place() || wire != bucket.dtype)
+      fused_bytes = std::max(fused_bytes, bucket.count * element_size(wire));
+  }
+  std::byte* fused = fused_bytes > 0 ? state.fused_buffer(comm, fused_bytes) : nullptr;
+
   const AllreduceOptions call{.algorithm = options.algorithm};
   for (const Bucket& bucket : plan.buckets) {
     const DataType wire = wire_dtype(bucket.dtype, options.compression);
@@ -167,7 +201,6 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
       continue;
     }
     const std::size_t wire_es = element_size(wire);
-    std::byte* fused = comm.scratch(bucket.count * wire_es, kFusionScratchSlot);
     std::size_t offset = 0;
     for (std::size_t index : bucket.tensors) {
       const TensorDesc& t = tensors[index];
