@@ -61,6 +61,8 @@ struct Options {
   std::string workload;                         // --workload: per-step mode comparison
   std::optional<std::size_t> fusion_threshold;  // --fusion-threshold, for --workload
   std::string tune_file;                        // --tune: write auto's decision table here
+  bool registered = false;                      // --registered: buffers from comm.allocate
+  bool stream = false;                          // --stream: STREAM first, bound per row
 };
 
 struct Row {
@@ -71,6 +73,7 @@ struct Row {
   double algbw = 0, busbw = 0;
   long long wrong = -1;  // -1: not checked
   double vs_mpi = 0;
+  double of_bound = 0;  // busbw / the memory-traffic bound (--stream), 0 when not measured
   // Bytes one call sent inside / across hierarchical groups, largest over ranks (gradcomm's own
   // algorithms; 0 for mpi, whose internals are not visible).
   unsigned long long intra_bytes = 0, inter_bytes = 0;
@@ -96,6 +99,12 @@ const char kUsage[] =
     "                        one MPI_Allreduce per tensor, grouped_allreduce, one MPI_Allreduce\n"
     "                        of a pre-concatenated buffer, and pack+unpack against memcpy\n"
     "      --fusion-threshold B  bucket size for --workload (default GRADCOMM_FUSION_THRESHOLD)\n"
+    "      --registered      send/recv buffers in registered memory (comm.allocate), for every\n"
+    "                        algorithm and MPI_Allreduce alike\n"
+    "      --stream          measure STREAM copy/triad on all ranks at once first, and report "
+    "each\n"
+    "                        row's busbw as a fraction of the bound set by reading every input\n"
+    "                        once and writing every output once (2*n*S bytes at STREAM speed)\n"
     "      --tune FILE       sweep every registered algorithm (and MPI_Allreduce) and write the\n"
     "                        fastest per size as a decision table for auto\n"
     "                        (GRADCOMM_TUNING_FILE=FILE)\n";
@@ -168,6 +177,10 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       o.tune_file = value();
     else if (arg == "--fusion-threshold")
       o.fusion_threshold = parse_size(value());
+    else if (arg == "--registered")
+      o.registered = true;
+    else if (arg == "--stream")
+      o.stream = true;
     else if (arg == "--csv")
       o.format = Options::Format::csv;
     else if (arg == "--json")
@@ -301,6 +314,50 @@ double percentile(std::vector<double> sorted, double p) {
   return sorted[lo] + (sorted[hi] - sorted[lo]) * (position - static_cast<double>(lo));
 }
 
+// STREAM (McCalpin) copy and triad on every rank at once: the memory bandwidth the node gives
+// all ranks together, counted as STREAM counts it (bytes read + bytes written per element).
+constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array, far above the caches
+
+struct Stream {
+  double copy = 0, triad = 0;  // bytes per second, sum over ranks
+  // An all-reduce must read every input once and write every output once: 2*n*S bytes at the
+  // STREAM copy rate, so algbw <= copy / (2n); busbw scales it by 2(n-1)/n.
+  double bound_busbw(int n) const { return n > 1 ? copy / (2.0 * n) * 2.0 * (n - 1) / n : 0.0; }
+};
+
+Stream measure_stream(Communicator& comm) {
+  const std::size_t count = kStreamBytes / sizeof(double);
+  std::vector<double> a(count, 1.0), b(count, 2.0), c(count, 0.0);
+  const MPI_Comm mpi = comm.mpi_comm();
+  auto best_rate = [&](auto&& kernel, double bytes) {
+    double best = 1e30;
+    for (int trial = 0; trial < 5; ++trial) {
+      MPI_Barrier(mpi);
+      const double t0 = MPI_Wtime();
+      kernel();
+      double elapsed = MPI_Wtime() - t0;
+      MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
+      best = std::min(best, elapsed);
+    }
+    return bytes * comm.size() / best;
+  };
+  Stream s;
+  s.copy = best_rate(
+      [&] {
+        for (std::size_t i = 0; i < count; ++i)
+          c[i] = a[i];
+      },
+      2.0 * kStreamBytes);
+  s.triad = best_rate(
+      [&] {
+        for (std::size_t i = 0; i < count; ++i)
+          a[i] = b[i] + 3.0 * c[i];
+      },
+      3.0 * kStreamBytes);
+  if (a[count / 2] == 42.0) std::printf(" ");  // keep the loops
+  return s;
+}
+
 std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
                               std::size_t count, std::byte* send, std::byte* recv,
                               std::vector<double>& ref_in, std::vector<double>& ref_out) {
@@ -388,7 +445,7 @@ void print_header(const Options& o, int n) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
-        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes\n");
+        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound\n");
   } else if (o.format == Options::Format::table) {
     std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
                 std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
@@ -403,9 +460,11 @@ void print_header(const Options& o, int n) {
     std::printf(
         "# xgroup_MB: bytes one call sends across hierarchical groups (nodes), largest "
         "rank\n#\n");
-    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %10s\n", "size",
+    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %10s", "size",
                 "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us", "p50_us",
                 "p99_us", "algbw", "busbw", "#wrong", "vs_mpi", "xgroup_MB");
+    if (o.stream) std::printf(" %8s", "of_bound");
+    std::printf("\n");
   }
 }
 
@@ -413,27 +472,30 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
   const std::string type(to_string(o.dtype));
   const std::string op(to_string(o.op));
   if (o.format == Options::Format::csv) {
-    std::printf("%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu\n",
-                r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0,
-                n, r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong,
-                r.vs_mpi, r.intra_bytes, r.inter_bytes);
+    std::printf(
+        "%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu,%.3f\n",
+        r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0, n,
+        r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi,
+        r.intra_bytes, r.inter_bytes, r.of_bound);
   } else if (o.format == Options::Format::json) {
     std::printf(
         "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
         "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
         "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f, "
-        "\"intra_bytes\": %llu, \"inter_bytes\": %llu}",
+        "\"intra_bytes\": %llu, \"inter_bytes\": %llu, \"of_bound\": %.3f}",
         first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi, r.intra_bytes,
-        r.inter_bytes);
+        r.inter_bytes, r.of_bound);
   } else {
     const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
     std::printf(
         "  %10zu %11zu %8s %5s %-16s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %6s "
-        "%6.2f %10.3f\n",
+        "%6.2f %10.3f",
         r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us, r.min_us,
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi,
         static_cast<double>(r.inter_bytes) / 1e6);
+    if (o.stream) std::printf(" %8.2f", r.of_bound);
+    std::printf("\n");
   }
   std::fflush(stdout);
 }
@@ -601,13 +663,37 @@ int run(int argc, char** argv) {
   const std::size_t es = gradcomm::element_size(o.dtype);
   const std::size_t max_count = o.max_bytes / es;
   // Buffers allocated and touched once, reused for every size.
-  std::vector<std::byte> send(std::max<std::size_t>(max_count * es, 1));
-  std::vector<std::byte> recv(std::max<std::size_t>(max_count * es, 1));
+  const std::size_t buffer_bytes = std::max<std::size_t>(max_count * es, 1);
+  std::vector<std::byte> send_private, recv_private;
+  gradcomm::RegisteredBuffer send_registered, recv_registered;
+  std::byte* send = nullptr;
+  std::byte* recv = nullptr;
+  if (o.registered) {
+    send_registered = comm.allocate(buffer_bytes);
+    recv_registered = comm.allocate(buffer_bytes);
+    send = send_registered.data();
+    recv = recv_registered.data();
+    std::memset(recv, 0, buffer_bytes);
+  } else {
+    send_private.resize(buffer_bytes);
+    recv_private.resize(buffer_bytes);
+    send = send_private.data();
+    recv = recv_private.data();
+  }
   std::vector<double> ref_in, ref_out;
   for (std::size_t i = 0; i < max_count; ++i)
-    store(o.dtype, send.data(), i, (i % 17) * 0.25);
+    store(o.dtype, send, i, (i % 17) * 0.25);
+  const Stream stream = o.stream ? measure_stream(comm) : Stream{};
 
   if (rank == 0) {
+    if (o.stream && o.format == Options::Format::table) {
+      std::printf(
+          "# STREAM, all %d ranks at once, %zu MiB arrays each: copy %.1f GB/s, triad %.1f GB/s"
+          " (sum over ranks)\n# bound: busbw <= copy / (2n) * 2(n-1)/n = %.2f GB/s; of_bound ="
+          " busbw / bound\n",
+          comm.size(), kStreamBytes >> 20, stream.copy / 1e9, stream.triad / 1e9,
+          stream.bound_busbw(comm.size()) / 1e9);
+    }
     print_header(o, comm.size());
     if (o.format == Options::Format::json) {
       std::printf(
@@ -624,11 +710,12 @@ int run(int argc, char** argv) {
        size *= o.factor) {
     const std::size_t count = static_cast<std::size_t>(size) / es;
     const std::vector<Row> rows =
-        measure_size(comm, baseline, o, count, send.data(), recv.data(), ref_in, ref_out);
+        measure_size(comm, baseline, o, count, send, recv, ref_in, ref_out);
     const auto fastest = std::min_element(
         rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.p50_us < b.p50_us; });
     if (fastest != rows.end()) winners.emplace_back(count * es, fastest->algorithm);
-    for (const Row& row : rows) {
+    for (Row row : rows) {
+      if (o.stream) row.of_bound = row.busbw * 1e9 / stream.bound_busbw(comm.size());
       if (rank == 0) print_row(o, row, comm.size(), first);
       first = false;
       total_wrong += std::max(row.wrong, 0LL);

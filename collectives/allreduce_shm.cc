@@ -36,8 +36,8 @@ namespace gradcomm::collectives {
 namespace {
 
 constexpr std::string_view kCall = "allreduce(shm)";
-constexpr std::size_t kSmallBytes = std::size_t{16} << 10;   // latency path up to this
-constexpr std::size_t kChunkBytes = std::size_t{256} << 10;  // staged round, per rank
+constexpr std::size_t kSmallBytes = kShmSmallBytes;  // latency path up to this
+constexpr std::size_t kChunkBytes = kShmChunkBytes;  // staged round, per rank
 constexpr std::size_t kLine = 64;
 // From this size on, the copy-out bypasses the cache: the output cannot stay cached anyway, and
 // not reading it before overwriting saves a third of the copy's memory traffic (64 MiB on 2 ranks

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <cstddef>
+
 #include "collectives/allreduce_algorithm.h"
 
 namespace gradcomm::collectives {
@@ -19,6 +21,10 @@ namespace gradcomm::collectives {
 // of the serial reduction). Ranks that disagree on count, dtype or op get an error on every rank
 // instead of reading past a buffer. A peer that exits while others wait is detected (its pid),
 // and the waiters throw CommError instead of hanging.
+// The latency path's limit and the staged path's round size (bytes per rank), for the cost model.
+inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
+inline constexpr std::size_t kShmChunkBytes = std::size_t{256} << 10;
+
 class AllreduceShm : public AllreduceAlgorithm {
  public:
   std::string_view name() const override { return "shm"; }

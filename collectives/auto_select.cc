@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_halving_doubling.h"
 #include "collectives/allreduce_hierarchical.h"
+#include "collectives/allreduce_shm.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
@@ -68,8 +70,8 @@ CostModel calibrate(Communicator& comm, const topology::Topology& topo) {
     if (same && intra_peer < 0) intra_peer = r;
     if (!same && inter_peer < 0) inter_peer = r;
   }
-  double values[5] = {model.intra.alpha, model.intra.beta, model.inter.alpha, model.inter.beta,
-                      model.gamma};
+  double values[6] = {model.intra.alpha, model.intra.beta, model.inter.alpha,
+                      model.inter.beta,  model.gamma,      model.copy_beta};
   if (intra_peer > 0 && (comm.rank() == 0 || comm.rank() == intra_peer)) {
     const CostModel::Link link = ping_pong(comm, intra_peer);
     values[0] = link.alpha;
@@ -91,11 +93,18 @@ CostModel calibrate(Communicator& comm, const topology::Topology& topo) {
     for (int i = 0; i < 8; ++i)
       reduce_into(a.data(), b.data(), kCount, DataType::float32, ReduceOp::sum);
     values[4] = (MPI_Wtime() - t0) / 8 / static_cast<double>(kCount * sizeof(float));
+    const double t1 = MPI_Wtime();
+    for (int i = 0; i < 8; ++i) {
+      std::memcpy(a.data(), b.data(), kCount * sizeof(float));
+      b[static_cast<std::size_t>(i)] = a[static_cast<std::size_t>(i) + 1];  // keep the copies
+    }
+    values[5] = (MPI_Wtime() - t1) / 8 / static_cast<double>(kCount * sizeof(float));
   }
-  MPI_Bcast(values, 5, MPI_DOUBLE, 0, comm.mpi_comm());
+  MPI_Bcast(values, 6, MPI_DOUBLE, 0, comm.mpi_comm());
   model.intra = {values[0], values[1]};
   model.inter = {values[2], values[3]};
   model.gamma = values[4];
+  model.copy_beta = values[5];
   return model;
 }
 
@@ -229,6 +238,7 @@ class AutoState : public Attachment {
   explicit AutoState(Communicator& comm) {
     const topology::Topology& topo = topology::topology_of(comm);
     groups = static_cast<int>(topo.groups.size());
+    model.one_host = shares_one_host(comm);
     for (const auto& g : topo.groups)
       group_size = std::max(group_size, static_cast<int>(g.size()));
     const Config& config = comm.config();
@@ -259,6 +269,7 @@ class AutoState : public Attachment {
     }
     if (config.calibrate) {
       model = calibrate(comm, topo);
+      model.one_host = shares_one_host(comm);
       // Probing times the algorithms themselves; in the reproducible mode they all run the same
       // schedule, and with a table the model is not used.
       if (!table && !config.deterministic && oversubscribed(comm, topo)) {
@@ -327,6 +338,12 @@ std::optional<double> CostModel::predict(std::string_view algorithm, std::size_t
     const std::string_view cross = shard < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";
     return intra_phases +
            *across.predict(cross, static_cast<std::size_t>(shard), groups, 1, groups);
+  }
+  if (algorithm == "shm") {
+    if (!one_host || groups > 1) return std::nullopt;  // emulated nodes count as nodes
+    if (bytes <= kShmSmallBytes) return flag_alpha + S * copy_beta + n * S * gamma;
+    const double rounds = std::ceil(S / static_cast<double>(kShmChunkBytes));
+    return 3 * rounds * flag_alpha + 2 * S * copy_beta + S * gamma;
   }
   return std::nullopt;
 }

@@ -46,6 +46,9 @@ struct CostModel {
   Link intra{2e-6, 1.0 / 3e9};
   Link inter{5e-6, 1.0 / 1.25e9};  // default: a 10 Gb/s network
   double gamma = 1.0 / 10e9;       // seconds per byte reduced
+  double copy_beta = 1.0 / 10e9;   // seconds per byte copied in memory (shm's copy-in and out)
+  double flag_alpha = 0.5e-6;      // seconds per flag round through shared memory
+  bool one_host = false;           // every rank on one host: shm can run
 
   // Predicted seconds of `algorithm` for `bytes` on `ranks` ranks in groups of `group_size`
   // (`groups` of them); nullopt for algorithms it has no model of (mpi).
