@@ -100,7 +100,7 @@ TEST_F(BadNames, UnknownAlgorithmListsValidNames) {
                   {.algorithm = "tree"});
       },
       {"unknown algorithm 'tree'",
-       "valid names: auto, flat, ring, halving_doubling, hierarchical, mpi"});
+       "valid names: auto, flat, ring, halving_doubling, hierarchical, shm, mpi"});
   // The same through the configured default (what GRADCOMM_ALGORITHM sets).
   Config config;
   config.algorithm = "bogus";

@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
 
   /* All-reduce: x[i] = rank + i % 7, so the sum is size * (size - 1) / 2 + size * (i % 7). */
   const char* algorithms[] = {NULL,   "auto",         "ring", "halving_doubling",
-                              "flat", "hierarchical", "mpi"};
+                              "flat", "hierarchical", "shm",  "mpi"};
   const size_t counts[] = {0, 1, 13, 1000003};
   const size_t n = 1000003;
   float* x = malloc(n * sizeof *x);
