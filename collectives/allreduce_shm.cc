@@ -106,7 +106,13 @@ class ShmState : public Attachment {
     small_offset = control_bytes;
     stage_offset = small_offset + n * 2 * kSmallBytes;
     result_offset = stage_offset + n * 2 * kChunkBytes;
-    segment = SharedSegment(comm.mpi_comm(), result_offset + 2 * kChunkBytes, kCall);
+    try {
+      segment = SharedSegment(comm.mpi_comm(), result_offset + 2 * kChunkBytes, kCall);
+    } catch (const CommError& e) {  // thrown on every rank alike (e.g. /dev/shm is full)
+      unavailable = e.what();       // already names the call, the rank and the reason
+      unavailable_is_message = true;
+      return;
+    }
     new (&control(rank)) RankControl();
     control(rank).pid = getpid();
     check_mpi(MPI_Barrier(comm.mpi_comm()), "allreduce(shm): MPI_Barrier", rank);
@@ -160,6 +166,7 @@ class ShmState : public Attachment {
 
   int rank, size;
   std::string unavailable;  // why shm cannot run here; empty when it can
+  bool unavailable_is_message = false;
   SharedSegment segment;
   std::size_t control_bytes = 0, small_offset = 0, stage_offset = 0, result_offset = 0;
   std::vector<pid_t> pids;
@@ -207,13 +214,20 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
 
 }  // namespace
 
+bool shm_available(Communicator& comm) {
+  return comm.size() > 1 && comm.attachment<ShmState>().unavailable.empty();
+}
+
 bool shares_one_host(Communicator& comm) {
   return comm.attachment<HostCheck>().on_host == comm.size();
 }
 
 void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   ShmState& s = comm.attachment<ShmState>();
-  if (!s.unavailable.empty()) throw Unsupported(error_message(kCall, comm.rank(), s.unavailable));
+  if (!s.unavailable.empty()) {
+    throw Unsupported(s.unavailable_is_message ? s.unavailable
+                                               : error_message(kCall, comm.rank(), s.unavailable));
+  }
   const int n = s.size, me = s.rank;
   const std::size_t es = args.element_bytes();
   const std::size_t bytes = args.count * es;

@@ -31,6 +31,10 @@ class AllreduceShm : public AllreduceAlgorithm {
   void run(const AllreduceArgs& args, Communicator& comm) override;
 };
 
+// True on every rank when shm can run on `comm`: more than one rank, all on one host, and its
+// segment could be created (collective on first use, which creates the segment; cached).
+bool shm_available(Communicator& comm);
+
 // True on every rank when all ranks of `comm` share one host (collective on first use; cached).
 bool shares_one_host(Communicator& comm);
 

@@ -238,7 +238,7 @@ class AutoState : public Attachment {
   explicit AutoState(Communicator& comm) {
     const topology::Topology& topo = topology::topology_of(comm);
     groups = static_cast<int>(topo.groups.size());
-    model.one_host = shares_one_host(comm);
+    model.one_host = shm_available(comm);
     for (const auto& g : topo.groups)
       group_size = std::max(group_size, static_cast<int>(g.size()));
     const Config& config = comm.config();
@@ -269,7 +269,7 @@ class AutoState : public Attachment {
     }
     if (config.calibrate) {
       model = calibrate(comm, topo);
-      model.one_host = shares_one_host(comm);
+      model.one_host = shm_available(comm);
       // Probing times the algorithms themselves; in the reproducible mode they all run the same
       // schedule, and with a table the model is not used.
       if (!table && !config.deterministic && oversubscribed(comm, topo)) {
