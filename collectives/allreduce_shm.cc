@@ -218,8 +218,12 @@ bool shm_available(Communicator& comm) {
   return comm.size() > 1 && comm.attachment<ShmState>().unavailable.empty();
 }
 
+int ranks_on_this_host(Communicator& comm) {
+  return comm.attachment<HostCheck>().on_host;
+}
+
 bool shares_one_host(Communicator& comm) {
-  return comm.attachment<HostCheck>().on_host == comm.size();
+  return ranks_on_this_host(comm) == comm.size();
 }
 
 void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {

@@ -35,6 +35,10 @@ class AllreduceShm : public AllreduceAlgorithm {
 // segment could be created (collective on first use, which creates the segment; cached).
 bool shm_available(Communicator& comm);
 
+// How many ranks of `comm` share this rank's host (MPI_Comm_split_type; collective on first
+// use, cached on the communicator).
+int ranks_on_this_host(Communicator& comm);
+
 // True on every rank when all ranks of `comm` share one host (collective on first use; cached).
 bool shares_one_host(Communicator& comm);
 

@@ -154,13 +154,7 @@ struct Corrections {
 // True on every rank when some host runs more of this communicator's ranks than it has hardware
 // threads.
 bool oversubscribed(Communicator& comm, const topology::Topology& topo) {
-  MPI_Comm host = MPI_COMM_NULL;
-  check_mpi(
-      MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, comm.rank(), MPI_INFO_NULL, &host),
-      "auto: MPI_Comm_split_type", comm.rank());
-  int on_host = 1;
-  MPI_Comm_size(host, &on_host);
-  MPI_Comm_free(&host);
+  const int on_host = ranks_on_this_host(comm);
   const int threads = std::max(1, topo.hardware.hardware_threads);
   int crowded = on_host > threads ? 1 : 0;
   MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, comm.mpi_comm());
