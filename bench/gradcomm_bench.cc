@@ -31,6 +31,8 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/allreduce_nccl.h"
+#include "core/gpu_runtime.h"
 #include "collectives/auto_select.h"
 #include "collectives/registry.h"
 #include "core/error.h"
@@ -63,6 +65,8 @@ struct Options {
   std::string tune_file;                        // --tune: write auto's decision table here
   bool registered = false;                      // --registered: buffers from comm.allocate
   bool stream = false;                          // --stream: STREAM first, bound per row
+  bool gpu = false;                             // --device gpu: device buffers, nccl baseline
+  bool algorithms_given = false;
 };
 
 struct Row {
@@ -93,7 +97,13 @@ const char kUsage[] =
     "  -c, --check 0|1       check results against an MPI float64 reference (default 1)\n"
     "      --inplace         in-place calls (send == recv)\n"
     "      --csv | --json    machine-readable output on rank 0's stdout\n"
-    "      --list            print the registered algorithm names, one per line\n"
+    "      --list            print the registered algorithm names, one per line, with why an\n"
+    "                        algorithm cannot run here (nccl without a GPU)\n"
+    "      --device cpu|gpu  where the buffers live (default cpu). gpu: cudaMalloc'ed buffers on\n"
+    "                        the device pick_device gives (GRADCOMM_DEVICE), algorithms nccl and\n"
+    "                        hierarchical by default, and nccl (not MPI) as the baseline; a batch\n"
+    "                        of calls is enqueued asynchronously and synchronised once, as\n"
+    "                        nccl-tests does\n"
     "      --workload W      per-step time of all-reducing a model's gradients (W: resnet50,\n"
     "                        mobilenet_v2, bert_base, vgg16, or a path to a workload file):\n"
     "                        one MPI_Allreduce per tensor, grouped_allreduce, one MPI_Allreduce\n"
@@ -161,8 +171,14 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       o.max_bytes = parse_size(value());
     else if (arg == "-f" || arg == "--stepfactor")
       o.factor = std::strtod(value().c_str(), nullptr);
-    else if (arg == "-a" || arg == "--algorithms")
+    else if (arg == "-a" || arg == "--algorithms") {
       o.algorithms = split_list(value());
+      o.algorithms_given = true;
+    } else if (arg == "--device") {
+      const std::string where = value();
+      if (where != "cpu" && where != "gpu") usage_error("--device takes cpu or gpu");
+      o.gpu = where == "gpu";
+    }
     else if (arg == "-n" || arg == "--iters")
       o.iters = parse_int(value(), 1);
     else if (arg == "-w" || arg == "--warmup")
@@ -198,7 +214,11 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
     } else if (arg == "--list") {
       if (rank == 0) {
         for (const auto& entry : gradcomm::collectives::registered_algorithms()) {
-          std::printf("%.*s\n", static_cast<int>(entry.name.size()), entry.name.data());
+          const std::string why_not =
+              entry.name == "nccl" ? gradcomm::collectives::nccl_unavailable_reason() : "";
+          std::printf("%-18.*s %s%.*s\n", static_cast<int>(entry.name.size()), entry.name.data(),
+                      why_not.empty() ? "" : ("unavailable: " + why_not + "  -- ").c_str(),
+                      static_cast<int>(entry.summary.size()), entry.summary.data());
         }
       }
       return std::nullopt;
@@ -220,13 +240,20 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
   if (!o.tune_file.empty()) {  // every registered algorithm competes
     o.algorithms.clear();
     for (const auto& entry : gradcomm::collectives::registered_algorithms()) {
-      o.algorithms.emplace_back(entry.name);
+      if (entry.name != "nccl") o.algorithms.emplace_back(entry.name);  // host buffers only
     }
   }
-  // The baseline is always measured, last in each round.
-  o.algorithms.erase(std::remove(o.algorithms.begin(), o.algorithms.end(), "mpi"),
+  if (o.gpu) {
+    if (!o.tune_file.empty() || o.registered || o.stream || !o.workload.empty())
+      usage_error("--device gpu does not combine with --tune, --registered, --stream, --workload");
+    if (!o.algorithms_given) o.algorithms = {"hierarchical", "auto"};
+  }
+  // The baseline is always measured, last in each round: MPI_Allreduce for host buffers, NCCL
+  // for device buffers (MPI here is not CUDA-aware).
+  const std::string baseline = o.gpu ? "nccl" : "mpi";
+  o.algorithms.erase(std::remove(o.algorithms.begin(), o.algorithms.end(), baseline),
                      o.algorithms.end());
-  o.algorithms.push_back("mpi");
+  o.algorithms.push_back(baseline);
   return o;
 }
 
@@ -280,9 +307,18 @@ long long count_wrong(Communicator& comm, const Options& o, const std::string& a
   const std::size_t es = gradcomm::element_size(o.dtype);
   ref_in.resize(count);
   ref_out.resize(count);
+  // Device buffers are filled and read through a host copy.
+  gradcomm::gpu::Runtime* gpu = o.gpu ? gradcomm::gpu::runtime() : nullptr;
+  std::vector<std::byte> staged(gpu ? count * es : 0);
+  std::byte* device_send = send;
+  if (gpu) send = staged.data();
   for (std::size_t i = 0; i < count; ++i) {
     ref_in[i] = check_value(o.op, comm.rank(), i);
     store(o.dtype, send, i, ref_in[i]);
+  }
+  if (gpu) {
+    gpu->copy_async(device_send, send, count * es, nullptr);
+    gpu->stream_synchronize(nullptr);
   }
   for (std::size_t offset = 0; offset < count; offset += std::size_t{1} << 30) {
     const int len = static_cast<int>(std::min(count - offset, std::size_t{1} << 30));
@@ -290,7 +326,16 @@ long long count_wrong(Communicator& comm, const Options& o, const std::string& a
                   comm.mpi_comm());
   }
   std::byte* out = o.in_place ? send : recv;
-  gradcomm::allreduce(comm, send, out, count, o.dtype, o.op, {.algorithm = algorithm});
+  if (gpu) {
+    std::byte* device_out = o.in_place ? device_send : recv;
+    gradcomm::allreduce(comm, device_send, device_out, count, o.dtype, o.op,
+                        {.algorithm = algorithm});
+    gpu->copy_async(staged.data(), device_out, count * es, nullptr);
+    gpu->stream_synchronize(nullptr);
+    out = staged.data();
+  } else {
+    gradcomm::allreduce(comm, send, out, count, o.dtype, o.op, {.algorithm = algorithm});
+  }
   std::vector<std::byte> expected(es);
   long long wrong = 0;
   for (std::size_t i = 0; i < count; ++i) {
@@ -370,9 +415,13 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   auto comm_for = [&](const std::string& algorithm) -> Communicator& {
     return algorithm == "mpi" ? baseline : comm;
   };
+  // GPU calls are enqueued asynchronously and synchronised once per batch (nccl-tests' way).
   auto call = [&](const std::string& algorithm) {
     gradcomm::allreduce(comm_for(algorithm), send, out, count, o.dtype, o.op,
-                        {.algorithm = algorithm});
+                        {.algorithm = algorithm, .asynchronous = o.gpu});
+  };
+  auto sync = [&] {
+    if (o.gpu) gradcomm::gpu::runtime()->stream_synchronize(nullptr);
   };
 
   // Warm up and size each algorithm's batch so a round lasts >= ~100 us on the slowest rank.
@@ -380,9 +429,11 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
     for (int w = 0; w < o.warmup; ++w)
       call(o.algorithms[a]);
+    sync();
     MPI_Barrier(mpi);
     const double t0 = MPI_Wtime();
     call(o.algorithms[a]);
+    sync();
     double elapsed = MPI_Wtime() - t0;
     MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
     batch[a] =
@@ -400,6 +451,7 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
       const double t0 = MPI_Wtime();
       for (int b = 0; b < batch[a]; ++b)
         call(o.algorithms[a]);
+      sync();
       times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / batch[a];
     }
   }
@@ -425,6 +477,7 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     row.busbw = row.algbw * bus_factor;
     gradcomm::reset_traffic(comm);
     call(row.algorithm);
+    sync();
     const gradcomm::TrafficReport traffic = gradcomm::traffic(comm);
     unsigned long long sent[2] = {traffic.intra_bytes, traffic.inter_bytes};
     MPI_Allreduce(MPI_IN_PLACE, sent, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi);
@@ -668,7 +721,32 @@ int run(int argc, char** argv) {
   gradcomm::RegisteredBuffer send_registered, recv_registered;
   std::byte* send = nullptr;
   std::byte* recv = nullptr;
-  if (o.registered) {
+  std::shared_ptr<std::byte> send_device, recv_device;
+  if (o.gpu) {
+    std::string why_not;
+    gradcomm::gpu::Runtime* gpu = gradcomm::gpu::runtime(&why_not);
+    if (!gpu) throw gradcomm::Unsupported("gradcomm-bench --device gpu: " + why_not);
+    const int device = gradcomm::gpu::pick_device(
+        *gpu, comm.config().device, gradcomm::topology::topology_of(comm).local_rank());
+    gpu->set_device(device);
+    auto device_buffer = [&] {
+      return std::shared_ptr<std::byte>(static_cast<std::byte*>(gpu->device_alloc(buffer_bytes)),
+                                        [gpu](std::byte* p) { gpu->device_free(p); });
+    };
+    send_device = device_buffer();
+    recv_device = device_buffer();
+    send = send_device.get();
+    recv = recv_device.get();
+    std::vector<std::byte> host(buffer_bytes);
+    for (std::size_t i = 0; i < max_count; ++i)
+      store(o.dtype, host.data(), i, (i % 17) * 0.25);
+    gpu->copy_async(send, host.data(), buffer_bytes, nullptr);
+    gpu->copy_async(recv, host.data(), buffer_bytes, nullptr);
+    gpu->stream_synchronize(nullptr);
+    if (rank == 0 && o.format == Options::Format::table)
+      std::printf("# --device gpu: %s; rank 0 on GPU %d; vs_mpi is against nccl\n",
+                  gpu->describe().c_str(), device);
+  } else if (o.registered) {
     send_registered = comm.allocate(buffer_bytes);
     recv_registered = comm.allocate(buffer_bytes);
     send = send_registered.data();
@@ -681,8 +759,10 @@ int run(int argc, char** argv) {
     recv = recv_private.data();
   }
   std::vector<double> ref_in, ref_out;
-  for (std::size_t i = 0; i < max_count; ++i)
-    store(o.dtype, send, i, (i % 17) * 0.25);
+  if (!o.gpu) {
+    for (std::size_t i = 0; i < max_count; ++i)
+      store(o.dtype, send, i, (i % 17) * 0.25);
+  }
   const Stream stream = o.stream ? measure_stream(comm) : Stream{};
 
   if (rank == 0) {

@@ -10,6 +10,7 @@
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
+#include "core/gpu_runtime.h"
 
 namespace gradcomm {
 namespace detail {
@@ -72,8 +73,63 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     }
   }
 
+  // Where the buffers live. Asked only when CUDA is live in the process (or nccl is named), so
+  // a CPU-only program never loads the GPU module.
+  const bool wants_nccl = requested == "nccl";
+  bool device = false;
+  int gpu_index = -1;
+  if (count > 0) {
+    std::string why_not;
+    gpu::Runtime* runtime = wants_nccl ? gpu::runtime(&why_not) : gpu::active_runtime();
+    if (wants_nccl && !runtime) {
+      throw Unsupported(error_message(call(), comm.rank(), "nccl is unavailable: " + why_not));
+    }
+    if (runtime) {
+      const gpu::PointerInfo send_info = runtime->classify(sendbuf);
+      const gpu::PointerInfo recv_info =
+          sendbuf == recvbuf ? send_info : runtime->classify(recvbuf);
+      auto where = [](const gpu::PointerInfo& p) {
+        return std::string(gpu::to_string(p.kind)) +
+               (p.kind == gpu::MemoryKind::host ? "" : " of GPU " + std::to_string(p.device));
+      };
+      const bool send_gpu = send_info.kind != gpu::MemoryKind::host;
+      const bool recv_gpu = recv_info.kind != gpu::MemoryKind::host;
+      if (send_gpu != recv_gpu || (send_gpu && send_info.device != recv_info.device)) {
+        invalid("sendbuf is " + where(send_info) + " but recvbuf is " + where(recv_info) +
+                ": both must be on the same GPU, or both in host memory");
+      }
+      const bool host_only = !wants_nccl && requested != "auto" && requested != "hierarchical";
+      if (host_only && send_info.kind == gpu::MemoryKind::device) {
+        invalid("algorithm '" + std::string(requested) + "' reads buffers on the CPU but sendbuf is " +
+                where(send_info) + "; use nccl, hierarchical or auto for GPU buffers");
+      }
+      device = send_gpu && !host_only;
+      gpu_index = send_info.device;
+    }
+    if (wants_nccl && !device) {
+      invalid("nccl reduces GPU buffers but sendbuf is host memory; use a host algorithm "
+              "(auto, shm, ring, ...) or cudaMalloc the buffers");
+    }
+  }
+
   AllreduceArgs args{sendbuf, recvbuf, count, dtype, op, comm.next_sequence()};
   if (count == 0) return;
+  if (device) {
+    if (comm.config().deterministic) {
+      throw Unsupported(error_message(call(), comm.rank(),
+                                      "GRADCOMM_DETERMINISTIC=1 has no GPU form: reduce host "
+                                      "buffers, or leave reproducible mode off"));
+    }
+    args.device = true;
+    args.gpu = gpu_index;
+    args.stream = options.stream;
+    args.asynchronous = options.asynchronous;
+    const std::string_view name = requested == "auto" ? std::string_view("nccl") : requested;
+    if (comm.log_enabled(LogLevel::trace)) {
+      comm.log(LogLevel::trace, "allreduce(auto): " + std::string(name) + " for GPU buffers");
+    }
+    return comm.attachment<collectives::AlgorithmCache>().find(name)->run(args, comm);
+  }
   if (comm.size() == 1) {
     if (!args.in_place()) std::memcpy(recvbuf, sendbuf, bytes);
     return;  // avg over one rank divides by 1

@@ -15,6 +15,13 @@ struct AllreduceOptions {
   // A registered algorithm name or "auto"; empty means the communicator's Config::algorithm
   // (GRADCOMM_ALGORITHM, default "auto").
   std::string_view algorithm = {};
+  // GPU buffers only (host algorithms are synchronous and ignore both): the cudaStream_t the
+  // work is enqueued on (nullptr: the legacy default stream), and whether the call returns as
+  // soon as the work is enqueued (true) or once it has finished (false, the default). An
+  // asynchronous call's errors surface on the stream or at the next call; its buffers must stay
+  // untouched until the stream has passed it.
+  void* stream = nullptr;
+  bool asynchronous = false;
 };
 
 // Reduces `count` elements of `sendbuf` over all ranks of `comm` with `op` and writes the result
@@ -23,6 +30,11 @@ struct AllreduceOptions {
 // Throws InvalidArgument before any communication for bad input (null buffer with count > 0,
 // invalid dtype or op, count * element size overflowing, partially overlapping buffers, unknown
 // algorithm), Unsupported when the algorithm cannot take these buffers, CommError when MPI fails.
+//
+// Device buffers (cudaMalloc'ed, or managed) are recognised when CUDA is live in the process:
+// `auto` then runs `nccl`, `hierarchical` runs its GPU form, and every other algorithm (which
+// reads buffers on the CPU) rejects device memory with InvalidArgument; `nccl` rejects host
+// buffers the same way. Managed memory is also accepted by the host algorithms.
 void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                DataType dtype, ReduceOp op, const AllreduceOptions& options = {});
 

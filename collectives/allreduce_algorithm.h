@@ -18,6 +18,13 @@ struct AllreduceArgs {
   DataType dtype;
   ReduceOp op;
   std::uint64_t sequence = 0;  // the communicator's call number, equal on all ranks
+  // GPU calls (the front door sets these after classifying the pointers): the buffers are CUDA
+  // memory of device `gpu`, work is enqueued on `stream` (a cudaStream_t), and an asynchronous
+  // call returns once enqueued. Host algorithms never see device == true.
+  bool device = false;
+  int gpu = -1;
+  void* stream = nullptr;
+  bool asynchronous = false;
 
   bool in_place() const { return send == recv; }
   std::size_t element_bytes() const { return element_size(dtype); }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/allreduce_nccl.h"
 #include "collectives/owner_exchange.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
@@ -85,6 +86,7 @@ class Hierarchy : public Attachment {
 }  // namespace
 
 void AllreduceHierarchical::run(const AllreduceArgs& args, Communicator& comm) {
+  if (args.device) return gpu_hierarchical_allreduce(args, comm);
   Hierarchy& h = comm.attachment<Hierarchy>();
   if (h.trivial) return comm.attachment<AlgorithmCache>().find("ring")->run(args, comm);
 

@@ -13,6 +13,7 @@ inline constexpr std::size_t kHierarchicalRingFromBytes = std::size_t{4} << 20;
 class AllreduceHierarchical : public AllreduceAlgorithm {
  public:
   std::string_view name() const override { return "hierarchical"; }
+  // Device buffers take the GPU form (gpu_hierarchical_allreduce in allreduce_nccl.h).
   void run(const AllreduceArgs& args, Communicator& comm) override;
 };
 

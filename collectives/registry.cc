@@ -4,6 +4,7 @@
 #include "collectives/allreduce_halving_doubling.h"
 #include "collectives/allreduce_hierarchical.h"
 #include "collectives/allreduce_mpi.h"
+#include "collectives/allreduce_nccl.h"
 #include "collectives/allreduce_ring.h"
 #include "collectives/allreduce_shm.h"
 
@@ -25,6 +26,8 @@ const std::vector<AlgorithmEntry>& registered_algorithms() {
       {"shm", "shared memory inside one node: reduce slices from peers' slots, copy out",
        make<AllreduceShm>},
       {"mpi", "MPI_Allreduce of the MPI library", make<AllreduceMpi>},
+      {"nccl", "ncclAllReduce on device buffers (GPU module libgradcomm_nccl.so)",
+       make<AllreduceNccl>},
   };
   return entries;
 }

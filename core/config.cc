@@ -100,6 +100,17 @@ Config Config::from_environment() {
     }
     config.bind = value;
   }
+  if (const char* v = get("GRADCOMM_TIMEOUT")) {
+    config.timeout_seconds = static_cast<int>(parse_integer("GRADCOMM_TIMEOUT", v, 0, 1 << 30));
+  }
+  if (const char* v = get("GRADCOMM_DEVICE")) {
+    config.device = static_cast<int>(parse_integer("GRADCOMM_DEVICE", v, 0, 1 << 16));
+  }
+  if (const char* v = get("GRADCOMM_GPU_INTER_NODE")) {
+    const std::string value = v;
+    if (value != "nccl" && value != "mpi") bad_variable("GRADCOMM_GPU_INTER_NODE", v, "nccl or mpi");
+    config.gpu_inter_node = value;
+  }
   config.validate();
   return config;
 }
@@ -122,6 +133,11 @@ void Config::validate() const {
     bad("topology_preset '" + topology_preset + "' is not dgx1");
   }
   if (bind != "none" && bind != "core" && bind != "numa") bad("bind '" + bind + "' is invalid");
+  if (timeout_seconds < 0) bad("timeout_seconds " + std::to_string(timeout_seconds) + " is negative");
+  if (device < -1) bad("device " + std::to_string(device) + " is below -1");
+  if (gpu_inter_node != "nccl" && gpu_inter_node != "mpi") {
+    bad("gpu_inter_node '" + gpu_inter_node + "' is not nccl or mpi");
+  }
   if (to_string(log_level) == "invalid") {
     bad("log_level " + std::to_string(static_cast<int>(log_level)) + " is invalid");
   }

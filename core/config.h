@@ -40,6 +40,15 @@ struct Config {
   std::string topology_preset;
   // GRADCOMM_BIND: "none", "core" (each rank to its share of the node's cores) or "numa".
   std::string bind = "none";
+  // GRADCOMM_TIMEOUT: seconds a GPU collective may wait for its stream before the NCCL
+  // communicator is aborted and the call fails (0 waits forever).
+  int timeout_seconds = 300;
+  // GRADCOMM_DEVICE: the CUDA device of this rank (-1: local rank modulo the devices it sees).
+  int device = -1;
+  // GRADCOMM_GPU_INTER_NODE: how the GPU hierarchical all-reduce crosses nodes: "nccl" (an NCCL
+  // communicator of the ranks holding the same shard) or "mpi" (shards staged through pinned
+  // host memory and reduced by gradcomm's host algorithms).
+  std::string gpu_inter_node = "nccl";
 
   // Reads the variables above; a variable that is set but invalid throws InvalidArgument naming
   // the variable, its value and the valid values. Unset variables keep the defaults.
