@@ -8,6 +8,7 @@
 
 #include "core/aligned_buffer.h"
 #include "core/communicator.h"
+#include "core/gpu_runtime.h"
 #include "packing/tensor.h"
 
 namespace gradcomm::packing {
@@ -19,6 +20,14 @@ struct PackerOptions {
   // (Communicator::allocate): packing is then the copy-in of `shm`, which reads them in place.
   // Construction becomes collective over it (every rank plans the same tensors).
   Communicator* registered_on = nullptr;
+  // Device tensors (all on one GPU; recognised when CUDA is live in the process): the packed
+  // buffers are device memory, and pack()/unpack() are enqueued on `stream` (a cudaStream_t;
+  // nullptr: the legacy default stream) as one batch, either one copy kernel for every tensor
+  // (kernel, the default: measured faster on ResNet-50 and BERT, README) or one
+  // cudaMemcpyAsync per tensor. They wait for the stream unless `asynchronous`.
+  void* stream = nullptr;
+  gpu::CopyMethod copy_method = gpu::CopyMethod::kernel;
+  bool asynchronous = false;
 };
 
 // Concatenates many tensors into one flat buffer per dtype, split into num_split near-equal
@@ -45,6 +54,12 @@ class GradientPacker {
 
   // Validates the tensors (validate_tensors) and plans. The tensors' memory must stay valid.
   explicit GradientPacker(std::span<const TensorDesc> tensors, PackerOptions options = {});
+  ~GradientPacker();
+  GradientPacker(GradientPacker&&) noexcept;
+  GradientPacker& operator=(GradientPacker&&) noexcept;
+
+  // True when the tensors (and so the packed buffers) are GPU memory.
+  bool on_device() const { return device_ != nullptr; }
 
   bool declined() const { return !decline_reason_.empty(); }
   const std::string& decline_reason() const { return decline_reason_; }
@@ -64,6 +79,8 @@ class GradientPacker {
   std::vector<Packed> packed_;
   std::vector<AlignedBuffer> storage_;
   std::vector<RegisteredBuffer> registered_;
+  struct Device;  // device buffers and prepared copy batches
+  std::unique_ptr<Device> device_;
 };
 
 }  // namespace gradcomm::packing

@@ -8,6 +8,7 @@
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_shm.h"
 #include "core/error.h"
+#include "core/gpu_runtime.h"
 #include "core/reduce_kernels.h"
 
 namespace gradcomm {
@@ -162,6 +163,19 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
                       "invalid reduce op " + std::to_string(static_cast<int>(op))));
   }
   if (tensors.empty()) return;
+  if (gpu::Runtime* runtime = gpu::active_runtime()) {
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].count == 0) continue;
+      if (runtime->classify(tensors[i].data).kind == gpu::MemoryKind::device) {
+        throw Unsupported(error_message(
+            "grouped_allreduce", comm.rank(),
+            "tensor " + std::to_string(i) +
+                " is device memory; grouped_allreduce fuses on the host. For GPU tensors, pack "
+                "them with a GradientPacker (device buffers) and allreduce the packed buffers"));
+      }
+      break;  // one packer-like check: the first non-empty tensor decides
+    }
+  }
 
   // The plan is cached by a hash of its inputs, computed in one pass over the tensor list; the
   // buckets are planned only on a miss.

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and benchmarks on a GPU machine from the bundle scripts/device-bundle made
+# (.device/): adds Debian's Open MPI at its own paths (never replacing a file), finds NCCL, then
+# runs test_gpu at 1, 2 and 4 ranks, test_gpu_host, the GPU pack benchmark and
+# gradcomm-bench --device gpu. Results go to stdout and, when $OUT is set, to $OUT/*.txt.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bundle=$PWD/.device
+out=${OUT:-/tmp/gradcomm-gpu}
+mkdir -p "$out"
+cp -rn "$bundle/root/." / 2>/dev/null || true
+nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+if [[ ! -e $nccl_dir/libnccl.so.2 ]]; then
+  nccl_dir=$(dirname "$(find / -xdev -name 'libnccl.so.2' 2>/dev/null | head -1)")
+fi
+export LD_LIBRARY_PATH=$bundle/lib:$nccl_dir:${LD_LIBRARY_PATH:-}
+export GRADCOMM_NCCL_MODULE=$bundle/bin/libgradcomm_nccl.so
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+{
+  echo "== machine"; nvidia-smi -L; uname -r; ldd --version | head -1; echo "nccl: $nccl_dir"
+  "$bundle/bin/gradcomm-bench" --list
+} 2>&1 | tee "$out/machine.txt"
+status=0
+for np in 1 2 4; do
+  echo "== test_gpu np$np"
+  timeout 300 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 | tee "$out/test_gpu_np$np.txt" | tail -25
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+done
+echo "== test_gpu_host np2"
+timeout 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -3
+echo "== pack bench"
+(cd "$bundle" && timeout 120 bin/gradcomm-gpu-pack-bench workloads/resnet50.json \
+   workloads/bert_base.json workloads/mobilenet_v2.json workloads/vgg16.json) 2>&1 | tee "$out/pack_bench.txt"
+for np in 1 2 4; do
+  echo "== gradcomm-bench --device gpu np$np"
+  timeout 240 mpirun -n "$np" --bind-to none "$bundle/bin/gradcomm-bench" --device gpu -b 8 -e 256M -f 8 \
+    -n 10 -w 3 2>&1 | tee "$out/bench_gpu_np$np.txt"
+done
+exit $status

@@ -1,0 +1,306 @@
+// GPU tests against the real module (CUDA + NCCL): run where cudaGetDeviceCount reports a device,
+// skipped with the reason everywhere else. Run at 1, 2 and 4 ranks. When ranks outnumber the
+// visible devices (one test GPU), each rank gets its own NCCL_HOSTID so NCCL treats the ranks as
+// separate hosts and connects them over its socket transport, instead of refusing two ranks on
+// one device; the data path is the same ncclAllReduce.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "collectives/allreduce_nccl.h"
+#include "core/error.h"
+#include "core/gpu_runtime.h"
+#include "core/half.h"
+#include "tests/mpi_test.h"
+#include "packing/gradient_packer.h"
+#include "topology/topology.h"
+
+namespace gradcomm {
+namespace {
+
+using testing::MpiTest;
+
+// Skips unless a device is usable; picks this rank's device once.
+gpu::Runtime* gpu_or_skip(std::string* why) {
+  static gpu::Runtime* runtime = nullptr;
+  static std::string reason;
+  static bool done = false;
+  if (!done) {
+    done = true;
+    runtime = gpu::runtime(&reason);
+    if (runtime) {
+      Communicator& world = testing::world();
+      const int local = topology::topology_of(world).local_rank();
+      const int local_size = topology::topology_of(world).local_size();
+      if (runtime->device_count() < local_size) {
+        const std::string host_id = "gradcomm-test-rank-" + std::to_string(world.rank());
+        setenv("NCCL_HOSTID", host_id.c_str(), 0);
+      }
+      runtime->set_device(gpu::pick_device(*runtime, world.config().device, local));
+    }
+  }
+  *why = reason;
+  return runtime;
+}
+
+#define REQUIRE_GPU()                                              \
+  std::string why_no_gpu;                                          \
+  gpu::Runtime* gpu = gpu_or_skip(&why_no_gpu);                    \
+  if (!gpu) GTEST_SKIP() << "no GPU: " << why_no_gpu;              \
+  (void)gpu
+
+double value(ReduceOp op, int rank, std::size_t i) {
+  if (op == ReduceOp::prod) return ((rank + i) % 3 == 0) ? -1.0 : 1.0;
+  return static_cast<double>(static_cast<long long>((rank * 5 + i) % 13) - 6);
+}
+
+void store(DataType dtype, void* buf, std::size_t i, double v) {
+  switch (dtype) {
+    case DataType::float32:
+      static_cast<float*>(buf)[i] = static_cast<float>(v);
+      break;
+    case DataType::float64:
+      static_cast<double*>(buf)[i] = v;
+      break;
+    case DataType::float16:
+      static_cast<float16_t*>(buf)[i] = to_float16(static_cast<float>(v));
+      break;
+    case DataType::bfloat16:
+      static_cast<bfloat16_t*>(buf)[i] = to_bfloat16(static_cast<float>(v));
+      break;
+    case DataType::int32:
+      static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v);
+      break;
+    case DataType::int64:
+      static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v);
+      break;
+  }
+}
+
+double load(DataType dtype, const void* buf, std::size_t i) {
+  switch (dtype) {
+    case DataType::float32:
+      return static_cast<const float*>(buf)[i];
+    case DataType::float64:
+      return static_cast<const double*>(buf)[i];
+    case DataType::float16:
+      return to_float(static_cast<const float16_t*>(buf)[i]);
+    case DataType::bfloat16:
+      return to_float(static_cast<const bfloat16_t*>(buf)[i]);
+    case DataType::int32:
+      return static_cast<const std::int32_t*>(buf)[i];
+    case DataType::int64:
+      return static_cast<double>(static_cast<const std::int64_t*>(buf)[i]);
+  }
+  return 0;
+}
+
+double reference(ReduceOp op, DataType dtype, int n, std::size_t i) {
+  double acc = value(op, 0, i);
+  for (int r = 1; r < n; ++r) {
+    const double v = value(op, r, i);
+    if (op == ReduceOp::sum || op == ReduceOp::avg) acc += v;
+    if (op == ReduceOp::prod) acc *= v;
+    if (op == ReduceOp::min) acc = std::min(acc, v);
+    if (op == ReduceOp::max) acc = std::max(acc, v);
+  }
+  if (op == ReduceOp::avg) acc = is_floating(dtype) ? acc / n : std::trunc(acc / n);
+  return acc;
+}
+
+struct DeviceBuffer {
+  DeviceBuffer(gpu::Runtime* runtime, std::size_t bytes)
+      : runtime(runtime), data(runtime->device_alloc(std::max<std::size_t>(bytes, 16))) {}
+  ~DeviceBuffer() { runtime->device_free(data); }
+  gpu::Runtime* runtime;
+  void* data;
+};
+
+// Fills, reduces with `options`, reads back and counts wrong elements on this rank.
+long long run_and_count_wrong(gpu::Runtime* gpu, Communicator& comm, DataType dtype, ReduceOp op,
+                              std::size_t count, bool in_place, const AllreduceOptions& options) {
+  const std::size_t bytes = count * element_size(dtype);
+  std::vector<std::byte> host(std::max<std::size_t>(bytes, 1));
+  for (std::size_t i = 0; i < count; ++i)
+    store(dtype, host.data(), i, value(op, comm.rank(), i));
+  DeviceBuffer send(gpu, bytes), recv(gpu, bytes);
+  gpu->copy_async(send.data, host.data(), bytes, nullptr);
+  gpu->stream_synchronize(nullptr);
+  void* out = in_place ? send.data : recv.data;
+  allreduce(comm, send.data, out, count, dtype, op, options);
+  if (options.asynchronous) gpu->stream_synchronize(options.stream);
+  gpu->copy_async(host.data(), out, bytes, nullptr);
+  gpu->stream_synchronize(nullptr);
+  long long wrong = 0;
+  // NCCL's float avg multiplies by 1/n before summing: allow its rounding; all else is exact.
+  const bool approximate = op == ReduceOp::avg && is_floating(dtype);
+  const double tolerance = dtype == DataType::float16 || dtype == DataType::bfloat16 ? 2e-2 : 1e-5;
+  for (std::size_t i = 0; i < count; ++i) {
+    const double want = reference(op, dtype, comm.size(), i);
+    const double got = load(dtype, host.data(), i);
+    const bool ok = approximate ? std::abs(got - want) <= tolerance * std::max(1.0, std::abs(want))
+                                : got == want;
+    if (!ok && wrong++ < 3) {
+      ADD_FAILURE() << to_string(dtype) << " " << to_string(op) << " count " << count << " ["
+                    << i << "]: got " << got << " want " << want;
+    }
+  }
+  return wrong;
+}
+
+constexpr std::size_t kCounts[] = {1, 2, 7, 1031, 65536, (std::size_t{1} << 20) + 3};
+
+TEST_F(MpiTest, NcclMatchesTheHostReferenceForEveryDtypeOpAndCount) {
+  REQUIRE_GPU();
+  Communicator comm(MPI_COMM_WORLD);
+  for (DataType dtype : kAllDataTypes) {
+    for (ReduceOp op : kAllReduceOps) {
+      for (std::size_t count : kCounts) {
+        for (bool in_place : {false, true}) {
+          EXPECT_EQ(run_and_count_wrong(gpu, comm, dtype, op, count, in_place,
+                                        {.algorithm = "nccl"}),
+                    0);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(MpiTest, AutoPicksNcclForDeviceBuffersAndStreamsWork) {
+  REQUIRE_GPU();
+  Communicator comm(MPI_COMM_WORLD);
+  void* stream = gpu->stream_create();
+  for (std::size_t count : kCounts) {
+    EXPECT_EQ(run_and_count_wrong(gpu, comm, DataType::float32, ReduceOp::sum, count, false, {}),
+              0);
+    EXPECT_EQ(run_and_count_wrong(gpu, comm, DataType::float32, ReduceOp::sum, count, true,
+                                  {.stream = stream, .asynchronous = true}),
+              0);
+  }
+  gpu->stream_destroy(stream);
+}
+
+TEST_F(MpiTest, GpuHierarchicalMatchesTheHostReference) {
+  REQUIRE_GPU();
+  for (int ranks_per_node : {1, 2}) {
+    for (const char* inter : {"nccl", "mpi"}) {
+      Config config = Config::from_environment();
+      config.ranks_per_node = ranks_per_node;
+      config.gpu_inter_node = inter;
+      Communicator comm(MPI_COMM_WORLD, config);
+      for (DataType dtype : {DataType::float32, DataType::int32, DataType::bfloat16}) {
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+          for (std::size_t count : kCounts) {
+            EXPECT_EQ(run_and_count_wrong(gpu, comm, dtype, op, count, count % 2 == 0,
+                                          {.algorithm = "hierarchical"}),
+                      0)
+                << "ranks_per_node " << ranks_per_node << " inter " << inter;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(MpiTest, NcclCommunicatorIsCreatedOnceAndFreedWithTheCommunicator) {
+  REQUIRE_GPU();
+  const collectives::NcclCommCounts before = collectives::nccl_comm_counts();
+  {
+    Communicator comm(MPI_COMM_WORLD);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(run_and_count_wrong(gpu, comm, DataType::float32, ReduceOp::sum, 1000, false,
+                                    {.algorithm = "nccl"}),
+                0);
+    }
+    const long created = collectives::nccl_comm_counts().created - before.created;
+    EXPECT_EQ(created, comm.size() > 1 ? 1 : 0);
+  }
+  const collectives::NcclCommCounts after = collectives::nccl_comm_counts();
+  EXPECT_EQ(after.destroyed - before.destroyed, after.created - before.created);
+  EXPECT_EQ(after.aborted, before.aborted);
+}
+
+TEST_F(MpiTest, PointerKindsAreCheckedWithRealMemory) {
+  REQUIRE_GPU();
+  Communicator comm(MPI_COMM_WORLD);
+  DeviceBuffer device(gpu, 256 * sizeof(float));
+  EXPECT_EQ(gpu->classify(device.data).kind, gpu::MemoryKind::device);
+  EXPECT_THROW(allreduce(comm, device.data, device.data, 256, DataType::float32, ReduceOp::sum,
+                         {.algorithm = "ring"}),
+               InvalidArgument);
+  std::vector<float> host(256, 1.0f);
+  EXPECT_EQ(gpu->classify(host.data()).kind, gpu::MemoryKind::host);
+  EXPECT_THROW(allreduce(comm, host.data(), host.data(), 256, DataType::float32, ReduceOp::sum,
+                         {.algorithm = "nccl"}),
+               InvalidArgument);
+  void* pinned = gpu->host_alloc_pinned(256 * sizeof(float));
+  EXPECT_EQ(gpu->classify(pinned).kind, gpu::MemoryKind::host);
+  EXPECT_THROW(allreduce(comm, pinned, pinned, 256, DataType::float32, ReduceOp::sum,
+                         {.algorithm = "nccl"}),
+               InvalidArgument);
+  // Pinned host memory is host memory: the host algorithms take it.
+  std::memset(pinned, 0, 256 * sizeof(float));
+  allreduce(comm, pinned, pinned, 256, DataType::float32, ReduceOp::sum);
+  gpu->host_free_pinned(pinned);
+}
+
+TEST_F(MpiTest, DevicePackerRoundTripsWithBothCopyMethods) {
+  REQUIRE_GPU();
+  // Odd sizes and float16 tensors: unaligned copies too.
+  const std::vector<std::pair<std::size_t, DataType>> shapes = {
+      {64, DataType::float32},      {3, DataType::float16},     {147456, DataType::float32},
+      {1000003, DataType::float32}, {17, DataType::float16},    {2048, DataType::float32},
+      {513, DataType::float16},     {1, DataType::float32},     {65537, DataType::float16}};
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers;
+  std::vector<packing::TensorDesc> tensors;
+  std::vector<std::vector<std::byte>> originals;
+  for (std::size_t t = 0; t < shapes.size(); ++t) {
+    const std::size_t bytes = shapes[t].first * element_size(shapes[t].second);
+    buffers.push_back(std::make_unique<DeviceBuffer>(gpu, bytes));
+    std::vector<std::byte> host(bytes);
+    for (std::size_t b = 0; b < bytes; ++b)
+      host[b] = static_cast<std::byte>((b * 31 + t * 7) & 0xff);
+    gpu->copy_async(buffers.back()->data, host.data(), bytes, nullptr);
+    originals.push_back(std::move(host));
+    tensors.push_back({buffers.back()->data, shapes[t].first, shapes[t].second});
+  }
+  gpu->stream_synchronize(nullptr);
+  for (gpu::CopyMethod method : {gpu::CopyMethod::kernel, gpu::CopyMethod::memcpy}) {
+    packing::GradientPacker packer(tensors, {.num_split = 2, .min_chunk_elements = 1,
+                                             .copy_method = method});
+    ASSERT_TRUE(packer.on_device());
+    packer.pack();
+    for (auto& b : buffers) {  // clobber the tensors, then restore them from the packed copy
+      std::vector<std::byte> zeros(64, std::byte{0});
+      gpu->copy_async(b->data, zeros.data(), 1, nullptr);
+    }
+    packer.unpack();
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      std::vector<std::byte> back(originals[t].size());
+      gpu->copy_async(back.data(), tensors[t].data, back.size(), nullptr);
+      gpu->stream_synchronize(nullptr);
+      ASSERT_EQ(back, originals[t]) << "tensor " << t;
+    }
+    // The packed buffer holds the tensors back to back, per dtype.
+    for (const auto& p : packer.packed()) {
+      const std::size_t es = element_size(p.dtype);
+      for (std::size_t k = 0; k < p.tensors.size(); ++k) {
+        const auto& original = originals[p.tensors[k]];
+        std::vector<std::byte> slice(original.size());
+        gpu->copy_async(slice.data(), p.data + p.offsets[k] * es, slice.size(), nullptr);
+        gpu->stream_synchronize(nullptr);
+        ASSERT_EQ(slice, original);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gradcomm
