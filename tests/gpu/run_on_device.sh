@@ -8,18 +8,29 @@ cd "$(dirname "$0")/../.."
 bundle=$PWD/.device
 out=${OUT:-/tmp/gradcomm-gpu}
 mkdir -p "$out"
-cp -rn "$bundle/root/." / 2>/dev/null || true
+# Use the machine's own Open MPI when it has one (same libmpi.so.40 ABI); else add Debian's.
+if ! command -v mpirun >/dev/null; then
+  cp -rn "$bundle/root/." / 2>/dev/null || true
+fi
+# Only the bundled libraries the machine lacks: mixing two builds of MPI's plugins breaks both.
+missing=$bundle/lib-missing
+rm -rf "$missing" && mkdir -p "$missing"
+for lib in "$bundle"/lib/*; do
+  name=$(basename "$lib")
+  ldconfig -p | grep -q "^[[:space:]]*$name " || ln -s "$lib" "$missing/$name"
+done
 nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 if [[ ! -e $nccl_dir/libnccl.so.2 ]]; then
   nccl_dir=$(dirname "$(find / -xdev -name 'libnccl.so.2' 2>/dev/null | head -1)")
 fi
-export LD_LIBRARY_PATH=$bundle/lib:$nccl_dir:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$missing:$nccl_dir:${LD_LIBRARY_PATH:-}
 export GRADCOMM_NCCL_MODULE=$bundle/bin/libgradcomm_nccl.so
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 {
   echo "== machine"; nvidia-smi -L; uname -r; ldd --version | head -1; echo "nccl: $nccl_dir"
+  echo "mpirun: $(command -v mpirun) $(mpirun --version 2>&1 | head -1)"; echo "bundled libs used: $(ls "$missing" | tr '\n' ' ')"
   "$bundle/bin/gradcomm-bench" --list
 } 2>&1 | tee "$out/machine.txt"
 status=0
