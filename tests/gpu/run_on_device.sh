@@ -44,9 +44,18 @@ timeout 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -
 echo "== pack bench"
 (cd "$bundle" && timeout 120 bin/gradcomm-gpu-pack-bench workloads/resnet50.json \
    workloads/bert_base.json workloads/mobilenet_v2.json workloads/vgg16.json) 2>&1 | tee "$out/pack_bench.txt"
-for np in 1 2 4; do
-  echo "== gradcomm-bench --device gpu np$np"
-  timeout 240 mpirun -n "$np" --bind-to none "$bundle/bin/gradcomm-bench" --device gpu -b 8 -e 256M -f 8 \
-    -n 10 -w 3 2>&1 | tee "$out/bench_gpu_np$np.txt"
-done
+# Ranks share the one GPU: a distinct NCCL_HOSTID per rank makes NCCL connect them over its
+# socket transport (it refuses two ranks on one device of one host).
+bench() {  # bench NP NAME [env ...]
+  local np=$1 name=$2; shift 2
+  echo "== gradcomm-bench --device gpu np$np $*"
+  timeout 240 env "$@" mpirun -n "$np" --bind-to none bash -c \
+    'NCCL_HOSTID=gradcomm-bench-$OMPI_COMM_WORLD_RANK exec "$0" "$@"' \
+    "$bundle/bin/gradcomm-bench" --device gpu -b 8 -e 256M -f 8 -n 10 -w 3 2>&1 |
+    tee "$out/bench_gpu_$name.txt"
+}
+bench 1 np1
+bench 2 np2
+bench 4 np4_rpn2_nccl GRADCOMM_RANKS_PER_NODE=2 GRADCOMM_GPU_INTER_NODE=nccl
+bench 4 np4_rpn2_mpi GRADCOMM_RANKS_PER_NODE=2 GRADCOMM_GPU_INTER_NODE=mpi
 exit $status
