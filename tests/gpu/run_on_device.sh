@@ -3,6 +3,11 @@
 # (.device/): adds Debian's Open MPI at its own paths (never replacing a file), finds NCCL, then
 # runs test_gpu at 1, 2 and 4 ranks, test_gpu_host, the GPU pack benchmark and
 # gradcomm-bench --device gpu. Results go to stdout and, when $OUT is set, to $OUT/*.txt.
+#
+#   tests/gpu/run_on_device.sh [all|bench]   (bench: only the benchmarks)
+#
+# Ranks that share one GPU are time-sliced between their CUDA contexts unless CUDA MPS runs; the
+# script starts the MPS daemon when the machine has it, so the ranks' kernels run side by side.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bundle=$PWD/.device
@@ -33,14 +38,23 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   echo "mpirun: $(command -v mpirun) $(mpirun --version 2>&1 | head -1)"; echo "bundled libs used: $(ls "$missing" | tr '\n' ' ')"
   "$bundle/bin/gradcomm-bench" --list
 } 2>&1 | tee "$out/machine.txt"
+what=${1:-all}
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/gradcomm-mps CUDA_MPS_LOG_DIRECTORY=/tmp/gradcomm-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "== CUDA MPS daemon started" | tee -a "$out/machine.txt"
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+else
+  echo "== no CUDA MPS: ranks sharing the GPU are time-sliced" | tee -a "$out/machine.txt"
+fi
 status=0
-for np in 1 2 4; do
+[[ $what == bench ]] || for np in 1 2 4; do
   echo "== test_gpu np$np"
   timeout 300 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 | tee "$out/test_gpu_np$np.txt" | tail -25
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 done
-echo "== test_gpu_host np2"
-timeout 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -3
+[[ $what == bench ]] || echo "== test_gpu_host np2"
+[[ $what == bench ]] || timeout 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -3
 echo "== pack bench"
 (cd "$bundle" && timeout 120 bin/gradcomm-gpu-pack-bench workloads/resnet50.json \
    workloads/bert_base.json workloads/mobilenet_v2.json workloads/vgg16.json) 2>&1 | tee "$out/pack_bench.txt"

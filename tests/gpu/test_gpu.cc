@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -300,6 +301,40 @@ TEST_F(MpiTest, DevicePackerRoundTripsWithBothCopyMethods) {
       }
     }
   }
+}
+
+// A rank that never joins: the others give up after GRADCOMM_TIMEOUT, abort their NCCL
+// communicator and throw CommError naming the timeout, instead of hanging.
+TEST_F(MpiTest, AMissingRankTimesOutAndAbortsTheNcclCommunicator) {
+  REQUIRE_GPU();
+  Config config = Config::from_environment();
+  config.timeout_seconds = 3;
+  auto comm = std::make_unique<Communicator>(MPI_COMM_WORLD, config);
+  if (comm->size() == 1) GTEST_SKIP() << "needs two ranks";
+  EXPECT_EQ(run_and_count_wrong(gpu, *comm, DataType::float32, ReduceOp::sum, 1024, true,
+                                {.algorithm = "nccl"}),
+            0);  // the NCCL communicator exists on every rank
+  const collectives::NcclCommCounts before = collectives::nccl_comm_counts();
+  if (comm->rank() != 0) {
+    DeviceBuffer data(gpu, 1024 * sizeof(float));
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      allreduce(*comm, data.data, data.data, 1024, DataType::float32, ReduceOp::sum,
+                {.algorithm = "nccl"});
+      ADD_FAILURE() << "no error";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("GRADCOMM_TIMEOUT=3"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("aborted"), std::string::npos) << e.what();
+    }
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_GE(waited, 2.5);
+    EXPECT_LT(waited, 30.0);
+    EXPECT_EQ(collectives::nccl_comm_counts().aborted - before.aborted, 1);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  comm.reset();  // rank 0's communicator, whose peers are gone, is freed within a bounded time
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 }  // namespace
