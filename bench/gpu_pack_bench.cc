@@ -56,9 +56,11 @@ int run(int argc, char** argv) {
     const CopyMethod methods[2] = {CopyMethod::kernel, CopyMethod::memcpy};
     std::vector<gradcomm::packing::GradientPacker> packers;
     for (CopyMethod m : methods) {
-      packers.emplace_back(tensors, gradcomm::packing::PackerOptions{
-                                        .num_split = 1, .min_chunk_elements = 1, .stream = stream,
-                                        .copy_method = m, .asynchronous = true});
+      packers.emplace_back(tensors, gradcomm::packing::PackerOptions{.num_split = 1,
+                                                                     .min_chunk_elements = 1,
+                                                                     .stream = stream,
+                                                                     .copy_method = m,
+                                                                     .asynchronous = true});
     }
     std::vector<double> times[2];
     for (int round = 0; round < 35; ++round) {

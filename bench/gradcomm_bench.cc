@@ -32,10 +32,10 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_nccl.h"
-#include "core/gpu_runtime.h"
 #include "collectives/auto_select.h"
 #include "collectives/registry.h"
 #include "core/error.h"
+#include "core/gpu_runtime.h"
 #include "core/half.h"
 #include "packing/gradient_packer.h"
 #include "packing/grouped_allreduce.h"
@@ -178,8 +178,7 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       const std::string where = value();
       if (where != "cpu" && where != "gpu") usage_error("--device takes cpu or gpu");
       o.gpu = where == "gpu";
-    }
-    else if (arg == "-n" || arg == "--iters")
+    } else if (arg == "-n" || arg == "--iters")
       o.iters = parse_int(value(), 1);
     else if (arg == "-w" || arg == "--warmup")
       o.warmup = parse_int(value(), 0);

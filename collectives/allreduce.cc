@@ -100,15 +100,17 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
       }
       const bool host_only = !wants_nccl && requested != "auto" && requested != "hierarchical";
       if (host_only && send_info.kind == gpu::MemoryKind::device) {
-        invalid("algorithm '" + std::string(requested) + "' reads buffers on the CPU but sendbuf is " +
-                where(send_info) + "; use nccl, hierarchical or auto for GPU buffers");
+        invalid("algorithm '" + std::string(requested) +
+                "' reads buffers on the CPU but sendbuf is " + where(send_info) +
+                "; use nccl, hierarchical or auto for GPU buffers");
       }
       device = send_gpu && !host_only;
       gpu_index = send_info.device;
     }
     if (wants_nccl && !device) {
-      invalid("nccl reduces GPU buffers but sendbuf is host memory; use a host algorithm "
-              "(auto, shm, ring, ...) or cudaMalloc the buffers");
+      invalid(
+          "nccl reduces GPU buffers but sendbuf is host memory; use a host algorithm "
+          "(auto, shm, ring, ...) or cudaMalloc the buffers");
     }
   }
 

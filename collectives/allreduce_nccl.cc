@@ -193,7 +193,9 @@ gpu::Runtime& require_runtime(const Communicator& comm, std::string_view call) {
   return *runtime;
 }
 
-std::byte* offset(void* base, std::size_t bytes) { return static_cast<std::byte*>(base) + bytes; }
+std::byte* offset(void* base, std::size_t bytes) {
+  return static_cast<std::byte*>(base) + bytes;
+}
 
 // Device and pinned buffers of the GPU hierarchical all-reduce, grown on demand.
 class GpuBuffer {
@@ -293,12 +295,11 @@ void gpu_hierarchical_allreduce(const AllreduceArgs& args, Communicator& comm) {
   const bool integer_avg = args.op == ReduceOp::avg && !is_floating(args.dtype);
   if (h.groups == 1 || !h.even || integer_avg || comm.size() == 1) {
     if (comm.log_enabled(LogLevel::debug)) {
-      comm.log(LogLevel::debug,
-               call + ": flat nccl (" +
-                   (h.groups == 1 ? "one group"
-                    : !h.even     ? "groups of different sizes"
-                                  : "integer avg needs one division") +
-                   ")");
+      comm.log(LogLevel::debug, call + ": flat nccl (" +
+                                    (h.groups == 1 ? "one group"
+                                     : !h.even     ? "groups of different sizes"
+                                                   : "integer avg needs one division") +
+                                    ")");
     }
     return comm.attachment<AlgorithmCache>().find("nccl")->run(args, comm);
   }
@@ -322,8 +323,8 @@ void gpu_hierarchical_allreduce(const AllreduceArgs& args, Communicator& comm) {
   NcclState* column = nullptr;
   if (comm.config().gpu_inter_node == "nccl") {  // phase 2 on the GPU
     column = &nccl_state(*h.column_comm, runtime, args.gpu, call);
-    runtime.allreduce(offset(work, mine), offset(work, mine), shard, args.dtype, args.op,
-                      h.groups, column->comm, stream);
+    runtime.allreduce(offset(work, mine), offset(work, mine), shard, args.dtype, args.op, h.groups,
+                      column->comm, stream);
     wait_ready(*column, comm, call, "ncclAllReduce across groups");
   } else {  // phase 2 through host memory and the host algorithms
     if (!h.staging) h.staging = std::make_unique<GpuBuffer>(&runtime, true);

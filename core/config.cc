@@ -108,7 +108,8 @@ Config Config::from_environment() {
   }
   if (const char* v = get("GRADCOMM_GPU_INTER_NODE")) {
     const std::string value = v;
-    if (value != "nccl" && value != "mpi") bad_variable("GRADCOMM_GPU_INTER_NODE", v, "nccl or mpi");
+    if (value != "nccl" && value != "mpi")
+      bad_variable("GRADCOMM_GPU_INTER_NODE", v, "nccl or mpi");
     config.gpu_inter_node = value;
   }
   config.validate();
@@ -133,7 +134,8 @@ void Config::validate() const {
     bad("topology_preset '" + topology_preset + "' is not dgx1");
   }
   if (bind != "none" && bind != "core" && bind != "numa") bad("bind '" + bind + "' is invalid");
-  if (timeout_seconds < 0) bad("timeout_seconds " + std::to_string(timeout_seconds) + " is negative");
+  if (timeout_seconds < 0)
+    bad("timeout_seconds " + std::to_string(timeout_seconds) + " is negative");
   if (device < -1) bad("device " + std::to_string(device) + " is below -1");
   if (gpu_inter_node != "nccl" && gpu_inter_node != "mpi") {
     bad("gpu_inter_node '" + gpu_inter_node + "' is not nccl or mpi");

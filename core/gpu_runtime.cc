@@ -45,7 +45,8 @@ void load(Loaded& state) {
   // Where to look, in order. GRADCOMM_NCCL_MODULE is read here rather than in Config because
   // the module is loaded once per process, not per communicator.
   std::vector<std::string> candidates;
-  if (const char* explicit_path = std::getenv("GRADCOMM_NCCL_MODULE"); explicit_path && *explicit_path) {
+  if (const char* explicit_path = std::getenv("GRADCOMM_NCCL_MODULE");
+      explicit_path && *explicit_path) {
     candidates.emplace_back(explicit_path);
   } else {
     if (const std::string here = this_object_directory(); !here.empty())
@@ -124,7 +125,9 @@ Runtime* active_runtime() {
   return runtime();
 }
 
-void set_runtime_for_testing(Runtime* fake) { g_fake.store(fake, std::memory_order_release); }
+void set_runtime_for_testing(Runtime* fake) {
+  g_fake.store(fake, std::memory_order_release);
+}
 
 int pick_device(Runtime& runtime, int configured, int local_rank) {
   const int count = runtime.device_count();

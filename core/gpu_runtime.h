@@ -76,8 +76,8 @@ class Runtime {
   virtual void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
                               DataType dtype, ReduceOp op, int nranks, GpuComm comm,
                               Stream stream) = 0;
-  virtual void all_gather(const void* send, void* recv, std::size_t count_per_rank,
-                          DataType dtype, GpuComm comm, Stream stream) = 0;
+  virtual void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType dtype,
+                          GpuComm comm, Stream stream) = 0;
   // ncclGroupStart / ncclGroupEnd around several calls on one communicator.
   virtual void group_start() = 0;
   virtual void group_end() = 0;

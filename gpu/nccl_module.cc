@@ -86,8 +86,12 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   throw InvalidArgument(error_message("nccl", -1, "invalid reduce op"));
 }
 
-cudaStream_t as_stream(Stream s) { return static_cast<cudaStream_t>(s); }
-ncclComm_t as_comm(GpuComm c) { return static_cast<ncclComm_t>(c); }
+cudaStream_t as_stream(Stream s) {
+  return static_cast<cudaStream_t>(s);
+}
+ncclComm_t as_comm(GpuComm c) {
+  return static_cast<ncclComm_t>(c);
+}
 
 struct Batch {
   std::vector<CopyOp> ops;
@@ -108,8 +112,7 @@ class CudaNcclRuntime final : public Runtime {
     };
     return "CUDA runtime " + cuda_version(runtime) + ", driver " + cuda_version(driver) +
            ", NCCL " + std::to_string(nccl / 10000) + "." + std::to_string((nccl / 100) % 100) +
-           "." + std::to_string(nccl % 100) + ", " + std::to_string(device_count()) +
-           " device(s)";
+           "." + std::to_string(nccl % 100) + ", " + std::to_string(device_count()) + " device(s)";
   }
 
   int device_count() override {
@@ -262,7 +265,8 @@ class CudaNcclRuntime final : public Runtime {
   void batch_run(void* handle, CopyMethod method, Stream stream) override {
     auto* batch = static_cast<Batch*>(handle);
     if (method == CopyMethod::memcpy) {
-      for (const CopyOp& op : batch->ops) copy_async(op.dst, op.src, op.bytes, stream);
+      for (const CopyOp& op : batch->ops)
+        copy_async(op.dst, op.src, op.bytes, stream);
       return;
     }
     if (batch->blocks.empty()) return;
@@ -318,8 +322,8 @@ gradcomm_gpu_module_create(int abi_version, char* why_not, std::size_t why_not_b
   const cudaError_t rc = cudaGetDeviceCount(&count);
   if (rc != cudaSuccess) {
     cudaGetLastError();
-    return refuse("no usable CUDA device: cudaGetDeviceCount: " + std::string(cudaGetErrorName(rc)) +
-                  " (" + cudaGetErrorString(rc) + ")");
+    return refuse("no usable CUDA device: cudaGetDeviceCount: " +
+                  std::string(cudaGetErrorName(rc)) + " (" + cudaGetErrorString(rc) + ")");
   }
   if (count == 0) return refuse("no CUDA device is visible (cudaGetDeviceCount returned 0)");
   try {

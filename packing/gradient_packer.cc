@@ -107,9 +107,9 @@ GradientPacker::GradientPacker(std::span<const TensorDesc> tensors, PackerOption
   int gpu_index = -1;
   gpu::Runtime* runtime = tensors_device(tensors, &gpu_index);
   if (runtime && options.registered_on) {
-    throw InvalidArgument(error_message("GradientPacker", -1,
-                                        "registered_on needs host tensors; these are on GPU " +
-                                            std::to_string(gpu_index)));
+    throw InvalidArgument(error_message(
+        "GradientPacker", -1,
+        "registered_on needs host tensors; these are on GPU " + std::to_string(gpu_index)));
   }
   if (runtime) {
     device_ = std::make_unique<Device>();

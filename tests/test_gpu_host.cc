@@ -442,8 +442,8 @@ TEST_F(GpuHostTest, PackerRoundTripsDeviceTensorsAndRejectsMixedPlaces) {
     tensors.push_back({t, sizes[i], DataType::float32});
   }
   for (gpu::CopyMethod method : {gpu::CopyMethod::kernel, gpu::CopyMethod::memcpy}) {
-    packing::GradientPacker packer(tensors, {.num_split = 4, .min_chunk_elements = 1,
-                                             .copy_method = method});
+    packing::GradientPacker packer(
+        tensors, {.num_split = 4, .min_chunk_elements = 1, .copy_method = method});
     ASSERT_FALSE(packer.declined());
     EXPECT_TRUE(packer.on_device());
     packer.pack();
@@ -465,6 +465,26 @@ TEST_F(GpuHostTest, PackerRoundTripsDeviceTensorsAndRejectsMixedPlaces) {
                InvalidArgument);
   Communicator comm(MPI_COMM_WORLD);
   EXPECT_THROW(grouped_allreduce(comm, tensors, ReduceOp::sum), Unsupported);
+}
+
+TEST_F(MpiTest, WithoutAGpuNcclIsUnavailableWithTheReason) {
+  std::string why;
+  if (gpu::runtime(&why)) GTEST_SKIP() << "a GPU is usable here";
+  EXPECT_FALSE(why.empty());
+  EXPECT_EQ(collectives::nccl_unavailable_reason(), why);
+  Communicator comm(MPI_COMM_WORLD);
+  std::vector<float> data(8, 1.0f);
+  try {
+    allreduce(comm, data.data(), data.data(), data.size(), DataType::float32, ReduceOp::sum,
+              {.algorithm = "nccl"});
+    ADD_FAILURE() << "no error";
+  } catch (const Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("nccl is unavailable: " + why), std::string::npos)
+        << e.what();
+  }
+  // Everything else works; auto never goes near the GPU path.
+  allreduce(comm, data.data(), data.data(), data.size(), DataType::float32, ReduceOp::sum);
+  EXPECT_EQ(data[0], static_cast<float>(comm.size()));
 }
 
 }  // namespace

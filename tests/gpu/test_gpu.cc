@@ -19,8 +19,8 @@
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 #include "core/half.h"
-#include "tests/mpi_test.h"
 #include "packing/gradient_packer.h"
+#include "tests/mpi_test.h"
 #include "topology/topology.h"
 
 namespace gradcomm {
@@ -51,10 +51,10 @@ gpu::Runtime* gpu_or_skip(std::string* why) {
   return runtime;
 }
 
-#define REQUIRE_GPU()                                              \
-  std::string why_no_gpu;                                          \
-  gpu::Runtime* gpu = gpu_or_skip(&why_no_gpu);                    \
-  if (!gpu) GTEST_SKIP() << "no GPU: " << why_no_gpu;              \
+#define REQUIRE_GPU()                                 \
+  std::string why_no_gpu;                             \
+  gpu::Runtime* gpu = gpu_or_skip(&why_no_gpu);       \
+  if (!gpu) GTEST_SKIP() << "no GPU: " << why_no_gpu; \
   (void)gpu
 
 double value(ReduceOp op, int rank, std::size_t i) {
@@ -149,8 +149,8 @@ long long run_and_count_wrong(gpu::Runtime* gpu, Communicator& comm, DataType dt
     const bool ok = approximate ? std::abs(got - want) <= tolerance * std::max(1.0, std::abs(want))
                                 : got == want;
     if (!ok && wrong++ < 3) {
-      ADD_FAILURE() << to_string(dtype) << " " << to_string(op) << " count " << count << " ["
-                    << i << "]: got " << got << " want " << want;
+      ADD_FAILURE() << to_string(dtype) << " " << to_string(op) << " count " << count << " [" << i
+                    << "]: got " << got << " want " << want;
     }
   }
   return wrong;
@@ -165,9 +165,8 @@ TEST_F(MpiTest, NcclMatchesTheHostReferenceForEveryDtypeOpAndCount) {
     for (ReduceOp op : kAllReduceOps) {
       for (std::size_t count : kCounts) {
         for (bool in_place : {false, true}) {
-          EXPECT_EQ(run_and_count_wrong(gpu, comm, dtype, op, count, in_place,
-                                        {.algorithm = "nccl"}),
-                    0);
+          EXPECT_EQ(
+              run_and_count_wrong(gpu, comm, dtype, op, count, in_place, {.algorithm = "nccl"}), 0);
         }
       }
     }
@@ -243,9 +242,9 @@ TEST_F(MpiTest, PointerKindsAreCheckedWithRealMemory) {
                InvalidArgument);
   void* pinned = gpu->host_alloc_pinned(256 * sizeof(float));
   EXPECT_EQ(gpu->classify(pinned).kind, gpu::MemoryKind::host);
-  EXPECT_THROW(allreduce(comm, pinned, pinned, 256, DataType::float32, ReduceOp::sum,
-                         {.algorithm = "nccl"}),
-               InvalidArgument);
+  EXPECT_THROW(
+      allreduce(comm, pinned, pinned, 256, DataType::float32, ReduceOp::sum, {.algorithm = "nccl"}),
+      InvalidArgument);
   // Pinned host memory is host memory: the host algorithms take it.
   std::memset(pinned, 0, 256 * sizeof(float));
   allreduce(comm, pinned, pinned, 256, DataType::float32, ReduceOp::sum);
@@ -256,9 +255,9 @@ TEST_F(MpiTest, DevicePackerRoundTripsWithBothCopyMethods) {
   REQUIRE_GPU();
   // Odd sizes and float16 tensors: unaligned copies too.
   const std::vector<std::pair<std::size_t, DataType>> shapes = {
-      {64, DataType::float32},      {3, DataType::float16},     {147456, DataType::float32},
-      {1000003, DataType::float32}, {17, DataType::float16},    {2048, DataType::float32},
-      {513, DataType::float16},     {1, DataType::float32},     {65537, DataType::float16}};
+      {64, DataType::float32},      {3, DataType::float16},  {147456, DataType::float32},
+      {1000003, DataType::float32}, {17, DataType::float16}, {2048, DataType::float32},
+      {513, DataType::float16},     {1, DataType::float32},  {65537, DataType::float16}};
   std::vector<std::unique_ptr<DeviceBuffer>> buffers;
   std::vector<packing::TensorDesc> tensors;
   std::vector<std::vector<std::byte>> originals;
@@ -274,8 +273,8 @@ TEST_F(MpiTest, DevicePackerRoundTripsWithBothCopyMethods) {
   }
   gpu->stream_synchronize(nullptr);
   for (gpu::CopyMethod method : {gpu::CopyMethod::kernel, gpu::CopyMethod::memcpy}) {
-    packing::GradientPacker packer(tensors, {.num_split = 2, .min_chunk_elements = 1,
-                                             .copy_method = method});
+    packing::GradientPacker packer(
+        tensors, {.num_split = 2, .min_chunk_elements = 1, .copy_method = method});
     ASSERT_TRUE(packer.on_device());
     packer.pack();
     for (auto& b : buffers) {  // clobber the tensors, then restore them from the packed copy
