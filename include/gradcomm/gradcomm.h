@@ -9,6 +9,7 @@
 #include "core/config.h"
 #include "core/data_type.h"
 #include "core/error.h"
+#include "core/gpu_runtime.h"
 #include "core/half.h"
 #include "core/reduce_op.h"
 #include "gradcomm/config.h"
@@ -22,3 +23,4 @@
 #include "trainer/dataset.h"
 #include "trainer/model.h"
 #include "trainer/optimizer.h"
+#include "topology/topology.h"
