@@ -239,7 +239,7 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
   if (!o.tune_file.empty()) {  // every registered algorithm competes
     o.algorithms.clear();
     for (const auto& entry : gradcomm::collectives::registered_algorithms()) {
-      if (entry.name != "nccl") o.algorithms.emplace_back(entry.name);  // host buffers only
+      if (entry.host_buffers) o.algorithms.emplace_back(entry.name);
     }
   }
   if (o.gpu) {

@@ -27,7 +27,7 @@ const std::vector<AlgorithmEntry>& registered_algorithms() {
        make<AllreduceShm>},
       {"mpi", "MPI_Allreduce of the MPI library", make<AllreduceMpi>},
       {"nccl", "ncclAllReduce on device buffers (GPU module libgradcomm_nccl.so)",
-       make<AllreduceNccl>},
+       make<AllreduceNccl>, /*host_buffers=*/false},
   };
   return entries;
 }
@@ -36,6 +36,14 @@ std::vector<std::string> algorithm_names() {
   std::vector<std::string> names = {"auto"};
   for (const AlgorithmEntry& entry : registered_algorithms())
     names.emplace_back(entry.name);
+  return names;
+}
+
+std::vector<std::string> host_algorithm_names() {
+  std::vector<std::string> names = {"auto"};
+  for (const AlgorithmEntry& entry : registered_algorithms()) {
+    if (entry.host_buffers) names.emplace_back(entry.name);
+  }
   return names;
 }
 

@@ -15,6 +15,7 @@ struct AlgorithmEntry {
   std::string_view name;
   std::string_view summary;  // one line, for --list and error messages
   std::function<std::unique_ptr<AllreduceAlgorithm>()> create;
+  bool host_buffers = true;  // false: device buffers only (nccl)
 };
 
 // Every algorithm this build has, in registry order (the order is for display only: `auto`
@@ -23,6 +24,9 @@ const std::vector<AlgorithmEntry>& registered_algorithms();
 
 // The names a user may pass: the registered ones plus "auto".
 std::vector<std::string> algorithm_names();
+// "auto" and the algorithms that reduce host buffers (all but nccl): what tests and sweeps over
+// host memory iterate.
+std::vector<std::string> host_algorithm_names();
 // "auto, flat, ring, ..." for error messages.
 std::string algorithm_names_joined();
 bool is_algorithm_name(std::string_view name);

@@ -34,48 +34,7 @@ constexpr std::size_t kGuardBytes = 64;
 constexpr std::byte kGuard{0x5a};
 
 std::vector<std::string> all_algorithms() {
-  return collectives::algorithm_names();
-}
-
-void store(DataType dtype, void* buf, std::size_t i, double v) {
-  switch (dtype) {
-    case DataType::float32:
-      static_cast<float*>(buf)[i] = static_cast<float>(v);
-      return;
-    case DataType::float64:
-      static_cast<double*>(buf)[i] = v;
-      return;
-    case DataType::float16:
-      static_cast<float16_t*>(buf)[i] = to_float16(static_cast<float>(v));
-      return;
-    case DataType::bfloat16:
-      static_cast<bfloat16_t*>(buf)[i] = to_bfloat16(static_cast<float>(v));
-      return;
-    case DataType::int32:
-      static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v);
-      return;
-    case DataType::int64:
-      static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v);
-      return;
-  }
-}
-
-double load(DataType dtype, const void* buf, std::size_t i) {
-  switch (dtype) {
-    case DataType::float32:
-      return static_cast<const float*>(buf)[i];
-    case DataType::float64:
-      return static_cast<const double*>(buf)[i];
-    case DataType::float16:
-      return to_float(static_cast<const float16_t*>(buf)[i]);
-    case DataType::bfloat16:
-      return to_float(static_cast<const bfloat16_t*>(buf)[i]);
-    case DataType::int32:
-      return static_cast<const std::int32_t*>(buf)[i];
-    case DataType::int64:
-      return static_cast<double>(static_cast<const std::int64_t*>(buf)[i]);
-  }
-  return 0;
+  return collectives::host_algorithm_names();  // nccl: tests/test_gpu_host.cc, tests/gpu/
 }
 
 // Small-integer inputs; element i of rank r depends on i only through i % period(op).

@@ -75,7 +75,7 @@ TEST_P(GroupedWorkload, EqualsPerTensorSumsForEveryThresholdAndAlgorithm) {
   const packing::Workload w = load_named_workload(name);
   std::vector<std::byte> arena;
   const auto tensors = lay_out(w, DataType::float32, arena);
-  for (const std::string& algorithm : collectives::algorithm_names()) {
+  for (const std::string& algorithm : collectives::host_algorithm_names()) {
     for (std::size_t threshold : kThresholds) {
       SCOPED_TRACE(name + " algorithm=" + algorithm + " threshold=" + std::to_string(threshold));
       fill(tensors, world().rank());

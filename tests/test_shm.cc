@@ -109,7 +109,7 @@ TEST_F(Shm, EveryAlgorithmAcceptsRegisteredBuffers) {
     GTEST_SKIP() << "/dev/shm is too small";
   }
   RegisteredBuffer buffer = comm.allocate(count * sizeof(double));
-  for (const std::string& algorithm : collectives::algorithm_names()) {
+  for (const std::string& algorithm : collectives::host_algorithm_names()) {
     double* data = buffer.as<double>();
     for (std::size_t i = 0; i < count; ++i)
       data[i] = input(comm.rank(), i);

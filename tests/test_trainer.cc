@@ -124,7 +124,7 @@ TEST_P(Equivalence, NRanksWithBatchBOverNEqualOneProcessWithBatchB) {
 std::vector<std::tuple<OptimizerKind, std::string>> equivalence_cases() {
   std::vector<std::tuple<OptimizerKind, std::string>> cases;
   for (OptimizerKind k : {OptimizerKind::sgd, OptimizerKind::momentum, OptimizerKind::adam}) {
-    for (const std::string& a : collectives::algorithm_names())
+    for (const std::string& a : collectives::host_algorithm_names())
       cases.emplace_back(k, a);
   }
   return cases;

@@ -26,7 +26,9 @@
 namespace gradcomm {
 namespace {
 
+using testing::load;
 using testing::MpiTest;
+using testing::store;
 
 // Skips unless a device is usable; picks this rank's device once.
 gpu::Runtime* gpu_or_skip(std::string* why) {
@@ -60,47 +62,6 @@ gpu::Runtime* gpu_or_skip(std::string* why) {
 double value(ReduceOp op, int rank, std::size_t i) {
   if (op == ReduceOp::prod) return ((rank + i) % 3 == 0) ? -1.0 : 1.0;
   return static_cast<double>(static_cast<long long>((rank * 5 + i) % 13) - 6);
-}
-
-void store(DataType dtype, void* buf, std::size_t i, double v) {
-  switch (dtype) {
-    case DataType::float32:
-      static_cast<float*>(buf)[i] = static_cast<float>(v);
-      break;
-    case DataType::float64:
-      static_cast<double*>(buf)[i] = v;
-      break;
-    case DataType::float16:
-      static_cast<float16_t*>(buf)[i] = to_float16(static_cast<float>(v));
-      break;
-    case DataType::bfloat16:
-      static_cast<bfloat16_t*>(buf)[i] = to_bfloat16(static_cast<float>(v));
-      break;
-    case DataType::int32:
-      static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v);
-      break;
-    case DataType::int64:
-      static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v);
-      break;
-  }
-}
-
-double load(DataType dtype, const void* buf, std::size_t i) {
-  switch (dtype) {
-    case DataType::float32:
-      return static_cast<const float*>(buf)[i];
-    case DataType::float64:
-      return static_cast<const double*>(buf)[i];
-    case DataType::float16:
-      return to_float(static_cast<const float16_t*>(buf)[i]);
-    case DataType::bfloat16:
-      return to_float(static_cast<const bfloat16_t*>(buf)[i]);
-    case DataType::int32:
-      return static_cast<const std::int32_t*>(buf)[i];
-    case DataType::int64:
-      return static_cast<double>(static_cast<const std::int64_t*>(buf)[i]);
-  }
-  return 0;
 }
 
 double reference(ReduceOp op, DataType dtype, int n, std::size_t i) {
