@@ -44,11 +44,11 @@ class Hierarchy : public Attachment {
  public:
   explicit Hierarchy(Communicator& comm) {
     const topology::Topology& topo = topology::topology_of(comm);
-    const int group = topo.group_of_rank[static_cast<std::size_t>(comm.rank())];
-    const std::vector<int>& mine = topo.groups[static_cast<std::size_t>(group)];
+    const int group = topo.group();
+    const std::vector<int>& mine = topo.my_group();
     groups = static_cast<int>(topo.groups.size());
     group_size = static_cast<int>(mine.size());
-    local = static_cast<int>(std::find(mine.begin(), mine.end(), comm.rank()) - mine.begin());
+    local = topo.group_local_rank();
     for (const auto& g : topo.groups)
       columns = std::max(columns, static_cast<int>(g.size()));
     trivial = groups == 1 || columns == 1;

@@ -234,11 +234,11 @@ class GpuHierarchy : public Attachment {
  public:
   explicit GpuHierarchy(Communicator& comm) {
     const topology::Topology& topo = topology::topology_of(comm);
-    const int group = topo.group_of_rank[static_cast<std::size_t>(comm.rank())];
-    const std::vector<int>& mine = topo.groups[static_cast<std::size_t>(group)];
+    const int group = topo.group();
+    const std::vector<int>& mine = topo.my_group();
     groups = static_cast<int>(topo.groups.size());
     group_size = static_cast<int>(mine.size());
-    local = static_cast<int>(std::find(mine.begin(), mine.end(), comm.rank()) - mine.begin());
+    local = topo.group_local_rank();
     even = std::all_of(topo.groups.begin(), topo.groups.end(),
                        [&](const std::vector<int>& g) { return g.size() == mine.size(); });
     if (groups == 1 || !even) return;  // flat nccl: nothing to build

@@ -174,6 +174,11 @@ int Topology::local_rank() const {
   return static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
 }
 
+int Topology::group_local_rank() const {
+  const auto& mine = my_group();
+  return static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+}
+
 Hardware discover_hardware() {
   return read_hardware(Hwloc());
 }
@@ -217,8 +222,8 @@ Topology discover(Communicator& comm) {
                                       ? discover_nodes(comm)
                                       : t.node_of_rank;
     const auto on_host = members(host)[static_cast<std::size_t>(host[n > 0 ? t.rank : 0])];
-    const int local = static_cast<int>(std::find(on_host.begin(), on_host.end(), t.rank) -
-                                       on_host.begin());
+    const int local =
+        static_cast<int>(std::find(on_host.begin(), on_host.end(), t.rank) - on_host.begin());
     const std::string bound = bind(hw, config.bind, local, static_cast<int>(on_host.size()));
     comm.log(LogLevel::debug, "bound to " + bound);
   }

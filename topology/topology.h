@@ -46,6 +46,10 @@ struct Topology {
   int local_size() const {
     return static_cast<int>(nodes[static_cast<std::size_t>(node())].size());
   }
+  // This rank's hierarchical group, its members, and this rank's index among them.
+  int group() const { return group_of_rank[static_cast<std::size_t>(rank)]; }
+  const std::vector<int>& my_group() const { return groups[static_cast<std::size_t>(group())]; }
+  int group_local_rank() const;
 };
 
 // Discovers the layout of `comm` (collective). Nodes come from MPI_Comm_split_type(SHARED), or
