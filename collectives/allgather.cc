@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/consistency.h"
 #include "core/error.h"
 
 namespace gradcomm {
@@ -45,11 +46,21 @@ void allgatherv(Communicator& comm, const void* send, std::size_t send_count, vo
     invalid("send is null with count " + std::to_string(send_count));
   if (total > 0 && recv == nullptr)
     invalid("recv is null with " + std::to_string(total) + " bytes to gather");
-  comm.next_sequence();
-  if (total == 0) return;
-  check_mpi(MPI_Allgatherv(send, static_cast<int>(send_count * es), MPI_BYTE, recv,
-                           byte_counts.data(), displs.data(), MPI_BYTE, comm.mpi_comm()),
-            "allgatherv: MPI_Allgatherv", comm.rank());
+  watchdog::CallInfo info;
+  info.sequence = comm.next_sequence();
+  info.kind = watchdog::CallKind::allgatherv;
+  info.count = total / es;
+  info.dtype = static_cast<int>(dtype);
+  for (std::size_t c : counts)  // the counts every rank passes must agree
+    info.detail = (info.detail ^ c) * 0x100000001b3ULL;
+  collectives::CallScope scope(comm, info, call);
+  scope.check_now();
+  if (total > 0) {
+    check_mpi(MPI_Allgatherv(send, static_cast<int>(send_count * es), MPI_BYTE, recv,
+                             byte_counts.data(), displs.data(), MPI_BYTE, comm.mpi_comm()),
+              "allgatherv: MPI_Allgatherv", comm.rank());
+  }
+  scope.finish(recv, total);
 }
 
 }  // namespace gradcomm

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "collectives/auto_select.h"
+#include "collectives/consistency.h"
 #include "collectives/owner_exchange.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
@@ -23,6 +24,19 @@ void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,
 }
 
 }  // namespace detail
+
+namespace {
+
+// The index of `name` among algorithm_names() and the name in static storage, for fingerprints.
+std::pair<int, const char*> algorithm_id(std::string_view name) {
+  static const std::vector<std::string> names = collectives::algorithm_names();
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == name) return {static_cast<int>(i), names[i].c_str()};
+  }
+  return {-1, nullptr};
+}
+
+}  // namespace
 
 TrafficReport traffic(Communicator& comm) {
   const collectives::TrafficCounters& c = comm.attachment<collectives::Traffic>().counters();
@@ -115,7 +129,21 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   }
 
   AllreduceArgs args{sendbuf, recvbuf, count, dtype, op, comm.next_sequence()};
-  if (count == 0) return;
+  const auto [algorithm_index, algorithm_name] = algorithm_id(requested);
+  watchdog::CallInfo info;
+  info.sequence = args.sequence;
+  info.kind = watchdog::CallKind::allreduce;
+  info.count = count;
+  info.dtype = static_cast<int>(dtype);
+  info.op = static_cast<int>(op);
+  info.algorithm = algorithm_index;
+  info.algorithm_name = algorithm_name;
+  info.device = device;
+  collectives::CallScope scope(comm, info, "allreduce");
+  if (count == 0) {
+    scope.check_now();  // an empty call still takes part in the comparison
+    return scope.finish();
+  }
   if (device) {
     if (comm.config().deterministic) {
       throw Unsupported(error_message(call(), comm.rank(),
@@ -130,17 +158,22 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     if (comm.log_enabled(LogLevel::trace)) {
       comm.log(LogLevel::trace, "allreduce(auto): " + std::string(name) + " for GPU buffers");
     }
-    return comm.attachment<collectives::AlgorithmCache>().find(name)->run(args, comm);
+    scope.check_now();
+    comm.attachment<collectives::AlgorithmCache>().find(name)->run(args, comm);
+    return scope.finish();
   }
   if (comm.size() == 1) {
     if (!args.in_place()) std::memcpy(recvbuf, sendbuf, bytes);
-    return;  // avg over one rank divides by 1
+    return scope.finish();  // avg over one rank divides by 1
   }
 
   if (comm.config().deterministic) {
     // Reproducible mode: whatever the name, the reduction order is the serial rank order.
-    return collectives::reproducible_allreduce(args, comm);
+    scope.check_now();
+    collectives::reproducible_allreduce(args, comm);
+    return scope.finish(recvbuf, bytes);
   }
+  if (requested == "auto") scope.before_first_use("auto");  // may calibrate (collectively)
   const std::string_view name =
       requested == "auto" ? collectives::select_allreduce_algorithm(args, comm) : requested;
   collectives::AllreduceAlgorithm* algorithm =
@@ -150,7 +183,9 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
                                     "algorithm '" + std::string(name) + "' cannot reduce " +
                                         std::string(to_string(dtype)) + " buffers here"));
   }
+  scope.start(name);
   algorithm->run(args, comm);
+  scope.finish(recvbuf, bytes);
 }
 
 }  // namespace gradcomm

@@ -58,7 +58,7 @@ class Hierarchy : public Attachment {
     MPI_Comm split = MPI_COMM_NULL;
     check_mpi(MPI_Comm_split(comm.mpi_comm(), group, comm.rank(), &split),
               "allreduce(hierarchical): MPI_Comm_split", comm.rank());
-    group_comm = std::make_unique<Communicator>(split, comm.config());
+    group_comm = std::make_unique<Communicator>(split, comm.config().for_sub_communicator());
     MPI_Comm_free(&split);
     group_comm->attach(std::make_unique<Traffic>(counters, std::vector<int>(mine.size(), 0)));
     column_comms.resize(static_cast<std::size_t>(columns));
@@ -67,7 +67,7 @@ class Hierarchy : public Attachment {
       check_mpi(MPI_Comm_split(comm.mpi_comm(), owner ? 0 : MPI_UNDEFINED, comm.rank(), &split),
                 "allreduce(hierarchical): MPI_Comm_split", comm.rank());
       if (!owner) continue;
-      auto column = std::make_unique<Communicator>(split, comm.config());
+      auto column = std::make_unique<Communicator>(split, comm.config().for_sub_communicator());
       MPI_Comm_free(&split);
       // Every member of a column communicator is in a different group.
       std::vector<int> member_groups(static_cast<std::size_t>(column->size()));

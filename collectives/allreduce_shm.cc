@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/consistency.h"
 #include "core/error.h"
 #include "core/reduce_kernels.h"
 #include "core/shared_memory.h"
@@ -54,6 +55,9 @@ struct Descriptor {
   std::uint64_t count;
   std::uint32_t dtype, op, path, registered;
   std::uint64_t segment, offset;  // of a registered input
+  std::uint64_t sequence;         // the call's fingerprint beyond count, dtype and op
+  std::int32_t algorithm;         // (GRADCOMM_CHECK: compared here instead of by a message)
+  std::uint32_t in_call;          // 1 when made inside a front-door call (sequence is valid)
 };
 
 // One rank's part of the control block; every counter on its own cache line.
@@ -248,13 +252,17 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   // Round `first`: gate, descriptor, first input.
   const std::uint64_t first = s.round + 1;
   s.wait_all(&RankControl::drained, first < 2 ? 0 : first - 2, "drain");
+  const watchdog::CallInfo* call = current_call();
   mine.descriptor[first % 2] = Descriptor{args.count,
                                           static_cast<std::uint32_t>(args.dtype),
                                           static_cast<std::uint32_t>(args.op),
                                           static_cast<std::uint32_t>(path),
                                           registered ? 1u : 0u,
                                           registered ? registered->segment : 0,
-                                          registered ? registered->offset : 0};
+                                          registered ? registered->offset : 0,
+                                          call ? call->sequence : 0,
+                                          call ? call->algorithm : -1,
+                                          call ? 1u : 0u};
   auto copy_in = [&](std::uint64_t k) {  // the k-th round of this call
     if (registered) return;
     const std::size_t e0 = k * round_elements;
@@ -275,11 +283,29 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     calls[static_cast<std::size_t>(j)] = s.control(j).descriptor[first % 2];
   std::vector<const std::byte*> inputs(static_cast<std::size_t>(n), nullptr);  // registered
   std::string problem;
+  bool mismatch = false;
   for (int j = 0; j < n && problem.empty(); ++j) {
     const Descriptor& d = calls[static_cast<std::size_t>(j)];
-    if (d.count != calls[0].count || d.dtype != calls[0].dtype || d.op != calls[0].op) {
-      problem = "ranks disagree on the call: rank 0 has " + describe(calls[0]) + ", rank " +
-                std::to_string(j) + " has " + describe(d);
+    const Descriptor& d0 = calls[0];
+    if (d.count != d0.count || d.dtype != d0.dtype || d.op != d0.op ||
+        (d.in_call && d0.in_call && (d.sequence != d0.sequence || d.algorithm != d0.algorithm))) {
+      mismatch = true;
+      if (!d.in_call || !d0.in_call) {
+        problem = "ranks disagree on the call: rank 0 has " + describe(d0) + ", rank " +
+                  std::to_string(j) + " has " + describe(d);
+        continue;
+      }
+      std::vector<watchdog::CallInfo> infos;
+      for (const Descriptor& e : calls) {
+        watchdog::CallInfo info = *call;
+        info.sequence = e.sequence;
+        info.count = e.count;
+        info.dtype = static_cast<int>(e.dtype);
+        info.op = static_cast<int>(e.op);
+        info.algorithm = e.algorithm;
+        infos.push_back(info);
+      }
+      problem = describe_mismatch(infos);
     } else if (d.registered) {
       inputs[static_cast<std::size_t>(j)] = registered_address({d.segment, d.offset});
       if (inputs[static_cast<std::size_t>(j)] == nullptr) {
@@ -292,6 +318,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     mine.reduced.store(first, std::memory_order_release);
     mine.drained.store(first, std::memory_order_release);
     s.round = first;
+    if (mismatch) throw MismatchError(error_message(kCall, me, problem));
     throw InvalidArgument(error_message(kCall, me, problem));
   }
 

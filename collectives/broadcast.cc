@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include "collectives/consistency.h"
 #include "core/error.h"
 
 namespace gradcomm {
@@ -45,8 +46,14 @@ void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int ro
     throw InvalidArgument(error_message(call, comm.rank(),
                                         "buffer is null with " + std::to_string(bytes) + " bytes"));
   }
-  comm.next_sequence();
-  if (comm.size() == 1 || bytes == 0) return;
+  watchdog::CallInfo info;
+  info.sequence = comm.next_sequence();
+  info.kind = watchdog::CallKind::broadcast;
+  info.count = bytes;
+  info.root = root;
+  collectives::CallScope scope(comm, info, call);
+  if (comm.size() == 1) return scope.finish();
+  scope.check_now();
   auto* p = static_cast<std::byte*>(buffer);
   for (std::size_t done = 0; done < bytes;) {
     const std::size_t piece = std::min(kMaxPieceBytes, bytes - done);
@@ -54,6 +61,7 @@ void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int ro
               "broadcast: MPI_Bcast", comm.rank());
     done += piece;
   }
+  scope.finish(buffer, bytes);
 }
 
 }  // namespace gradcomm

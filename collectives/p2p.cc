@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "collectives/consistency.h"
 #include "core/error.h"
 #include "topology/topology.h"
 
@@ -58,8 +59,8 @@ void Traffic::count(int self, int dest, std::size_t bytes) {
 MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                         std::string_view call) {
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, tag, comm.mpi_comm(),
-                      &request),
+  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, call_tag(tag),
+                      comm.mpi_comm(), &request),
             what(call, "MPI_Isend"), comm.rank());
   count(comm, dest, bytes);
   return request;
@@ -68,8 +69,8 @@ MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, C
 MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                         std::string_view call) {
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, tag, comm.mpi_comm(),
-                      &request),
+  check_mpi(MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, call_tag(tag),
+                      comm.mpi_comm(), &request),
             what(call, "MPI_Irecv"), comm.rank());
   return request;
 }
@@ -91,10 +92,19 @@ void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicato
 }
 
 void wait(MPI_Request& request, std::string_view call) {
-  check_mpi(MPI_Wait(&request, MPI_STATUS_IGNORE), what(call, "MPI_Wait"));
+  wait_all(1, &request, call);
 }
 
 void wait_all(std::size_t n, MPI_Request* requests, std::string_view call) {
+  // While the call's consistency check is in flight, poll it with the transfers: a peer that
+  // made a different call will never send what is awaited, and the check says so.
+  while (check_pending()) {
+    int done = 0;
+    check_mpi(MPI_Testall(static_cast<int>(n), requests, &done, MPI_STATUSES_IGNORE),
+              what(call, "MPI_Testall"));
+    if (done) return;
+    poll_check();
+  }
   check_mpi(MPI_Waitall(static_cast<int>(n), requests, MPI_STATUSES_IGNORE),
             what(call, "MPI_Waitall"));
 }
@@ -111,11 +121,17 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
         send_bytes > offset ? std::min(kMaxMessageBytes, send_bytes - offset) : 0;
     const std::size_t nr =
         recv_bytes > offset ? std::min(kMaxMessageBytes, recv_bytes - offset) : 0;
-    check_mpi(MPI_Sendrecv(s + (ns ? offset : 0), static_cast<int>(ns), MPI_BYTE, dest, tag,
-                           r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE, source, tag,
-                           comm.mpi_comm(), MPI_STATUS_IGNORE),
-              what(call, "MPI_Sendrecv"), comm.rank());
-    count(comm, dest, ns);
+    if (check_pending()) {
+      MPI_Request pair[2] = {irecv_bytes(r + (nr ? offset : 0), nr, source, tag, comm, call),
+                             isend_bytes(s + (ns ? offset : 0), ns, dest, tag, comm, call)};
+      wait_all(2, pair, call);
+    } else {
+      check_mpi(MPI_Sendrecv(s + (ns ? offset : 0), static_cast<int>(ns), MPI_BYTE, dest,
+                             call_tag(tag), r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE,
+                             source, call_tag(tag), comm.mpi_comm(), MPI_STATUS_IGNORE),
+                what(call, "MPI_Sendrecv"), comm.rank());
+      count(comm, dest, ns);
+    }
     offset += kMaxMessageBytes;
   } while (offset < std::max(send_bytes, recv_bytes));
 }
@@ -124,8 +140,13 @@ void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communica
                 std::string_view call) {
   const auto* p = static_cast<const std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
-    check_mpi(MPI_Send(p + offset, static_cast<int>(n), MPI_BYTE, dest, tag, comm.mpi_comm()),
-              what(call, "MPI_Send"), comm.rank());
+    if (check_pending()) {
+      MPI_Request request = isend_bytes(p + offset, n, dest, tag, comm, call);
+      return wait(request, call);
+    }
+    check_mpi(
+        MPI_Send(p + offset, static_cast<int>(n), MPI_BYTE, dest, call_tag(tag), comm.mpi_comm()),
+        what(call, "MPI_Send"), comm.rank());
     count(comm, dest, n);
   });
 }
@@ -134,8 +155,12 @@ void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator&
                 std::string_view call) {
   auto* p = static_cast<std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
-    check_mpi(MPI_Recv(p + offset, static_cast<int>(n), MPI_BYTE, source, tag, comm.mpi_comm(),
-                       MPI_STATUS_IGNORE),
+    if (check_pending()) {
+      MPI_Request request = irecv_bytes(p + offset, n, source, tag, comm, call);
+      return wait(request, call);
+    }
+    check_mpi(MPI_Recv(p + offset, static_cast<int>(n), MPI_BYTE, source, call_tag(tag),
+                       comm.mpi_comm(), MPI_STATUS_IGNORE),
               what(call, "MPI_Recv"), comm.rank());
   });
 }

@@ -1,7 +1,11 @@
 #include "core/communicator.h"
 
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 
@@ -56,9 +60,43 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
   check_mpi(MPI_Comm_rank(comm_, &rank_), "Communicator: MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm_, &size_), "Communicator: MPI_Comm_size");
+  if (config_.watchdog && config_.timeout_seconds > 0) start_watchdog();
+}
+
+void Communicator::start_watchdog() {
+  // Every rank's endpoint, and rank 0's name for this communicator, so that rank 0 can ask every
+  // rank for its recorder even when that rank is busy outside gradcomm.
+  struct Entry {
+    watchdog::Endpoint endpoint;
+    std::uint64_t id;
+  };
+  static std::uint64_t created = 0;
+  Entry mine{watchdog::local_endpoint(),
+             (static_cast<std::uint64_t>(::getpid()) << 32) ^ (++created << 20) ^
+                 static_cast<std::uint64_t>(
+                     std::chrono::steady_clock::now().time_since_epoch().count())};
+  std::vector<Entry> all(static_cast<std::size_t>(size_));
+  check_mpi(MPI_Allgather(&mine, sizeof(Entry), MPI_BYTE, all.data(), sizeof(Entry), MPI_BYTE,
+                          comm_),
+            "Communicator: MPI_Allgather of the watchdog endpoints", rank_);
+  std::vector<watchdog::Endpoint> peers;
+  for (const Entry& e : all)
+    peers.push_back(e.endpoint);
+  recorder_ = std::make_shared<watchdog::Recorder>(rank_, size_, config_.timeout_seconds,
+                                                   all[0].id, std::move(peers));
+  watchdog::watch(recorder_);
+}
+
+void Communicator::renew_after_mismatch() {
+  MPI_Comm fresh = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(comm_, &fresh), "Communicator: MPI_Comm_dup after a mismatch", rank_);
+  check_mpi(MPI_Comm_set_errhandler(fresh, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
+  MPI_Comm_free(&comm_);  // freed by MPI once the abandoned requests are gone
+  comm_ = fresh;
 }
 
 Communicator::~Communicator() {
+  recorder_.reset();
   attachments_.clear();  // they may hold MPI objects derived from comm_
   if (comm_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&comm_);
 }

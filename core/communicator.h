@@ -13,6 +13,7 @@
 #include "core/aligned_buffer.h"
 #include "core/config.h"
 #include "core/shared_memory.h"
+#include "core/watchdog.h"
 
 namespace gradcomm {
 
@@ -81,11 +82,28 @@ class Communicator {
     return result;
   }
 
+  // Removes the attachment of type T, if any (its destructor runs now).
+  template <class T>
+  void detach() {
+    attachments_.erase(std::type_index(typeid(T)));
+  }
+
+  // After ranks were found to disagree on a call (collective: every rank learns of it together):
+  // replaces the MPI communicator by a fresh duplicate, so messages of the abandoned call that
+  // are still posted can never match a later call's.
+  void renew_after_mismatch();
+
+  // The flight recorder the stall watchdog reads (null for gradcomm's own sub-communicators and
+  // when GRADCOMM_TIMEOUT is 0).
+  watchdog::Recorder* recorder() const { return recorder_.get(); }
+
   bool log_enabled(LogLevel level) const { return level <= config_.log_level; }
   // Writes "[gradcomm rank R] level: message" to stderr when `level` is enabled.
   void log(LogLevel level, std::string_view message) const;
 
  private:
+  void start_watchdog();
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
@@ -93,6 +111,7 @@ class Communicator {
   std::uint64_t sequence_ = 0;
   std::map<int, AlignedBuffer> scratch_;
   std::map<std::type_index, std::unique_ptr<Attachment>> attachments_;
+  std::shared_ptr<watchdog::Recorder> recorder_;
 };
 
 }  // namespace gradcomm

@@ -40,6 +40,18 @@ std::string_view to_string(LogLevel level) {
   return index < std::size(kLogLevels) ? kLogLevels[index] : "invalid";
 }
 
+std::string_view to_string(CheckMode mode) {
+  switch (mode) {
+    case CheckMode::off:
+      return "off";
+    case CheckMode::normal:
+      return "default";
+    case CheckMode::full:
+      return "full";
+  }
+  return "invalid";
+}
+
 Config Config::from_environment() {
   Config config;
   auto get = [](const char* name) -> const char* { return std::getenv(name); };
@@ -103,6 +115,18 @@ Config Config::from_environment() {
   if (const char* v = get("GRADCOMM_TIMEOUT")) {
     config.timeout_seconds = static_cast<int>(parse_integer("GRADCOMM_TIMEOUT", v, 0, 1 << 30));
   }
+  if (const char* v = get("GRADCOMM_CHECK")) {
+    const std::string value = v;
+    if (value == "off") {
+      config.check = CheckMode::off;
+    } else if (value == "default") {
+      config.check = CheckMode::normal;
+    } else if (value == "full") {
+      config.check = CheckMode::full;
+    } else {
+      bad_variable("GRADCOMM_CHECK", v, "one of off, default, full");
+    }
+  }
   if (const char* v = get("GRADCOMM_DEVICE")) {
     config.device = static_cast<int>(parse_integer("GRADCOMM_DEVICE", v, 0, 1 << 16));
   }
@@ -140,6 +164,7 @@ void Config::validate() const {
   if (gpu_inter_node != "nccl" && gpu_inter_node != "mpi") {
     bad("gpu_inter_node '" + gpu_inter_node + "' is not nccl or mpi");
   }
+  if (to_string(check) == "invalid") bad("check " + std::to_string(static_cast<int>(check)) + " is invalid");
   if (to_string(log_level) == "invalid") {
     bad("log_level " + std::to_string(static_cast<int>(log_level)) + " is invalid");
   }

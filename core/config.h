@@ -7,6 +7,9 @@ namespace gradcomm {
 
 enum class LogLevel : int { error = 0, warn = 1, info = 2, debug = 3, trace = 4 };
 
+// How much the ranks compare their calls (GRADCOMM_CHECK).
+enum class CheckMode : int { off = 0, normal = 1, full = 2 };
+
 // Every knob of the library. Read from the environment once (from_environment), then passed
 // explicitly: nothing else in gradcomm reads environment variables.
 struct Config {
@@ -40,9 +43,18 @@ struct Config {
   std::string topology_preset;
   // GRADCOMM_BIND: "none", "core" (each rank to its share of the node's cores) or "numa".
   std::string bind = "none";
-  // GRADCOMM_TIMEOUT: seconds a GPU collective may wait for its stream before the NCCL
-  // communicator is aborted and the call fails (0 waits forever).
+  // GRADCOMM_TIMEOUT: seconds a collective may run. Past it, the stall watchdog prints one
+  // report of every rank's recent calls on rank 0 and aborts the job; a GPU collective aborts its
+  // NCCL communicator and fails first. 0 disables both (waits forever).
   int timeout_seconds = 300;
+  // GRADCOMM_CHECK: "default" (normal) compares every call's fingerprint (sequence number, kind,
+  // count, dtype, op, algorithm, root) across ranks while the call runs; "full" compares before
+  // the call starts and, after an all-reduce, a hash of every rank's output; "off" compares
+  // nothing. A mismatch throws MismatchError on every rank.
+  CheckMode check = CheckMode::normal;
+  // Not a variable: false for the sub-communicators gradcomm builds for itself, which have no
+  // flight recorder and no watchdog of their own (their calls are part of a user's call).
+  bool watchdog = true;
   // GRADCOMM_DEVICE: the CUDA device of this rank (-1: local rank modulo the devices it sees).
   int device = -1;
   // GRADCOMM_GPU_INTER_NODE: how the GPU hierarchical all-reduce crosses nodes: "nccl" (an NCCL
@@ -54,6 +66,13 @@ struct Config {
   // the variable, its value and the valid values. Unset variables keep the defaults.
   static Config from_environment();
 
+  // This config for a sub-communicator gradcomm builds for itself (no watchdog of its own).
+  Config for_sub_communicator() const {
+    Config sub = *this;
+    sub.watchdog = false;
+    return sub;
+  }
+
   // Throws InvalidArgument naming the field when a value is out of range (segment_bytes
   // 16 B - 1 GiB, pipeline_depth 1 - 64, a known log level, a non-empty algorithm name).
   // Communicator checks every Config it is given.
@@ -61,5 +80,6 @@ struct Config {
 };
 
 std::string_view to_string(LogLevel level);
+std::string_view to_string(CheckMode mode);
 
 }  // namespace gradcomm

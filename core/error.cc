@@ -14,6 +14,8 @@ std::string_view error_code_name(ErrorCode code) {
       return "communication error";
     case ErrorCode::internal:
       return "internal error";
+    case ErrorCode::mismatch:
+      return "collective mismatch";
   }
   return "unknown error";
 }

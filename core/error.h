@@ -12,6 +12,7 @@ enum class ErrorCode : int {
   unsupported = 2,       // valid input an algorithm or build cannot handle
   comm_error = 3,        // MPI (or another transport) reported a failure
   internal = 4,          // a bug in gradcomm
+  mismatch = 5,          // the ranks disagree on a collective call (order, count, dtype, ...)
 };
 
 std::string_view error_code_name(ErrorCode code);
@@ -41,6 +42,13 @@ class Unsupported : public Error {
 class CommError : public Error {
  public:
   explicit CommError(const std::string& message) : Error(ErrorCode::comm_error, message) {}
+};
+
+// Thrown on every rank when the consistency check finds that ranks made different calls. The
+// communicator stays usable: the abandoned call's messages can never match a later call.
+class MismatchError : public Error {
+ public:
+  explicit MismatchError(const std::string& message) : Error(ErrorCode::mismatch, message) {}
 };
 
 // Builds the message every gradcomm error carries: "<call>: rank <rank>: <detail>".

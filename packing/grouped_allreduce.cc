@@ -7,6 +7,7 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_shm.h"
+#include "collectives/consistency.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 #include "core/reduce_kernels.h"
@@ -143,7 +144,7 @@ FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tenso
         "ranks passed the same tensors but different fusion options (threshold, order or "
         "compression)";
   }
-  throw InvalidArgument(error_message("grouped_allreduce", comm.rank(), detail));
+  throw MismatchError(error_message("grouped_allreduce", comm.rank(), detail));
 }
 
 }  // namespace
@@ -162,7 +163,15 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
         error_message("grouped_allreduce", comm.rank(),
                       "invalid reduce op " + std::to_string(static_cast<int>(op))));
   }
-  if (tensors.empty()) return;
+  if (tensors.empty()) {  // still one call, compared like any other
+    watchdog::CallInfo info;
+    info.sequence = comm.next_sequence();
+    info.kind = watchdog::CallKind::grouped_allreduce;
+    info.op = static_cast<int>(op);
+    collectives::CallScope scope(comm, info, "grouped_allreduce");
+    scope.check_now();
+    return scope.finish();
+  }
   if (gpu::Runtime* runtime = gpu::active_runtime()) {
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       if (tensors[i].count == 0) continue;
@@ -190,12 +199,25 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
   }
   const FusionPlan& plan = it->second;
 
-  // Every rank must hold the same plan: compare min and max of the hash in one all-reduce.
-  unsigned long long local[2] = {plan.hash, ~plan.hash};
-  unsigned long long global[2] = {0, 0};
-  check_mpi(MPI_Allreduce(local, global, 2, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm.mpi_comm()),
-            "grouped_allreduce: MPI_Allreduce", comm.rank());
-  if (global[0] != ~global[1]) report_mismatch(comm, tensors);
+  // Every rank must hold the same plan: its hash is part of the call's fingerprint, compared
+  // before anything is reduced (whatever GRADCOMM_CHECK says: the buckets depend on it).
+  watchdog::CallInfo info;
+  info.sequence = comm.next_sequence();
+  info.kind = watchdog::CallKind::grouped_allreduce;
+  info.op = static_cast<int>(op);
+  info.detail = plan.hash;
+  for (const TensorDesc& t : tensors)
+    info.count += t.count;
+  collectives::CallScope scope(comm, info, "grouped_allreduce");
+  scope.on_detail_mismatch([&] { report_mismatch(comm, tensors); });
+  if (comm.config().check == CheckMode::off && comm.size() > 1) {
+    unsigned long long local[2] = {plan.hash, ~plan.hash};
+    unsigned long long global[2] = {0, 0};
+    check_mpi(MPI_Allreduce(local, global, 2, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm.mpi_comm()),
+              "grouped_allreduce: MPI_Allreduce", comm.rank());
+    if (global[0] != ~global[1]) report_mismatch(comm, tensors);
+  }
+  scope.check_now();
 
   // One fused buffer for the largest bucket, sized before the first (collective) call.
   std::size_t fused_bytes = 0;
@@ -229,6 +251,7 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
       offset += t.count;
     }
   }
+  scope.finish();
 }
 
 }  // namespace gradcomm

@@ -157,17 +157,17 @@ TEST_F(Grouped, MismatchedTensorListsAreReportedOnEveryRank) {
                                            {buf.data() + 200, 100, DataType::float32},
                                            {buf.data() + 300, odd, DataType::float32}};
   EXPECT_THAT([&] { grouped_allreduce(world(), tensors, ReduceOp::sum); },
-              ::testing::ThrowsMessage<InvalidArgument>(
+              ::testing::ThrowsMessage<MismatchError>(
                   HasSubstr("tensor 3 is 100 x float32 on rank 0 but 99 x float32 on rank 1")));
   // A missing tensor, and different thresholds with equal tensors.
   const std::span<const TensorDesc> fewer(tensors.data(), world().rank() == 1 ? 3 : 4);
   EXPECT_THAT([&] { grouped_allreduce(world(), fewer, ReduceOp::sum); },
-              ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("no tensor on rank 1")));
+              ::testing::ThrowsMessage<MismatchError>(HasSubstr("no tensor on rank 1")));
   const std::span<const TensorDesc> same(tensors.data(), 3);
   const std::size_t threshold = world().rank() == 1 ? 4096 : 8192;
   EXPECT_THAT(
       [&] { grouped_allreduce(world(), same, ReduceOp::sum, {.fusion_threshold = threshold}); },
-      ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("different fusion options")));
+      ::testing::ThrowsMessage<MismatchError>(HasSubstr("different fusion options")));
   // Still usable afterwards.
   grouped_allreduce(world(), same, ReduceOp::sum);
   EXPECT_EQ(buf[0], static_cast<float>(world().size()));

@@ -27,7 +27,8 @@ typedef enum gradcomm_status {
   GRADCOMM_ERROR_INVALID_ARGUMENT = 1, /* bad input, caught before any communication */
   GRADCOMM_ERROR_UNSUPPORTED = 2,      /* valid input this algorithm or build cannot handle */
   GRADCOMM_ERROR_COMM = 3,             /* MPI reported a failure */
-  GRADCOMM_ERROR_INTERNAL = 4          /* a bug in gradcomm, or an out-of-memory */
+  GRADCOMM_ERROR_INTERNAL = 4,         /* a bug in gradcomm, or an out-of-memory */
+  GRADCOMM_ERROR_MISMATCH = 5          /* the ranks disagree on a call (GRADCOMM_CHECK) */
 } gradcomm_status;
 
 typedef enum gradcomm_dtype {

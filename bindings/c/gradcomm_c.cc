@@ -43,7 +43,8 @@ static_assert(GRADCOMM_ERROR_INVALID_ARGUMENT ==
                   static_cast<int>(gradcomm::ErrorCode::invalid_argument) &&
               GRADCOMM_ERROR_UNSUPPORTED == static_cast<int>(gradcomm::ErrorCode::unsupported) &&
               GRADCOMM_ERROR_COMM == static_cast<int>(gradcomm::ErrorCode::comm_error) &&
-              GRADCOMM_ERROR_INTERNAL == static_cast<int>(gradcomm::ErrorCode::internal));
+              GRADCOMM_ERROR_INTERNAL == static_cast<int>(gradcomm::ErrorCode::internal) &&
+              GRADCOMM_ERROR_MISMATCH == static_cast<int>(gradcomm::ErrorCode::mismatch));
 
 thread_local std::string t_last_error;
 
@@ -283,6 +284,8 @@ const char* gradcomm_error_string(gradcomm_status status) {
       return "communication error";
     case GRADCOMM_ERROR_INTERNAL:
       return "internal error";
+    case GRADCOMM_ERROR_MISMATCH:
+      return "collective mismatch";
   }
   return "unknown status";
 }

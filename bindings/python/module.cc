@@ -1,7 +1,7 @@
 // _gradcomm: the compiled half of the Python module `gradcomm` (the package in gradcomm/ wraps
 // it). Arrays travel through the buffer protocol without copies; torch tensors as raw pointers
 // from gradcomm.torch. The GIL is released while gradcomm communicates. C++ errors become
-// gradcomm.Error (subclasses InvalidArgument, Unsupported, CommError) with the same message.
+// gradcomm.Error (subclasses InvalidArgument, Unsupported, CommError, MismatchError) with the same message.
 
 #include <mpi.h>
 #include <pybind11/numpy.h>
@@ -299,6 +299,7 @@ PYBIND11_MODULE(_gradcomm, m) {
   static py::exception<InvalidArgument> invalid_argument(m, "InvalidArgument", error.ptr());
   static py::exception<Unsupported> unsupported(m, "Unsupported", error.ptr());
   static py::exception<CommError> comm_error(m, "CommError", error.ptr());
+  static py::exception<MismatchError> mismatch_error(m, "MismatchError", error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -308,6 +309,8 @@ PYBIND11_MODULE(_gradcomm, m) {
       unsupported(e.what());
     } catch (const CommError& e) {
       comm_error(e.what());
+    } catch (const MismatchError& e) {
+      mismatch_error(e.what());
     } catch (const Error& e) {
       error(e.what());
     }

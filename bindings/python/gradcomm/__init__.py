@@ -12,7 +12,7 @@ In the style of Horovod::
 Arrays are NumPy (or anything with the buffer protocol), C-contiguous, of dtype float32,
 float64, float16, int32 or int64; they are used without copies and the GIL is released while
 gradcomm communicates. Errors raise gradcomm.Error (subclasses InvalidArgument, Unsupported,
-CommError) naming the call, the rank and the problem.
+CommError, MismatchError) naming the call, the rank and the problem.
 
 MPI comes from mpi4py (imported here; it initializes MPI), so gradcomm and mpi4py share it:
 ``gradcomm.Communicator(MPI.COMM_WORLD.Split(...))`` wraps any mpi4py communicator.
@@ -24,6 +24,7 @@ from mpi4py import MPI as _MPI  # initializes MPI (and loads libmpi with RTLD_GL
 
 from ._gradcomm import (  # noqa: F401
     CommError,
+    MismatchError,
     Communicator,
     Error,
     GradientPacker,
@@ -35,7 +36,7 @@ from ._gradcomm import (  # noqa: F401
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "grouped_allreduce", "broadcast", "world", "Communicator", "GradientPacker",
-    "Error", "InvalidArgument", "Unsupported", "CommError", "algorithm_names",
+    "Error", "InvalidArgument", "Unsupported", "CommError", "MismatchError", "algorithm_names",
 ]
 
 _world = None

@@ -1,0 +1,330 @@
+#include "collectives/consistency.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "collectives/registry.h"
+#include "core/error.h"
+
+namespace gradcomm::collectives {
+namespace {
+
+using watchdog::CallInfo;
+
+// The compared fields, each >= 0 (so that min(-x) gives the maximum in the same reduction).
+constexpr int kFields = 9;
+using Fields = std::array<std::int64_t, kFields>;
+constexpr const char* kFieldNames[kFields] = {
+    "sequence number", "kind of call", "count", "dtype", "op", "root", "algorithm",
+    "tensor list or counts", "buffer location (GPU or host)"};
+constexpr std::uint64_t kMask62 = (std::uint64_t{1} << 62) - 1;
+
+Fields to_fields(const CallInfo& c) {
+  return {static_cast<std::int64_t>(c.sequence & kMask62),
+          static_cast<std::int64_t>(c.kind),
+          static_cast<std::int64_t>(c.count & kMask62),
+          c.dtype + 1,
+          c.op + 1,
+          c.root + 1,
+          c.algorithm + 1,
+          static_cast<std::int64_t>(c.detail & kMask62),
+          c.device ? 1 : 0};
+}
+
+const std::vector<std::string>& names() {
+  static const std::vector<std::string> all = algorithm_names();
+  return all;
+}
+
+CallInfo from_fields(const Fields& f) {
+  CallInfo c;
+  c.sequence = static_cast<std::uint64_t>(f[0]);
+  c.kind = static_cast<watchdog::CallKind>(f[1]);
+  c.count = static_cast<std::uint64_t>(f[2]);
+  c.dtype = static_cast<int>(f[3] - 1);
+  c.op = static_cast<int>(f[4] - 1);
+  c.root = static_cast<int>(f[5] - 1);
+  c.algorithm = static_cast<int>(f[6] - 1);
+  if (c.algorithm >= 0 && static_cast<std::size_t>(c.algorithm) < names().size()) {
+    c.algorithm_name = names()[static_cast<std::size_t>(c.algorithm)].c_str();
+  }
+  c.detail = static_cast<std::uint64_t>(f[7]);
+  c.device = f[8] != 0;
+  return c;
+}
+
+std::uint64_t mix(std::uint64_t h, std::uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h ^= h >> 31;
+  h *= 0xbf58476d1ce4e5b9ULL;
+  return h ^ (h >> 29);
+}
+
+// Tags are base + 256 * salt with salt in [1, salt_range()] (MPI guarantees tags up to 32767).
+int salt_range() {
+  static const int range = [] {
+    int* ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
+    const int tag_ub = flag && ub ? *ub : 32767;
+    return tag_ub / 256 - 2;
+  }();
+  return range;
+}
+
+// A 64-bit hash of a buffer's bytes, for full mode's output comparison.
+std::uint64_t hash_bytes(const void* data, std::size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint64_t a = 0x243f6a8885a308d3ULL, b = 0x13198a2e03707344ULL;
+  std::size_t i = 0;
+  for (; i + 16 <= bytes; i += 16) {
+    std::uint64_t x, y;
+    std::memcpy(&x, p + i, 8);
+    std::memcpy(&y, p + i + 8, 8);
+    a = (a ^ x) * 0x9e3779b97f4a7c15ULL;
+    b = (b ^ y) * 0xc2b2ae3d27d4eb4fULL;
+    a = (a << 31) | (a >> 33);
+    b = (b << 29) | (b >> 35);
+  }
+  std::uint64_t tail = 0;
+  std::memcpy(&tail, p + i, bytes - i);
+  return mix(mix(a, b), tail ^ bytes);
+}
+
+// The comparison state of one communicator.
+class CheckState : public Attachment {
+ public:
+  explicit CheckState(Communicator&) {}
+  std::array<std::int64_t, 2 * kFields> send{}, recv{};
+  MPI_Request request = MPI_REQUEST_NULL;
+  Fields mine{};
+  std::set<std::string, std::less<>> used;  // algorithms compared before their first use
+};
+
+struct Current {
+  Communicator* comm = nullptr;
+  CallScope* scope = nullptr;
+  const CallInfo* info = nullptr;
+  std::string_view call;
+  int salt = 0;
+};
+thread_local Current t_current;
+
+void post(CheckState& state, const Fields& mine, Communicator& comm, std::string_view call) {
+  state.mine = mine;
+  for (int i = 0; i < kFields; ++i) {
+    state.send[static_cast<std::size_t>(i)] = mine[static_cast<std::size_t>(i)];
+    state.send[static_cast<std::size_t>(kFields + i)] = -mine[static_cast<std::size_t>(i)];
+  }
+  check_mpi(MPI_Iallreduce(state.send.data(), state.recv.data(), 2 * kFields, MPI_INT64_T, MPI_MIN,
+                           comm.mpi_comm(), &state.request),
+            std::string(call) + ": MPI_Iallreduce of the call fingerprint", comm.rank());
+}
+
+// The comparison has completed: throws MismatchError on every rank when the fields differ.
+void verify(CheckState& state, Communicator& comm, std::string_view call) {
+  bool agree = true;
+  for (int i = 0; i < kFields; ++i) {
+    agree = agree && state.recv[static_cast<std::size_t>(i)] ==
+                         -state.recv[static_cast<std::size_t>(kFields + i)];
+  }
+  if (agree) return;
+  // Every rank found the same minima and maxima, so every rank is here: gather the details.
+  std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()) * kFields);
+  check_mpi(MPI_Allgather(state.mine.data(), kFields, MPI_INT64_T, all.data(), kFields,
+                          MPI_INT64_T, comm.mpi_comm()),
+            std::string(call) + ": MPI_Allgather of the call fingerprints", comm.rank());
+  std::vector<CallInfo> calls;
+  for (int r = 0; r < comm.size(); ++r) {
+    Fields f;
+    std::memcpy(f.data(), all.data() + static_cast<std::size_t>(r) * kFields, sizeof f);
+    calls.push_back(from_fields(f));
+  }
+  comm.renew_after_mismatch();
+  const bool same_kind = std::all_of(calls.begin(), calls.end(), [&](const CallInfo& c) {
+    return c.kind == calls[0].kind && c.sequence == calls[0].sequence;
+  });
+  if (same_kind && t_current.scope && t_current.scope->detail_reporter()) {
+    t_current.scope->detail_reporter()();
+  }
+  throw MismatchError(error_message(call, comm.rank(), describe_mismatch(calls)));
+}
+
+void complete(CheckState& state, Communicator& comm, std::string_view call) {
+  if (state.request == MPI_REQUEST_NULL) return;
+  check_mpi(MPI_Wait(&state.request, MPI_STATUS_IGNORE),
+            std::string(call) + ": MPI_Wait for the call fingerprint", comm.rank());
+  verify(state, comm, call);
+}
+
+// Full mode: every rank's output must hash the same.
+void compare_outputs(const void* output, std::size_t bytes, Communicator& comm,
+                     std::string_view call, std::uint64_t sequence) {
+  const auto h = static_cast<std::int64_t>(hash_bytes(output, bytes) & kMask62);
+  std::int64_t range[2] = {h, -h};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT64_T, MPI_MIN, comm.mpi_comm()),
+            std::string(call) + ": MPI_Allreduce of the output hash", comm.rank());
+  if (range[0] == -range[1]) return;
+  std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()));
+  check_mpi(MPI_Allgather(&h, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, comm.mpi_comm()),
+            std::string(call) + ": MPI_Allgather of the output hashes", comm.rank());
+  std::map<std::int64_t, std::vector<int>> by_hash;
+  for (int r = 0; r < comm.size(); ++r)
+    by_hash[all[static_cast<std::size_t>(r)]].push_back(r);
+  std::string detail = "the ranks' outputs of call #" + std::to_string(sequence) +
+                       " differ (GRADCOMM_CHECK=full compares them):";
+  for (const auto& [value, ranks] : by_hash) {
+    char text[24];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(value));
+    detail.append(" ranks");
+    for (int r : ranks) {
+      detail.push_back(' ');
+      detail.append(std::to_string(r));
+    }
+    detail += std::string(" hash ") + text + ";";
+  }
+  detail.pop_back();
+  throw MismatchError(error_message(call, comm.rank(), detail));
+}
+
+}  // namespace
+
+std::string describe_mismatch(const std::vector<CallInfo>& calls) {
+  // Group the ranks by what they called, the largest group first.
+  std::vector<std::pair<Fields, std::vector<int>>> groups;
+  for (std::size_t r = 0; r < calls.size(); ++r) {
+    const Fields f = to_fields(calls[r]);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == f; });
+    if (it == groups.end()) {
+      groups.push_back({f, {}});
+      it = groups.end() - 1;
+    }
+    it->second.push_back(static_cast<int>(r));
+  }
+  std::stable_sort(groups.begin(), groups.end(),
+                   [](const auto& a, const auto& b) { return a.second.size() > b.second.size(); });
+  std::string differing;
+  for (int i = 0; i < kFields; ++i) {
+    for (const auto& g : groups) {
+      if (g.first[static_cast<std::size_t>(i)] != groups[0].first[static_cast<std::size_t>(i)]) {
+        if (!differing.empty()) differing.append(", ");
+        differing.append(kFieldNames[i]);
+        break;
+      }
+    }
+  }
+  std::string text = "ranks disagree on the collective call (" + differing + " differ):";
+  for (const auto& [fields, ranks] : groups) {
+    text += ranks.size() == 1 ? " rank" : " ranks";
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      text.push_back(i ? ',' : ' ');
+      text.append(std::to_string(ranks[i]));
+    }
+    text += " called " + watchdog::describe(from_fields(fields)) + ";";
+  }
+  text.pop_back();
+  return text;
+}
+
+CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view call)
+    : comm_(comm), info_(info), call_(call) {
+  if (t_current.scope != nullptr) return;  // part of an outer call
+  outermost_ = true;
+  std::uint64_t h = 0;
+  for (std::int64_t f : to_fields(info_))
+    h = mix(h, static_cast<std::uint64_t>(f));
+  t_current = {&comm, this, &info_, call_, 1 + static_cast<int>(h % salt_range())};
+  if (watchdog::Recorder* recorder = comm.recorder()) recorder->begin(info_);
+  if (comm.config().check == CheckMode::full && comm.size() > 1) check_now();
+}
+
+CallScope::~CallScope() {
+  if (!outermost_) return;
+  CheckState& state = comm_.attachment<CheckState>();
+  if (state.request != MPI_REQUEST_NULL) {
+    // Unwinding from another error: complete the comparison every rank posted, so that the
+    // communicator's collectives stay in step (and its buffers outlive it).
+    MPI_Wait(&state.request, MPI_STATUS_IGNORE);
+  }
+  if (watchdog::Recorder* recorder = comm_.recorder()) recorder->end(finished_);
+  t_current = {};
+}
+
+void CallScope::check_now() {
+  if (!outermost_) return require_check();
+  if (comm_.config().check == CheckMode::off || comm_.size() == 1) return;
+  CheckState& state = comm_.attachment<CheckState>();
+  if (!compared_) {
+    post(state, to_fields(info_), comm_, call_);
+    compared_ = true;
+  }
+  complete(state, comm_, call_);
+}
+
+void CallScope::before_first_use(std::string_view what) {
+  if (!outermost_ || comm_.size() == 1 || comm_.config().check == CheckMode::off) return;
+  CheckState& state = comm_.attachment<CheckState>();
+  if (state.used.find(what) != state.used.end()) return;
+  check_now();
+  state.used.emplace(what);
+}
+
+void CallScope::start(std::string_view algorithm) {
+  if (!outermost_ || comm_.size() == 1 || comm_.config().check == CheckMode::off) return;
+  before_first_use(algorithm);
+  if (compared_ || algorithm == "shm") return;  // shm compares in its shared call descriptors
+  if (algorithm == "ring" || algorithm == "halving_doubling" || algorithm == "flat") {
+    post(comm_.attachment<CheckState>(), to_fields(info_), comm_, call_);
+    compared_ = true;  // polled by the waits, completed in finish()
+    return;
+  }
+  check_now();
+}
+
+void CallScope::finish(const void* output, std::size_t bytes) {
+  if (!outermost_) return;
+  CheckState& state = comm_.attachment<CheckState>();
+  complete(state, comm_, call_);
+  if (comm_.config().check == CheckMode::full && output != nullptr && comm_.size() > 1) {
+    compare_outputs(output, bytes, comm_, call_, info_.sequence);
+  }
+  finished_ = true;
+}
+
+bool check_pending() {
+  return t_current.comm != nullptr &&
+         t_current.comm->attachment<CheckState>().request != MPI_REQUEST_NULL;
+}
+
+void poll_check() {
+  if (t_current.comm == nullptr) return;
+  Communicator& comm = *t_current.comm;
+  CheckState& state = comm.attachment<CheckState>();
+  if (state.request == MPI_REQUEST_NULL) return;
+  int done = 0;
+  check_mpi(MPI_Test(&state.request, &done, MPI_STATUS_IGNORE),
+            std::string(t_current.call) + ": MPI_Test of the call fingerprint", comm.rank());
+  if (done) verify(state, comm, t_current.call);
+}
+
+void require_check() {
+  if (t_current.scope != nullptr) t_current.scope->check_now();
+}
+
+int call_tag(int base) {
+  return t_current.salt == 0 ? base : base + 256 * t_current.salt;
+}
+
+const CallInfo* current_call() {
+  return t_current.info;
+}
+
+}  // namespace gradcomm::collectives

@@ -1,0 +1,103 @@
+#pragma once
+
+// Stall watchdog. Every communicator built by a user (not the sub-communicators gradcomm makes
+// for itself) keeps a flight recorder of its last collectives. A per-process thread wakes twice a
+// second; when a collective has been running longer than GRADCOMM_TIMEOUT, the communicator's
+// rank 0 gathers every rank's recorder over a side channel (one TCP listener per process, served
+// by the same thread, so a rank busy outside gradcomm still answers), prints one merged report
+// that names the ranks that never arrived, and aborts the job with MPI_Abort. A rank other than
+// 0 that times out asks rank 0 to do this, and does it itself when rank 0 does not. The abort is
+// bounded: a process still alive 10 s after MPI_Abort exits with _exit.
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace gradcomm::watchdog {
+
+enum class CallKind : std::uint8_t {
+  allreduce = 1,
+  broadcast = 2,
+  allgatherv = 3,
+  grouped_allreduce = 4,
+};
+std::string_view to_string(CallKind kind);
+
+// What a collective call is, as every rank should agree on it (the consistency check compares
+// these across ranks; the recorder keeps them for the report).
+struct CallInfo {
+  std::uint64_t sequence = 0;
+  CallKind kind = CallKind::allreduce;
+  std::uint64_t count = 0;   // elements (grouped: all tensors; allgatherv: all ranks)
+  int dtype = -1;            // DataType, -1 when mixed or not applicable
+  int op = -1;               // ReduceOp, -1 when not applicable
+  int root = -1;             // broadcast only
+  int algorithm = -1;        // index into collectives::algorithm_names(), -1 when none
+  const char* algorithm_name = nullptr;  // the same name, in static storage
+  std::uint64_t detail = 0;  // hash of the tensor list (grouped) or of the counts (allgatherv)
+  bool device = false;       // GPU buffers: the NCCL path bounds its own waits first
+};
+
+// "allreduce #41: 1000 x float32 sum, algorithm ring".
+std::string describe(const CallInfo& call);
+
+// How to reach one rank's watchdog thread.
+struct Endpoint {
+  std::array<std::uint32_t, 4> ipv4{};  // network byte order, 0 = none
+  std::uint16_t port = 0;               // 0: no listener (the rank cannot be asked)
+  std::int32_t pid = 0;
+  std::array<char, 64> host{};
+};
+
+// The flight recorder of one communicator: its last kDepth calls and, while one runs, when it
+// started. begin/end are called by the thread making the calls; the watchdog thread reads.
+class Recorder {
+ public:
+  static constexpr int kDepth = 8;
+
+  Recorder(int rank, int size, int timeout_seconds, std::uint64_t id, std::vector<Endpoint> peers);
+
+  void begin(const CallInfo& call);
+  void end(bool ok);
+
+  // This rank's lines for the merged report (newest call first).
+  std::string dump() const;
+  // The running call when it has run past the timeout (device calls get 5 s more: the NCCL path
+  // aborts its communicator first).
+  bool overdue(CallInfo* call, double* seconds) const;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int timeout_seconds() const { return timeout_; }
+  std::uint64_t id() const { return id_; }
+  const std::vector<Endpoint>& peers() const { return peers_; }
+
+ private:
+  enum class State : std::uint8_t { running, completed, failed };
+  struct Entry {
+    CallInfo call;
+    State state = State::completed;
+    double started = 0, finished = 0;  // steady-clock seconds
+  };
+
+  const int rank_, size_, timeout_;
+  const std::uint64_t id_;
+  const std::vector<Endpoint> peers_;
+  mutable std::mutex mutex_;
+  std::array<Entry, kDepth> entries_{};
+  std::uint64_t calls_ = 0;  // entries written so far
+  bool running_ = false;
+};
+
+// This process's endpoint (starts the watchdog thread and its listener on first use). When no
+// listener can be opened the port is 0 and the report says so for this rank.
+Endpoint local_endpoint();
+
+// Registers a recorder with the watchdog thread (which keeps it until the returned handle and
+// every other owner drop it).
+void watch(const std::shared_ptr<Recorder>& recorder);
+
+}  // namespace gradcomm::watchdog
