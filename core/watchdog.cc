@@ -57,8 +57,8 @@ void write_all(int fd, const std::string& text) {
   }
 }
 
-// Reads until EOF, `limit` bytes or `millis` have passed.
-std::string read_all(int fd, int millis, std::size_t limit = 1 << 16) {
+// Reads until EOF, `limit` bytes, a newline when `line`, or `millis` have passed.
+std::string read_all(int fd, int millis, std::size_t limit = 1 << 16, bool line = false) {
   std::string text;
   const double deadline = now_seconds() + millis / 1000.0;
   char buffer[4096];
@@ -70,13 +70,14 @@ std::string read_all(int fd, int millis, std::size_t limit = 1 << 16) {
     const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
     if (n <= 0) break;
     text.append(buffer, static_cast<std::size_t>(n));
+    if (line && text.find('\n') != std::string::npos) break;
   }
   return text;
 }
 
 // Reads one request line (the requests are short).
 std::string read_line(int fd, int millis) {
-  std::string text = read_all(fd, millis, 256);
+  std::string text = read_all(fd, millis, 256, true);
   const std::size_t end = text.find('\n');
   return end == std::string::npos ? text : text.substr(0, end);
 }
@@ -306,8 +307,9 @@ class Service {
         answered[u] = ask(recorder.peers()[u], request, &dumps[u]) && !dumps[u].empty();
       }
     }
-    // Newest call of every rank, from each dump's first line: "state <sequence> <running>".
-    std::map<std::uint64_t, std::vector<int>> running_at;  // sequence -> ranks inside it
+    // Newest call of every rank, from each dump's first line ("state <sequence> <running>") and
+    // its "running" line; ranks inside a call are grouped by what the call is.
+    std::map<std::string, std::vector<int>> running_in;  // call description -> ranks inside it
     std::vector<int> silent, idle;
     std::map<int, std::string> idle_newest;
     std::uint64_t highest = 0;
@@ -322,9 +324,13 @@ class Service {
       int running = 0;
       first >> word >> sequence >> running;
       if (running) {
-        const std::uint64_t s = std::stoull(sequence);
-        running_at[s].push_back(j);
-        highest = std::max(highest, s);
+        highest = std::max<std::uint64_t>(highest, std::stoull(sequence));
+        const std::string marker = "running   ";
+        const std::size_t at = dumps[u].find(marker);
+        std::string call = at == std::string::npos ? "call #" + sequence
+                                                   : dumps[u].substr(at + marker.size());
+        call = call.substr(0, call.find(" (for "));
+        running_in[call].push_back(j);
       } else {
         idle.push_back(j);
         idle_newest[j] = sequence;
@@ -345,19 +351,22 @@ class Service {
       report += body == std::string::npos ? "" : dumps[u].substr(body + 1);
     }
     std::string verdict;
-    for (const auto& [sequence, ranks] : running_at) {
-      verdict += "  ranks " + rank_list(ranks) + " wait inside call #" + std::to_string(sequence) +
-                 "\n";
+    for (const auto& [call, ranks] : running_in) {
+      verdict.append(ranks.size() == 1 ? "  rank " : "  ranks ");
+      verdict.append(rank_list(ranks));
+      verdict.append(ranks.size() == 1 ? " waits inside " : " wait inside ");
+      verdict.append(call);
+      verdict.push_back('\n');
     }
     for (int j : idle) {
       verdict += "  rank " + std::to_string(j) + " is not in any collective (newest call: #" +
                  idle_newest[j] + ")" +
-                 (running_at.empty() ? "" : " - it never arrived at call #" +
+                 (running_in.empty() ? "" : " - it never arrived at call #" +
                                                 std::to_string(highest)) +
                  "\n";
     }
     if (!silent.empty()) verdict += "  ranks " + rank_list(silent) + " did not answer\n";
-    if (running_at.size() > 1) {
+    if (running_in.size() > 1) {
       verdict += "  the waiting ranks are in different calls: the ranks disagree on the order of "
                  "collectives\n";
     }
@@ -392,27 +401,28 @@ std::string_view to_string(CallKind kind) {
 }
 
 std::string describe(const CallInfo& call) {
-  std::string text = std::string(to_string(call.kind)) + " #" + std::to_string(call.sequence) +
-                     ": " + std::to_string(call.count);
+  // Built with append: GCC 12's -Wrestrict misfires on chains of operator+ here.
+  std::string text(to_string(call.kind));
+  text.append(" #").append(std::to_string(call.sequence));
+  text.append(": ").append(std::to_string(call.count));
   if (call.kind == CallKind::broadcast) {
-    text += " bytes";
+    text.append(" bytes");
   } else if (call.dtype >= 0) {
-    text += " x " + std::string(to_string(static_cast<DataType>(call.dtype)));
+    text.append(" x ").append(to_string(static_cast<DataType>(call.dtype)));
   } else {
-    text += " elements";
+    text.append(" elements");
   }
-  if (call.op >= 0) text += " " + std::string(to_string(static_cast<ReduceOp>(call.op)));
-  if (call.root >= 0) text += ", root " + std::to_string(call.root);
-  if (call.algorithm_name) text += std::string(", algorithm ") + call.algorithm_name;
+  if (call.op >= 0) text.append(" ").append(to_string(static_cast<ReduceOp>(call.op)));
+  if (call.root >= 0) text.append(", root ").append(std::to_string(call.root));
+  if (call.algorithm_name) text.append(", algorithm ").append(call.algorithm_name);
   if (call.kind == CallKind::grouped_allreduce || call.kind == CallKind::allgatherv) {
     char hash[24];
     std::snprintf(hash, sizeof hash, "%08llx",
                   static_cast<unsigned long long>(call.detail & 0xffffffffu));
-    text += std::string(call.kind == CallKind::grouped_allreduce ? ", tensor list "
-                                                                 : ", counts ") +
-            hash;
+    text.append(call.kind == CallKind::grouped_allreduce ? ", tensor list " : ", counts ");
+    text.append(hash);
   }
-  if (call.device) text += ", GPU buffers";
+  if (call.device) text.append(", GPU buffers");
   return text;
 }
 
