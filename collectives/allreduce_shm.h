@@ -35,6 +35,11 @@ class AllreduceShm : public AllreduceAlgorithm {
 // segment could be created (collective on first use, which creates the segment; cached).
 bool shm_available(Communicator& comm);
 
+// Drops this rank's view of the communicator's segment. Called on every rank together after a
+// mismatch ended a call, possibly half-way through shm's protocol: the next shm call builds a
+// fresh segment, so no rank waits on counters the others abandoned.
+void forget_shm_state(Communicator& comm);
+
 // How many ranks of `comm` share this rank's host (MPI_Comm_split_type; collective on first
 // use, cached on the communicator).
 int ranks_on_this_host(Communicator& comm);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/allreduce_shm.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 
@@ -22,9 +23,15 @@ using watchdog::CallInfo;
 // The compared fields, each >= 0 (so that min(-x) gives the maximum in the same reduction).
 constexpr int kFields = 9;
 using Fields = std::array<std::int64_t, kFields>;
-constexpr const char* kFieldNames[kFields] = {
-    "sequence number", "kind of call", "count", "dtype", "op", "root", "algorithm",
-    "tensor list or counts", "buffer location (GPU or host)"};
+constexpr const char* kFieldNames[kFields] = {"sequence number",
+                                              "kind of call",
+                                              "count",
+                                              "dtype",
+                                              "op",
+                                              "root",
+                                              "algorithm",
+                                              "tensor list or counts",
+                                              "buffer location (GPU or host)"};
 constexpr std::uint64_t kMask62 = (std::uint64_t{1} << 62) - 1;
 
 Fields to_fields(const CallInfo& c) {
@@ -107,6 +114,7 @@ class CheckState : public Attachment {
   MPI_Request request = MPI_REQUEST_NULL;
   Fields mine{};
   std::set<std::string, std::less<>> used;  // algorithms compared before their first use
+  bool forget_shm = false;  // a mismatch ended a call: drop the shm segment (every rank)
 };
 
 struct Current {
@@ -139,8 +147,8 @@ void verify(CheckState& state, Communicator& comm, std::string_view call) {
   if (agree) return;
   // Every rank found the same minima and maxima, so every rank is here: gather the details.
   std::vector<std::int64_t> all(static_cast<std::size_t>(comm.size()) * kFields);
-  check_mpi(MPI_Allgather(state.mine.data(), kFields, MPI_INT64_T, all.data(), kFields,
-                          MPI_INT64_T, comm.mpi_comm()),
+  check_mpi(MPI_Allgather(state.mine.data(), kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T,
+                          comm.mpi_comm()),
             std::string(call) + ": MPI_Allgather of the call fingerprints", comm.rank());
   std::vector<CallInfo> calls;
   for (int r = 0; r < comm.size(); ++r) {
@@ -149,6 +157,7 @@ void verify(CheckState& state, Communicator& comm, std::string_view call) {
     calls.push_back(from_fields(f));
   }
   comm.renew_after_mismatch();
+  state.forget_shm = true;  // done by the outermost scope, once no shm frame is on the stack
   const bool same_kind = std::all_of(calls.begin(), calls.end(), [&](const CallInfo& c) {
     return c.kind == calls[0].kind && c.sequence == calls[0].sequence;
   });
@@ -202,7 +211,8 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
   std::vector<std::pair<Fields, std::vector<int>>> groups;
   for (std::size_t r = 0; r < calls.size(); ++r) {
     const Fields f = to_fields(calls[r]);
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == f; });
+    auto it =
+        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == f; });
     if (it == groups.end()) {
       groups.push_back({f, {}});
       it = groups.end() - 1;
@@ -243,7 +253,8 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
     h = mix(h, static_cast<std::uint64_t>(f));
   t_current = {&comm, this, &info_, call_, 1 + static_cast<int>(h % salt_range())};
   if (watchdog::Recorder* recorder = comm.recorder()) recorder->begin(info_);
-  if (comm.config().check == CheckMode::full && comm.size() > 1) check_now();
+  // Nothing here may throw: a constructor that throws never runs the destructor that resets
+  // t_current. Full mode compares in start() or check_now(), before any communication.
 }
 
 CallScope::~CallScope() {
@@ -253,6 +264,11 @@ CallScope::~CallScope() {
     // Unwinding from another error: complete the comparison every rank posted, so that the
     // communicator's collectives stay in step (and its buffers outlive it).
     MPI_Wait(&state.request, MPI_STATUS_IGNORE);
+  }
+  if (state.forget_shm) {
+    forget_shm_state(comm_);
+    state.forget_shm = false;
+    state.used.clear();  // the next shm call maps a new segment: compare before, as on first use
   }
   if (watchdog::Recorder* recorder = comm_.recorder()) recorder->end(finished_);
   t_current = {};
@@ -280,8 +296,10 @@ void CallScope::before_first_use(std::string_view what) {
 void CallScope::start(std::string_view algorithm) {
   if (!outermost_ || comm_.size() == 1 || comm_.config().check == CheckMode::off) return;
   before_first_use(algorithm);
-  if (compared_ || algorithm == "shm") return;  // shm compares in its shared call descriptors
-  if (algorithm == "ring" || algorithm == "halving_doubling" || algorithm == "flat") {
+  if (comm_.config().check == CheckMode::full) return check_now();
+  if (compared_) return;
+  if (algorithm == "ring" || algorithm == "halving_doubling" || algorithm == "flat" ||
+      algorithm == "shm") {
     post(comm_.attachment<CheckState>(), to_fields(info_), comm_, call_);
     compared_ = true;  // polled by the waits, completed in finish()
     return;

@@ -5,11 +5,12 @@
 // Each top-level call opens a CallScope with its fingerprint (sequence number, kind, count, dtype,
 // op, algorithm, root, a hash of tensor lists or counts). The scope records the call for the stall
 // watchdog and makes sure every rank made the same call:
-// - default: ring, halving_doubling and flat post the comparison (one MPI_Iallreduce of the
-//   fields' minima and maxima) and run at once; their waits poll it, so a mismatch that would
-//   leave them waiting ends in MismatchError on every rank, and their message tags carry a hash
-//   of the fingerprint, so mismatched calls never exchange data. shm compares the fingerprints in
-//   its shared call descriptors. Everything else (mpi, hierarchical, broadcast, allgatherv,
+// - default: ring, halving_doubling, flat and shm post the comparison (one MPI_Iallreduce of
+//   the fields' minima and maxima) and run at once; their waits poll it, so a mismatch that
+//   would leave them waiting ends in MismatchError on every rank. Message tags carry a hash of
+//   the fingerprint, so mismatched calls never exchange data; shm also compares the fingerprints
+//   in its shared call descriptors, and after a mismatch every rank drops its shm segment (the
+//   next call maps a fresh one). Everything else (mpi, hierarchical, broadcast, allgatherv,
 //   grouped_allreduce, calls with count 0, an algorithm's first use on a communicator) compares
 //   before it starts.
 // - full: every call compares before it starts, and an all-reduce then compares a hash of every

@@ -25,14 +25,13 @@
 namespace gradcomm::watchdog {
 namespace {
 
-constexpr int kAbortCode = 70;               // the job's exit status after a watchdog abort
-constexpr double kDeviceGraceSeconds = 5;    // the NCCL path times out first
+constexpr int kAbortCode = 70;                  // the job's exit status after a watchdog abort
+constexpr double kDeviceGraceSeconds = 5;       // the NCCL path times out first
 constexpr double kCoordinatorWaitSeconds = 15;  // a non-zero rank's wait for rank 0's report
 constexpr int kConnectMillis = 2000, kReplyMillis = 3000;
 
 double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::string seconds_text(double s) {
@@ -135,7 +134,8 @@ std::string rank_list(const std::vector<int>& ranks) {
   std::string text;
   for (std::size_t i = 0; i < ranks.size();) {
     std::size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1)
+      ++j;
     if (!text.empty()) text.push_back(',');
     text.append(std::to_string(ranks[i]));
     if (j > i) {
@@ -152,7 +152,8 @@ std::string rank_list(const std::vector<int>& ranks) {
   std::thread([] {  // MPI_Abort is bounded: whatever happens, the process ends
     std::this_thread::sleep_for(std::chrono::seconds(10));
     std::_Exit(kAbortCode);
-  }).detach();
+  })
+      .detach();
   MPI_Abort(MPI_COMM_WORLD, kAbortCode);
   std::this_thread::sleep_for(std::chrono::seconds(20));
   std::_Exit(kAbortCode);
@@ -242,11 +243,10 @@ class Service {
                                     std::to_string(recorder->timeout_seconds()) + " s)");
         }
         if (!recorder->overdue(&call, &seconds)) continue;
-        const std::string what = watchdog::describe(call) +
-                                 " has not completed on rank " +
-                                 std::to_string(recorder->rank()) + " after " +
-                                 seconds_text(seconds) + " (GRADCOMM_TIMEOUT=" +
-                                 std::to_string(recorder->timeout_seconds()) + " s)";
+        const std::string what =
+            watchdog::describe(call) + " has not completed on rank " +
+            std::to_string(recorder->rank()) + " after " + seconds_text(seconds) +
+            " (GRADCOMM_TIMEOUT=" + std::to_string(recorder->timeout_seconds()) + " s)";
         if (recorder->rank() == 0) coordinate(*recorder, what);
         std::fprintf(stderr, "[gradcomm rank %d] watchdog: %s; asking rank 0 for the report\n",
                      recorder->rank(), what.c_str());
@@ -327,8 +327,8 @@ class Service {
         highest = std::max<std::uint64_t>(highest, std::stoull(sequence));
         const std::string marker = "running   ";
         const std::size_t at = dumps[u].find(marker);
-        std::string call = at == std::string::npos ? "call #" + sequence
-                                                   : dumps[u].substr(at + marker.size());
+        std::string call =
+            at == std::string::npos ? "call #" + sequence : dumps[u].substr(at + marker.size());
         call = call.substr(0, call.find(" (for "));
         running_in[call].push_back(j);
       } else {
@@ -359,16 +359,17 @@ class Service {
       verdict.push_back('\n');
     }
     for (int j : idle) {
-      verdict += "  rank " + std::to_string(j) + " is not in any collective (newest call: #" +
-                 idle_newest[j] + ")" +
-                 (running_in.empty() ? "" : " - it never arrived at call #" +
-                                                std::to_string(highest)) +
-                 "\n";
+      verdict +=
+          "  rank " + std::to_string(j) + " is not in any collective (newest call: #" +
+          idle_newest[j] + ")" +
+          (running_in.empty() ? "" : " - it never arrived at call #" + std::to_string(highest)) +
+          "\n";
     }
     if (!silent.empty()) verdict += "  ranks " + rank_list(silent) + " did not answer\n";
     if (running_in.size() > 1) {
-      verdict += "  the waiting ranks are in different calls: the ranks disagree on the order of "
-                 "collectives\n";
+      verdict +=
+          "  the waiting ranks are in different calls: the ranks disagree on the order of "
+          "collectives\n";
     }
     report += "[gradcomm] verdict:\n" + verdict + "[gradcomm] aborting the job (exit code " +
               std::to_string(kAbortCode) + ")\n";
@@ -428,11 +429,7 @@ std::string describe(const CallInfo& call) {
 
 Recorder::Recorder(int rank, int size, int timeout_seconds, std::uint64_t id,
                    std::vector<Endpoint> peers)
-    : rank_(rank),
-      size_(size),
-      timeout_(timeout_seconds),
-      id_(id),
-      peers_(std::move(peers)) {}
+    : rank_(rank), size_(size), timeout_(timeout_seconds), id_(id), peers_(std::move(peers)) {}
 
 void Recorder::begin(const CallInfo& call) {
   const double t = now_seconds();

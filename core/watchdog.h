@@ -31,11 +31,11 @@ std::string_view to_string(CallKind kind);
 struct CallInfo {
   std::uint64_t sequence = 0;
   CallKind kind = CallKind::allreduce;
-  std::uint64_t count = 0;   // elements (grouped: all tensors; allgatherv: all ranks)
-  int dtype = -1;            // DataType, -1 when mixed or not applicable
-  int op = -1;               // ReduceOp, -1 when not applicable
-  int root = -1;             // broadcast only
-  int algorithm = -1;        // index into collectives::algorithm_names(), -1 when none
+  std::uint64_t count = 0;               // elements (grouped: all tensors; allgatherv: all ranks)
+  int dtype = -1;                        // DataType, -1 when mixed or not applicable
+  int op = -1;                           // ReduceOp, -1 when not applicable
+  int root = -1;                         // broadcast only
+  int algorithm = -1;                    // index into collectives::algorithm_names(), -1 when none
   const char* algorithm_name = nullptr;  // the same name, in static storage
   std::uint64_t detail = 0;  // hash of the tensor list (grouped) or of the counts (allgatherv)
   bool device = false;       // GPU buffers: the NCCL path bounds its own waits first

@@ -1,7 +1,7 @@
 // Helper of watchdog_test.sh: ranks that stall on purpose, so the watchdog must report and abort.
 //   missing R    every rank but R runs all-reduces; R sleeps in user code from call 3 on
-//   order        ranks disagree on the order of collectives inside shm (GRADCOMM_CHECK=default
-//                cannot see it there: the watchdog must)
+//   order        ranks disagree on the order of collectives inside shm (run with
+//                GRADCOMM_CHECK=off, so that only the watchdog can see it)
 // A run that is not aborted prints "not aborted" and exits 0, which the script counts as failure.
 
 #include <gradcomm/gradcomm.h>

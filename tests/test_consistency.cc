@@ -1,0 +1,217 @@
+// Consistency checks (GRADCOMM_CHECK): ranks that disagree on a call's count, dtype, op,
+// algorithm, root or kind get MismatchError on every rank (no hang, no corrupted output), with a
+// message naming the differing field and the ranks; the communicator stays usable and later
+// calls are exact. Every host algorithm, in default and full mode. (With GRADCOMM_CHECK=off the
+// watchdog catches what would hang: watchdog_test.sh.)
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "collectives/allgather.h"
+#include "collectives/allreduce.h"
+#include "collectives/broadcast.h"
+#include "collectives/registry.h"
+#include "core/error.h"
+#include "packing/grouped_allreduce.h"
+#include "tests/mpi_test.h"
+
+namespace gradcomm {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::world;
+
+struct Case {
+  CheckMode mode;
+  std::string algorithm;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return std::string(to_string(info.param.mode)) + "_" + info.param.algorithm;
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (CheckMode mode : {CheckMode::normal, CheckMode::full}) {
+    for (const std::string& name : collectives::host_algorithm_names())
+      cases.push_back({mode, name});
+  }
+  return cases;
+}
+
+class Consistency : public testing::MpiTestWithParam<Case> {
+ protected:
+  Config config() const {
+    Config c;
+    c.check = GetParam().mode;
+    return c;
+  }
+  AllreduceOptions options() const { return {.algorithm = GetParam().algorithm}; }
+  // Whether this algorithm can run here at all (shm needs one host, ...).
+  static bool odd_rank() { return world().rank() == world().size() - 1; }
+};
+
+// sum of (r + 1) over ranks, for an exact check after a mismatch.
+float expected_sum(int ranks) {
+  return static_cast<float>(ranks * (ranks + 1) / 2);
+}
+
+void expect_exact(Communicator& comm, const AllreduceOptions& options, std::size_t count) {
+  std::vector<float> data(count, static_cast<float>(comm.rank() + 1));
+  allreduce(comm, data.data(), data.data(), count, DataType::float32, ReduceOp::sum, options);
+  for (std::size_t i = 0; i < count; ++i)
+    ASSERT_EQ(data[i], expected_sum(comm.size())) << "element " << i;
+}
+
+TEST_P(Consistency, MismatchedCountDtypeOpAndAlgorithmThrowOnEveryRank) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, config());
+  const AllreduceOptions opts = options();
+  expect_exact(comm, opts, 1000);  // first use: compared before it runs
+  for (std::size_t count : {std::size_t{1}, std::size_t{1000}, std::size_t{300001}}) {
+    std::vector<float> data(count + 1, 1.0f);
+    const std::size_t mine = odd_rank() ? count + 1 : count;
+    EXPECT_THAT(
+        [&] {
+          allreduce(comm, data.data(), data.data(), mine, DataType::float32, ReduceOp::sum, opts);
+        },
+        ::testing::ThrowsMessage<MismatchError>(HasSubstr("(count differ)")))
+        << "count " << count;
+    expect_exact(comm, opts, count);
+  }
+  std::vector<double> wide(100, 1.0);
+  EXPECT_THAT(
+      [&] {
+        allreduce(comm, wide.data(), wide.data(), 100,
+                  odd_rank() ? DataType::float64 : DataType::int64, ReduceOp::sum, opts);
+      },
+      ::testing::ThrowsMessage<MismatchError>(HasSubstr("(dtype differ)")));
+  expect_exact(comm, opts, 100);
+  std::vector<float> data(100, 1.0f);
+  EXPECT_THAT(
+      [&] {
+        allreduce(comm, data.data(), data.data(), 100, DataType::float32,
+                  odd_rank() ? ReduceOp::max : ReduceOp::sum, opts);
+      },
+      ::testing::ThrowsMessage<MismatchError>(HasSubstr("(op differ)")));
+  expect_exact(comm, opts, 100);
+  // An empty call against a non-empty one.
+  EXPECT_THAT(
+      [&] {
+        allreduce(comm, data.data(), data.data(), odd_rank() ? 0 : 100, DataType::float32,
+                  ReduceOp::sum, opts);
+      },
+      ::testing::ThrowsMessage<MismatchError>(HasSubstr("(count differ)")));
+  expect_exact(comm, opts, 100);
+}
+
+TEST_P(Consistency, MessageNamesTheRanksAndBothCalls) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, config());
+  expect_exact(comm, options(), 10);
+  std::vector<float> data(100, 1.0f);
+  const int last = comm.size() - 1;
+  const std::string others = comm.size() == 2 ? "rank 0" : "ranks 0";
+  try {
+    allreduce(comm, data.data(), data.data(), odd_rank() ? 99 : 100, DataType::float32,
+              ReduceOp::sum, options());
+    ADD_FAILURE() << "no MismatchError";
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    EXPECT_THAT(what, HasSubstr("rank " + std::to_string(comm.rank()) + ": ranks disagree"));
+    EXPECT_THAT(what, HasSubstr(others));
+    // (auto's calibration makes calls of its own: the sequence number is not known here)
+    EXPECT_THAT(what, ::testing::MatchesRegex(".*called allreduce #[0-9]+: 100 x float32 sum.*"));
+    EXPECT_THAT(what, ::testing::MatchesRegex(".*rank " + std::to_string(last) +
+                                              " called allreduce #[0-9]+: 99 x float32 sum.*"));
+  }
+}
+
+// A rank that makes another kind of call, or passes another algorithm.
+TEST_P(Consistency, DifferentCallOrderThrowsOnEveryRank) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, config());
+  expect_exact(comm, options(), 10);
+  std::vector<float> data(64, 1.0f);
+  auto reduce = [&] {
+    allreduce(comm, data.data(), data.data(), 64, DataType::float32, ReduceOp::sum, options());
+  };
+  auto bcast = [&] { broadcast(comm, data.data(), 64, DataType::float32, 0); };
+  EXPECT_THAT([&] { odd_rank() ? bcast() : reduce(); },
+              ::testing::ThrowsMessage<MismatchError>(HasSubstr("kind of call")));
+  EXPECT_THAT([&] { odd_rank() ? reduce() : bcast(); },
+              ::testing::ThrowsMessage<MismatchError>(HasSubstr("kind of call")));
+  // Broadcast roots, and allgatherv counts.
+  EXPECT_THAT([&] { broadcast(comm, data.data(), 64, DataType::float32, odd_rank() ? 1 : 0); },
+              ::testing::ThrowsMessage<MismatchError>(HasSubstr("root differ")));
+  std::vector<std::size_t> counts(static_cast<std::size_t>(comm.size()), 2);
+  if (odd_rank()) counts[0] = 3;
+  std::vector<float> gathered(static_cast<std::size_t>(comm.size()) * 3);
+  EXPECT_THAT(
+      [&] {
+        allgatherv(comm, data.data(), counts[static_cast<std::size_t>(comm.rank())],
+                   gathered.data(), counts, DataType::float32);
+      },
+      ::testing::ThrowsMessage<MismatchError>(HasSubstr("differ")));
+  expect_exact(comm, options(), 1000);
+}
+
+TEST_P(Consistency, DifferentAlgorithmsThrowOnEveryRank) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD, config());
+  expect_exact(comm, options(), 10);
+  std::vector<float> data(1000, 1.0f);
+  const std::string other = GetParam().algorithm == "ring" ? "flat" : "ring";
+  const AllreduceOptions mine = odd_rank() ? AllreduceOptions{.algorithm = other} : options();
+  EXPECT_THAT(
+      [&] {
+        allreduce(comm, data.data(), data.data(), 1000, DataType::float32, ReduceOp::sum, mine);
+      },
+      ::testing::ThrowsMessage<MismatchError>(HasSubstr("(algorithm differ)")));
+  expect_exact(comm, options(), 1000);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, Consistency, ::testing::ValuesIn(all_cases()), case_name);
+
+TEST(ConsistencyModes, OffComparesNothingAndStillWorks) {
+  Config c;
+  c.check = CheckMode::off;
+  Communicator comm(MPI_COMM_WORLD, c);
+  expect_exact(comm, {.algorithm = "ring"}, 1001);
+  expect_exact(comm, {}, 7);
+}
+
+TEST(ConsistencyModes, GroupedTensorListsAreComparedInEveryMode) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  for (CheckMode mode : {CheckMode::off, CheckMode::normal, CheckMode::full}) {
+    Config c;
+    c.check = mode;
+    Communicator comm(MPI_COMM_WORLD, c);
+    std::vector<float> buf(300, 1.0f);
+    const std::size_t odd = comm.rank() == 1 ? 99 : 100;
+    const std::vector<packing::TensorDesc> tensors = {{buf.data(), 100, DataType::float32},
+                                                      {buf.data() + 100, odd, DataType::float32}};
+    EXPECT_THAT([&] { grouped_allreduce(comm, tensors, ReduceOp::sum); },
+                ::testing::ThrowsMessage<MismatchError>(
+                    HasSubstr("tensor 1 is 100 x float32 on rank 0 but 99 x float32 on rank 1")))
+        << to_string(mode);
+  }
+}
+
+TEST(ConsistencyModes, InvalidVariableNamesTheValidValues) {
+  setenv("GRADCOMM_CHECK", "paranoid", 1);
+  EXPECT_THAT([] { Config::from_environment(); },
+              ::testing::ThrowsMessage<InvalidArgument>(
+                  HasSubstr("GRADCOMM_CHECK='paranoid' is invalid: expected one of off, default, "
+                            "full")));
+  setenv("GRADCOMM_CHECK", "full", 1);
+  EXPECT_EQ(Config::from_environment().check, CheckMode::full);
+  unsetenv("GRADCOMM_CHECK");
+  EXPECT_EQ(Config::from_environment().check, CheckMode::normal);
+}
+
+}  // namespace
+}  // namespace gradcomm
