@@ -54,8 +54,8 @@ int main(int argc, char** argv) {
       std::printf("# %10s %-18s %12s %12s %12s %9s %9s\n", "bytes", "algorithm", "off us",
                   "default us", "full us", "default", "full");
     }
-    for (std::size_t bytes : {std::size_t{8}, std::size_t{64} << 10, std::size_t{1} << 20,
-                              std::size_t{64} << 20}) {
+    for (std::size_t bytes :
+         {std::size_t{8}, std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{64} << 20}) {
       const std::size_t count = bytes / sizeof(float);
       std::vector<float> data(count, 1.0f);
       const int calls = bytes <= (std::size_t{64} << 10) ? 200 : bytes <= (1 << 20) ? 20 : 2;

@@ -71,19 +71,19 @@ void Communicator::start_watchdog() {
     std::uint64_t id;
   };
   static std::uint64_t created = 0;
-  Entry mine{watchdog::local_endpoint(),
-             (static_cast<std::uint64_t>(::getpid()) << 32) ^ (++created << 20) ^
-                 static_cast<std::uint64_t>(
-                     std::chrono::steady_clock::now().time_since_epoch().count())};
+  Entry mine{
+      watchdog::local_endpoint(),
+      (static_cast<std::uint64_t>(::getpid()) << 32) ^ (++created << 20) ^
+          static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count())};
   std::vector<Entry> all(static_cast<std::size_t>(size_));
-  check_mpi(MPI_Allgather(&mine, sizeof(Entry), MPI_BYTE, all.data(), sizeof(Entry), MPI_BYTE,
-                          comm_),
-            "Communicator: MPI_Allgather of the watchdog endpoints", rank_);
+  check_mpi(
+      MPI_Allgather(&mine, sizeof(Entry), MPI_BYTE, all.data(), sizeof(Entry), MPI_BYTE, comm_),
+      "Communicator: MPI_Allgather of the watchdog endpoints", rank_);
   std::vector<watchdog::Endpoint> peers;
   for (const Entry& e : all)
     peers.push_back(e.endpoint);
-  recorder_ = std::make_shared<watchdog::Recorder>(rank_, size_, config_.timeout_seconds,
-                                                   all[0].id, std::move(peers));
+  recorder_ = std::make_shared<watchdog::Recorder>(rank_, size_, config_.timeout_seconds, all[0].id,
+                                                   std::move(peers));
   watchdog::watch(recorder_);
 }
 

@@ -164,7 +164,8 @@ void Config::validate() const {
   if (gpu_inter_node != "nccl" && gpu_inter_node != "mpi") {
     bad("gpu_inter_node '" + gpu_inter_node + "' is not nccl or mpi");
   }
-  if (to_string(check) == "invalid") bad("check " + std::to_string(static_cast<int>(check)) + " is invalid");
+  if (to_string(check) == "invalid")
+    bad("check " + std::to_string(static_cast<int>(check)) + " is invalid");
   if (to_string(log_level) == "invalid") {
     bad("log_level " + std::to_string(static_cast<int>(log_level)) + " is invalid");
   }

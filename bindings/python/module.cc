@@ -1,7 +1,8 @@
 // _gradcomm: the compiled half of the Python module `gradcomm` (the package in gradcomm/ wraps
 // it). Arrays travel through the buffer protocol without copies; torch tensors as raw pointers
 // from gradcomm.torch. The GIL is released while gradcomm communicates. C++ errors become
-// gradcomm.Error (subclasses InvalidArgument, Unsupported, CommError, MismatchError) with the same message.
+// gradcomm.Error (subclasses InvalidArgument, Unsupported, CommError, MismatchError) with the same
+// message.
 
 #include <mpi.h>
 #include <pybind11/numpy.h>
