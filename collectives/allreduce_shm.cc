@@ -302,7 +302,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
       }
       std::vector<watchdog::CallInfo> infos;
       for (const Descriptor& e : calls) {
-        watchdog::CallInfo info = *call;
+        watchdog::CallInfo info = call ? *call : watchdog::CallInfo{};
         info.sequence = e.sequence;
         info.count = e.count;
         info.dtype = static_cast<int>(e.dtype);
@@ -323,7 +323,12 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     mine.reduced.store(first, std::memory_order_release);
     mine.drained.store(first, std::memory_order_release);
     s.round = first;
-    if (mismatch) throw MismatchError(error_message(kCall, me, problem));
+    if (mismatch) {
+      // The call's own comparison (GRADCOMM_CHECK) sees the difference too: complete it, so that
+      // every rank leaves through the same path (it renews the communicator on every rank).
+      require_check();
+      throw MismatchError(error_message(kCall, me, problem));
+    }
     throw InvalidArgument(error_message(kCall, me, problem));
   }
 

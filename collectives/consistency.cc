@@ -2,8 +2,11 @@
 
 #include <mpi.h>
 
+#include <sched.h>
 #include <algorithm>
+
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -14,6 +17,7 @@
 #include "collectives/allreduce_shm.h"
 #include "collectives/registry.h"
 #include "core/error.h"
+#include "core/shared_memory.h"
 
 namespace gradcomm::collectives {
 namespace {
@@ -107,15 +111,51 @@ std::uint64_t hash_bytes(const void* data, std::size_t bytes) {
 }
 
 // The comparison state of one communicator.
+// One rank's fingerprint of one call on the board (a shared segment of single-host
+// communicators): the fields, then `posted` = sequence + 1 with release.
+struct alignas(64) BoardSlot {
+  std::atomic<std::uint64_t> posted{0};
+  std::int64_t fields[kFields];
+};
+// A rank can be at most one call ahead of another's posting (a call completes only once every
+// rank has posted it), so slots of 4 calls per rank never overwrite one still being read.
+constexpr std::uint64_t kBoardDepth = 4;
+
+}  // namespace
+
+// The comparison state of one communicator. With GRADCOMM_CHECK=default on a communicator whose
+// ranks share one host, fingerprints go through the board: each rank writes its own, reads the
+// others' (no message at all); otherwise through MPI_Iallreduce.
 class CheckState : public Attachment {
  public:
-  explicit CheckState(Communicator&) {}
+  explicit CheckState(Communicator& comm) : rank(comm.rank()), size(comm.size()) {
+    if (comm.config().check != CheckMode::normal || size < 2 || !shares_one_host(comm)) return;
+    try {
+      board = SharedSegment(comm.mpi_comm(),
+                            static_cast<std::size_t>(size) * kBoardDepth * sizeof(BoardSlot),
+                            "consistency check board");
+    } catch (const CommError&) {  // thrown on every rank alike: compare over MPI instead
+    }
+  }
+  BoardSlot& slot(int r, std::uint64_t sequence) const {
+    return reinterpret_cast<BoardSlot*>(
+        board.data())[static_cast<std::size_t>(r) * kBoardDepth + sequence % kBoardDepth];
+  }
+
+  int rank, size;
   std::array<std::int64_t, 2 * kFields> send{}, recv{};
   MPI_Request request = MPI_REQUEST_NULL;
   Fields mine{};
   std::set<std::string, std::less<>> used;  // algorithms compared before their first use
   bool forget_shm = false;  // a mismatch ended a call: drop the shm segment (every rank)
+  SharedSegment board;      // empty: compare over MPI
+  bool board_pending = false;
+  std::uint64_t board_sequence = 0;
+  std::vector<char> compared;  // peers whose board fingerprint was compared for board_sequence
+  int uncompared = 0;
 };
+
+namespace {
 
 struct Current {
   Communicator* comm = nullptr;
@@ -137,6 +177,54 @@ void post(CheckState& state, const Fields& mine, Communicator& comm, std::string
             std::string(call) + ": MPI_Iallreduce of the call fingerprint", comm.rank());
 }
 
+void board_post(CheckState& state, const Fields& mine, std::uint64_t sequence) {
+  BoardSlot& slot = state.slot(state.rank, sequence);
+  std::memcpy(slot.fields, mine.data(), sizeof slot.fields);
+  slot.posted.store(sequence + 1, std::memory_order_release);
+  state.mine = mine;
+  state.board_sequence = sequence;
+  state.board_pending = true;
+  state.compared.assign(static_cast<std::size_t>(state.size), 0);
+  state.compared[static_cast<std::size_t>(state.rank)] = 1;
+  state.uncompared = state.size - 1;
+}
+
+[[noreturn]] void mismatch(const std::vector<CallInfo>& calls, CheckState& state,
+                           Communicator& comm, std::string_view call);
+
+// Compares the fingerprints peers have posted for the current call; with `wait`, until all have.
+// Every rank reads every slot, so every rank finds a difference and sees the same fingerprints.
+void board_poll(CheckState& state, Communicator& comm, std::string_view call, bool wait) {
+  const std::uint64_t want = state.board_sequence + 1;
+  long polls = 0;
+  while (state.board_pending) {
+    for (int j = 0; j < state.size; ++j) {
+      if (state.compared[static_cast<std::size_t>(j)]) continue;
+      const BoardSlot& slot = state.slot(j, state.board_sequence);
+      if (slot.posted.load(std::memory_order_acquire) < want) continue;
+      if (std::memcmp(slot.fields, state.mine.data(), sizeof slot.fields) != 0) {
+        // Wait for every rank's fingerprint (each posts before it communicates), then report.
+        std::vector<CallInfo> calls;
+        for (int r = 0; r < state.size; ++r) {
+          const BoardSlot& other = state.slot(r, state.board_sequence);
+          while (other.posted.load(std::memory_order_acquire) < want)
+            sched_yield();
+          Fields f;
+          std::memcpy(f.data(), other.fields, sizeof other.fields);
+          calls.push_back(from_fields(f));
+        }
+        state.board_pending = false;
+        mismatch(calls, state, comm, call);
+      }
+      state.compared[static_cast<std::size_t>(j)] = 1;
+      --state.uncompared;
+    }
+    if (state.uncompared == 0) state.board_pending = false;
+    if (!wait || !state.board_pending) return;
+    if (++polls > 100) sched_yield();
+  }
+}
+
 // The comparison has completed: throws MismatchError on every rank when the fields differ.
 void verify(CheckState& state, Communicator& comm, std::string_view call) {
   bool agree = true;
@@ -156,6 +244,12 @@ void verify(CheckState& state, Communicator& comm, std::string_view call) {
     std::memcpy(f.data(), all.data() + static_cast<std::size_t>(r) * kFields, sizeof f);
     calls.push_back(from_fields(f));
   }
+  mismatch(calls, state, comm, call);
+}
+
+// Every rank found the same difference: renews the communicator (collective), then reports.
+void mismatch(const std::vector<CallInfo>& calls, CheckState& state, Communicator& comm,
+              std::string_view call) {
   comm.renew_after_mismatch();
   state.forget_shm = true;  // done by the outermost scope, once no shm frame is on the stack
   const bool same_kind = std::all_of(calls.begin(), calls.end(), [&](const CallInfo& c) {
@@ -168,6 +262,7 @@ void verify(CheckState& state, Communicator& comm, std::string_view call) {
 }
 
 void complete(CheckState& state, Communicator& comm, std::string_view call) {
+  if (state.board_pending) return board_poll(state, comm, call, /*wait=*/true);
   if (state.request == MPI_REQUEST_NULL) return;
   check_mpi(MPI_Wait(&state.request, MPI_STATUS_IGNORE),
             std::string(call) + ": MPI_Wait for the call fingerprint", comm.rank());
@@ -247,6 +342,9 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
 CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view call)
     : comm_(comm), info_(info), call_(call) {
   if (t_current.scope != nullptr) return;  // part of an outer call
+  // The comparison state is built (collectively: the board of a single-host communicator) by
+  // every rank's first call, before anything below, which must not throw.
+  comm.attachment<CheckState>();
   outermost_ = true;
   std::uint64_t h = 0;
   for (std::int64_t f : to_fields(info_))
@@ -265,6 +363,7 @@ CallScope::~CallScope() {
     // communicator's collectives stay in step (and its buffers outlive it).
     MPI_Wait(&state.request, MPI_STATUS_IGNORE);
   }
+  state.board_pending = false;  // (the board needs no completion)
   if (state.forget_shm) {
     forget_shm_state(comm_);
     state.forget_shm = false;
@@ -279,10 +378,18 @@ void CallScope::check_now() {
   if (comm_.config().check == CheckMode::off || comm_.size() == 1) return;
   CheckState& state = comm_.attachment<CheckState>();
   if (!compared_) {
-    post(state, to_fields(info_), comm_, call_);
+    post_fingerprint(state);
     compared_ = true;
   }
   complete(state, comm_, call_);
+}
+
+void CallScope::post_fingerprint(CheckState& state) {
+  if (state.board.data() != nullptr && comm_.config().check == CheckMode::normal) {
+    board_post(state, to_fields(info_), info_.sequence);
+  } else {
+    post(state, to_fields(info_), comm_, call_);
+  }
 }
 
 void CallScope::before_first_use(std::string_view what) {
@@ -300,7 +407,7 @@ void CallScope::start(std::string_view algorithm) {
   if (compared_) return;
   if (algorithm == "ring" || algorithm == "halving_doubling" || algorithm == "flat" ||
       algorithm == "shm") {
-    post(comm_.attachment<CheckState>(), to_fields(info_), comm_, call_);
+    post_fingerprint(comm_.attachment<CheckState>());
     compared_ = true;  // polled by the waits, completed in finish()
     return;
   }
@@ -318,14 +425,16 @@ void CallScope::finish(const void* output, std::size_t bytes) {
 }
 
 bool check_pending() {
-  return t_current.comm != nullptr &&
-         t_current.comm->attachment<CheckState>().request != MPI_REQUEST_NULL;
+  if (t_current.comm == nullptr) return false;
+  const CheckState& state = t_current.comm->attachment<CheckState>();
+  return state.board_pending || state.request != MPI_REQUEST_NULL;
 }
 
 void poll_check() {
   if (t_current.comm == nullptr) return;
   Communicator& comm = *t_current.comm;
   CheckState& state = comm.attachment<CheckState>();
+  if (state.board_pending) return board_poll(state, comm, t_current.call, /*wait=*/false);
   if (state.request == MPI_REQUEST_NULL) return;
   int done = 0;
   check_mpi(MPI_Test(&state.request, &done, MPI_STATUS_IGNORE),

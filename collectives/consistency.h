@@ -30,6 +30,8 @@
 
 namespace gradcomm::collectives {
 
+class CheckState;  // per-communicator comparison state (consistency.cc)
+
 class CallScope {
  public:
   // `call` names the operation in errors ("allreduce(ring)"). Records the call's start.
@@ -59,6 +61,8 @@ class CallScope {
   const std::function<void()>& detail_reporter() const { return reporter_; }
 
  private:
+  void post_fingerprint(CheckState& state);
+
   Communicator& comm_;
   watchdog::CallInfo info_;
   std::string_view call_;
