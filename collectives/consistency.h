@@ -5,14 +5,16 @@
 // Each top-level call opens a CallScope with its fingerprint (sequence number, kind, count, dtype,
 // op, algorithm, root, a hash of tensor lists or counts). The scope records the call for the stall
 // watchdog and makes sure every rank made the same call:
-// - default: ring, halving_doubling, flat and shm post the comparison (one MPI_Iallreduce of
-//   the fields' minima and maxima) and run at once; their waits poll it, so a mismatch that
-//   would leave them waiting ends in MismatchError on every rank. Message tags carry a hash of
-//   the fingerprint, so mismatched calls never exchange data; shm also compares the fingerprints
-//   in its shared call descriptors, and after a mismatch every rank drops its shm segment (the
-//   next call maps a fresh one). Everything else (mpi, hierarchical, broadcast, allgatherv,
-//   grouped_allreduce, calls with count 0, an algorithm's first use on a communicator) compares
-//   before it starts.
+// - default: ring, halving_doubling, flat and shm post the comparison and start at once; their
+//   waits poll it, so a mismatch that would leave them waiting ends in MismatchError on every
+//   rank. On a communicator whose ranks share one host the fingerprints go through a shared-
+//   memory board (each rank writes its own and reads the others', no message); across hosts
+//   through one MPI_Iallreduce of the fields' minima and maxima. Message tags carry a hash of the
+//   fingerprint, so mismatched calls never exchange data; shm also compares the fingerprints in
+//   its shared call descriptors. After a mismatch every rank re-duplicates its MPI communicator
+//   and drops its shm segment (the next call maps a fresh one). Everything else (mpi,
+//   hierarchical, broadcast, allgatherv, grouped_allreduce, calls with count 0, an algorithm's
+//   first use on a communicator) completes the comparison before it starts.
 // - full: every call compares before it starts, and an all-reduce then compares a hash of every
 //   rank's output, so a silent divergence is an error too.
 // - off: no comparison (the recorder and the tags stay).
