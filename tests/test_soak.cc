@@ -1,0 +1,133 @@
+// Soak: 10 000 all-reduces of random sizes (0 to 1 Mi elements, log-uniform), dtypes, ops,
+// algorithms and placements (in place or not), every rank checking every element of its output
+// against a reference it computes itself (small integers, so every dtype's sum is exact), with
+// GRADCOMM_CHECK=default on. Reports every rank's resident memory after a warm-up and at each
+// quarter: it must stay flat after the first quarter (no per-call growth).
+// Run by CTest at 4 ranks (soak.np4); SOAK_CALLS overrides the count.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "collectives/registry.h"
+#include "tests/mpi_test.h"
+
+namespace gradcomm {
+namespace {
+
+using testing::load;
+using testing::store;
+using testing::world;
+
+long resident_kib() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * 4;
+}
+
+// Rank r's value at element i of call c: a small integer in [-8, 8].
+int value(std::uint64_t c, int r, std::size_t i) {
+  std::uint64_t h = (c * 0x9e3779b97f4a7c15ULL) ^ (static_cast<std::uint64_t>(r) << 40) ^ i;
+  h ^= h >> 31;
+  h *= 0xbf58476d1ce4e5b9ULL;
+  h ^= h >> 29;
+  return static_cast<int>(h % 17) - 8;
+}
+
+class Soak : public testing::MpiTest {};
+
+TEST_F(Soak, TenThousandRandomAllreducesStayExactAndMemoryStaysFlat) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  const long calls = std::getenv("SOAK_CALLS") ? std::atol(std::getenv("SOAK_CALLS")) : 10000;
+  const std::vector<std::string> algorithms = collectives::host_algorithm_names();
+  const DataType dtypes[] = {DataType::float32,  DataType::float64, DataType::float16,
+                             DataType::bfloat16, DataType::int32,   DataType::int64};
+  const ReduceOp ops[] = {ReduceOp::sum, ReduceOp::min, ReduceOp::max, ReduceOp::avg};
+  constexpr std::size_t kMaxCount = std::size_t{1} << 20;
+  std::vector<std::byte> send(kMaxCount * 8), recv(kMaxCount * 8);
+  std::mt19937_64 rng(12345);  // the same on every rank: every rank makes the same calls
+  // Warm-up: every algorithm once at the largest size and widest dtype, in and out of place, so
+  // scratch buffers, segments and sub-communicators exist before memory is measured.
+  // n calls each, since flat's root (and its buffers) rotates over the ranks.
+  for (const std::string& algorithm : algorithms) {
+    for (int k = 0; k < n; ++k) {
+      void* out = k % 2 ? recv.data() : send.data();
+      allreduce(comm, send.data(), out, kMaxCount, DataType::float64, ReduceOp::max,
+                {.algorithm = algorithm});
+    }
+  }
+  const long rss_start = resident_kib();
+  std::vector<long> rss_quarters;
+  std::size_t wrong = 0;
+  for (long c = 0; c < calls; ++c) {
+    const auto count =
+        static_cast<std::size_t>(std::exp2(std::uniform_real_distribution<double>(0, 20)(rng))) - 1;
+    const DataType dtype = dtypes[rng() % std::size(dtypes)];
+    const ReduceOp op = ops[rng() % std::size(ops)];
+    const std::string& algorithm = algorithms[rng() % algorithms.size()];
+    const bool in_place = rng() % 2 == 0;
+    for (std::size_t i = 0; i < count; ++i)
+      store(dtype, send.data(), i, value(static_cast<std::uint64_t>(c), comm.rank(), i));
+    void* out = in_place ? send.data() : recv.data();
+    allreduce(comm, send.data(), out, count, dtype, op, {.algorithm = algorithm});
+    for (std::size_t i = 0; i < count; ++i) {
+      double expected = value(static_cast<std::uint64_t>(c), 0, i);
+      for (int r = 1; r < n; ++r) {
+        const double v = value(static_cast<std::uint64_t>(c), r, i);
+        expected = op == ReduceOp::min   ? std::min(expected, v)
+                   : op == ReduceOp::max ? std::max(expected, v)
+                                         : expected + v;
+      }
+      if (op == ReduceOp::avg) {
+        expected = !is_floating(dtype) ? std::trunc(expected / n) : expected / n;
+      }
+      // The expected value in the dtype (avg of float16/bfloat16 rounds once, like the library).
+      std::byte cell[8];
+      store(dtype, cell, 0, expected);
+      if (load(dtype, out, i) != load(dtype, cell, 0) && wrong++ < 5) {
+        ADD_FAILURE() << "call " << c << " (" << count << " x " << to_string(dtype) << " "
+                      << to_string(op) << ", " << algorithm << (in_place ? ", in place" : "")
+                      << "): element " << i << " is " << load(dtype, out, i) << ", expected "
+                      << load(dtype, cell, 0);
+      }
+    }
+    if ((c + 1) % std::max<long>(1, calls / 4) == 0) rss_quarters.push_back(resident_kib());
+  }
+  const long rss_end = resident_kib();
+  long growth[2] = {rss_end - rss_start, -(rss_end - rss_start)};  // max and -min over ranks
+  MPI_Allreduce(MPI_IN_PLACE, growth, 2, MPI_LONG, MPI_MAX, comm.mpi_comm());
+  // First uses of some (dtype, algorithm) pairs the warm-up did not make still allocate caches
+  // in the first quarter (measured: up to 4.4 MiB on one rank, then flat); from then on the
+  // memory must stay flat.
+  const long settled = rss_quarters.empty() ? rss_start : rss_quarters.front();
+  {  // every rank's line: growth that stops (a plateau) is caching, growth per quarter a leak
+    std::string quarters;
+    for (long q : rss_quarters) {
+      quarters.push_back(' ');
+      quarters.append(std::to_string(q));
+    }
+    std::printf(
+        "soak: rank %d: %ld calls on %d ranks, %zu wrong elements; resident memory %ld KiB "
+        "after the warm-up, then at each quarter:%s KiB; growth over all ranks %+ld to "
+        "%+ld KiB\n",
+        comm.rank(), calls, n, wrong, rss_start, quarters.c_str(), -growth[1], growth[0]);
+  }
+  EXPECT_EQ(wrong, 0u);
+  // A leak of even 200 bytes per call would be 1.5 MiB over the last three quarters.
+  EXPECT_LT(rss_end - settled, 1024)
+      << "resident memory grew by " << rss_end - settled << " KiB after the first quarter";
+}
+
+}  // namespace
+}  // namespace gradcomm
