@@ -25,19 +25,6 @@ void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,
 
 }  // namespace detail
 
-namespace {
-
-// The index of `name` among algorithm_names() and the name in static storage, for fingerprints.
-std::pair<int, const char*> algorithm_id(std::string_view name) {
-  static const std::vector<std::string> names = collectives::algorithm_names();
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    if (names[i] == name) return {static_cast<int>(i), names[i].c_str()};
-  }
-  return {-1, nullptr};
-}
-
-}  // namespace
-
 TrafficReport traffic(Communicator& comm) {
   const collectives::TrafficCounters& c = comm.attachment<collectives::Traffic>().counters();
   return {c.intra_bytes, c.inter_bytes, c.intra_messages, c.inter_messages};
@@ -129,15 +116,14 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   }
 
   AllreduceArgs args{sendbuf, recvbuf, count, dtype, op, comm.next_sequence()};
-  const auto [algorithm_index, algorithm_name] = algorithm_id(requested);
   watchdog::CallInfo info;
   info.sequence = args.sequence;
   info.kind = watchdog::CallKind::allreduce;
   info.count = count;
   info.dtype = static_cast<int>(dtype);
   info.op = static_cast<int>(op);
-  info.algorithm = algorithm_index;
-  info.algorithm_name = algorithm_name;
+  info.algorithm = collectives::algorithm_index(requested);
+  info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
   info.device = device;
   collectives::CallScope scope(comm, info, "allreduce");
   if (count == 0) {

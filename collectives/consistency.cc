@@ -50,11 +50,6 @@ Fields to_fields(const CallInfo& c) {
           c.device ? 1 : 0};
 }
 
-const std::vector<std::string>& names() {
-  static const std::vector<std::string> all = algorithm_names();
-  return all;
-}
-
 CallInfo from_fields(const Fields& f) {
   CallInfo c;
   c.sequence = static_cast<std::uint64_t>(f[0]);
@@ -64,9 +59,7 @@ CallInfo from_fields(const Fields& f) {
   c.op = static_cast<int>(f[4] - 1);
   c.root = static_cast<int>(f[5] - 1);
   c.algorithm = static_cast<int>(f[6] - 1);
-  if (c.algorithm >= 0 && static_cast<std::size_t>(c.algorithm) < names().size()) {
-    c.algorithm_name = names()[static_cast<std::size_t>(c.algorithm)].c_str();
-  }
+  c.algorithm_name = algorithm_name_at(c.algorithm);
   c.detail = static_cast<std::uint64_t>(f[7]);
   c.device = f[8] != 0;
   return c;
@@ -159,6 +152,7 @@ namespace {
 
 struct Current {
   Communicator* comm = nullptr;
+  CheckState* state = nullptr;  // comm's, looked up once per call (the waits ask for it often)
   CallScope* scope = nullptr;
   const CallInfo* info = nullptr;
   std::string_view call;
@@ -344,12 +338,12 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
   if (t_current.scope != nullptr) return;  // part of an outer call
   // The comparison state is built (collectively: the board of a single-host communicator) by
   // every rank's first call, before anything below, which must not throw.
-  comm.attachment<CheckState>();
+  state_ = &comm.attachment<CheckState>();
   outermost_ = true;
   std::uint64_t h = 0;
   for (std::int64_t f : to_fields(info_))
     h = mix(h, static_cast<std::uint64_t>(f));
-  t_current = {&comm, this, &info_, call_, 1 + static_cast<int>(h % salt_range())};
+  t_current = {&comm, state_, this, &info_, call_, 1 + static_cast<int>(h % salt_range())};
   if (watchdog::Recorder* recorder = comm.recorder()) recorder->begin(info_);
   // Nothing here may throw: a constructor that throws never runs the destructor that resets
   // t_current. Full mode compares in start() or check_now(), before any communication.
@@ -357,7 +351,7 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
 
 CallScope::~CallScope() {
   if (!outermost_) return;
-  CheckState& state = comm_.attachment<CheckState>();
+  CheckState& state = *state_;
   if (state.request != MPI_REQUEST_NULL) {
     // Unwinding from another error: complete the comparison every rank posted, so that the
     // communicator's collectives stay in step (and its buffers outlive it).
@@ -376,7 +370,7 @@ CallScope::~CallScope() {
 void CallScope::check_now() {
   if (!outermost_) return require_check();
   if (comm_.config().check == CheckMode::off || comm_.size() == 1) return;
-  CheckState& state = comm_.attachment<CheckState>();
+  CheckState& state = *state_;
   if (!compared_) {
     post_fingerprint(state);
     compared_ = true;
@@ -394,7 +388,7 @@ void CallScope::post_fingerprint(CheckState& state) {
 
 void CallScope::before_first_use(std::string_view what) {
   if (!outermost_ || comm_.size() == 1 || comm_.config().check == CheckMode::off) return;
-  CheckState& state = comm_.attachment<CheckState>();
+  CheckState& state = *state_;
   if (state.used.find(what) != state.used.end()) return;
   check_now();
   state.used.emplace(what);
@@ -407,7 +401,7 @@ void CallScope::start(std::string_view algorithm) {
   if (compared_) return;
   if (algorithm == "ring" || algorithm == "halving_doubling" || algorithm == "flat" ||
       algorithm == "shm") {
-    post_fingerprint(comm_.attachment<CheckState>());
+    post_fingerprint(*state_);
     compared_ = true;  // polled by the waits, completed in finish()
     return;
   }
@@ -416,7 +410,7 @@ void CallScope::start(std::string_view algorithm) {
 
 void CallScope::finish(const void* output, std::size_t bytes) {
   if (!outermost_) return;
-  CheckState& state = comm_.attachment<CheckState>();
+  CheckState& state = *state_;
   complete(state, comm_, call_);
   if (comm_.config().check == CheckMode::full && output != nullptr && comm_.size() > 1) {
     compare_outputs(output, bytes, comm_, call_, info_.sequence);
@@ -426,14 +420,14 @@ void CallScope::finish(const void* output, std::size_t bytes) {
 
 bool check_pending() {
   if (t_current.comm == nullptr) return false;
-  const CheckState& state = t_current.comm->attachment<CheckState>();
+  const CheckState& state = *t_current.state;
   return state.board_pending || state.request != MPI_REQUEST_NULL;
 }
 
 void poll_check() {
   if (t_current.comm == nullptr) return;
   Communicator& comm = *t_current.comm;
-  CheckState& state = comm.attachment<CheckState>();
+  CheckState& state = *t_current.state;
   if (state.board_pending) return board_poll(state, comm, t_current.call, /*wait=*/false);
   if (state.request == MPI_REQUEST_NULL) return;
   int done = 0;

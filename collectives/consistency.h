@@ -66,6 +66,7 @@ class CallScope {
   void post_fingerprint(CheckState& state);
 
   Communicator& comm_;
+  CheckState* state_ = nullptr;  // comm_'s (outermost scopes only)
   watchdog::CallInfo info_;
   std::string_view call_;
   bool outermost_ = false;

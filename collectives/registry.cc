@@ -64,6 +64,28 @@ bool is_algorithm_name(std::string_view name) {
   return false;
 }
 
+namespace {
+const std::vector<std::string>& static_algorithm_names() {
+  static const std::vector<std::string> names = algorithm_names();
+  return names;
+}
+}  // namespace
+
+int algorithm_index(std::string_view name) {
+  const std::vector<std::string>& names = static_algorithm_names();
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == name) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+const char* algorithm_name_at(int index) {
+  const std::vector<std::string>& names = static_algorithm_names();
+  return index >= 0 && static_cast<std::size_t>(index) < names.size()
+             ? names[static_cast<std::size_t>(index)].c_str()
+             : nullptr;
+}
+
 AllreduceAlgorithm* AlgorithmCache::find(std::string_view name) {
   for (const auto& algorithm : algorithms_) {
     if (algorithm->name() == name) return algorithm.get();

@@ -30,6 +30,10 @@ std::vector<std::string> host_algorithm_names();
 // "auto, flat, ring, ..." for error messages.
 std::string algorithm_names_joined();
 bool is_algorithm_name(std::string_view name);
+// The position of `name` among algorithm_names() (-1 when it is none of them), and the name at a
+// position in static storage (null when out of range): how call fingerprints carry algorithms.
+int algorithm_index(std::string_view name);
+const char* algorithm_name_at(int index);
 
 // The algorithm objects of one communicator, created on first use and reused.
 class AlgorithmCache : public Attachment {
