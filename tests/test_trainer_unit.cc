@@ -6,6 +6,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -379,6 +381,32 @@ TEST(Checkpoint, RoundTripsThroughAFile) {
   for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir / "sub"))
     ++files;
   EXPECT_EQ(files, 1u);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Checkpoint, ASuccessfulWriteRemovesTemporariesOfDeadWritersOnThisHost) {
+  const auto dir = temp_dir("ckpt_stale");
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  // A writer that died mid-write: a child process that has exited and been reaped.
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  const std::string prefix = std::string("checkpoint.bin.tmp.") + host + ".";
+  const auto dead = dir / (prefix + std::to_string(child));
+  const auto alive = dir / (prefix + std::to_string(::getppid()));  // a live process
+  const auto other_host = dir / ("checkpoint.bin.tmp.some-other-host." + std::to_string(child));
+  const auto other_file =
+      dir / ("other.bin.tmp." + std::string(host) + "." + std::to_string(child));
+  for (const auto& p : {dead, alive, other_host, other_file})
+    std::ofstream(p) << "partial";
+  write_file_atomically((dir / "checkpoint.bin").string(), encode_checkpoint(sample_state()));
+  EXPECT_FALSE(std::filesystem::exists(dead)) << "the dead writer's temporary file was kept";
+  EXPECT_TRUE(std::filesystem::exists(alive)) << "a live writer's temporary file was removed";
+  EXPECT_TRUE(std::filesystem::exists(other_host)) << "another host's temporary file was removed";
+  EXPECT_TRUE(std::filesystem::exists(other_file));
+  EXPECT_EQ(decode_checkpoint(read_file((dir / "checkpoint.bin").string()), "x").step, 17u);
   std::filesystem::remove_all(dir);
 }
 

@@ -1,6 +1,7 @@
 #include "trainer/checkpoint.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -88,6 +89,36 @@ class Reader {
   const std::string& source_;
   std::size_t pos_ = 0;
 };
+
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+// Temporary files of earlier writers of `target` on this host whose process no longer exists
+// (killed mid-write): "<name>.tmp.<host>.<pid>". Files of other hosts (a shared directory) and
+// of live processes are left alone.
+void remove_stale_temporaries(const std::filesystem::path& dir, const std::string& name,
+                              const std::string& host) {
+  std::string prefix = name;
+  prefix.append(".tmp.").append(host).push_back('.');
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const auto& entry = *it;
+    const std::string file = entry.path().filename().string();
+    if (file.size() <= prefix.size() || file.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = file.substr(prefix.size());
+    if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const auto pid = static_cast<pid_t>(std::stol(digits));
+    if (pid == ::getpid() || pid <= 0) continue;
+    if (::kill(pid, 0) == -1 && errno == ESRCH) {
+      std::error_code ignored;
+      std::filesystem::remove(entry.path(), ignored);
+    }
+  }
+}
 
 }  // namespace
 
@@ -189,7 +220,10 @@ void write_file_atomically(const std::string& path, std::span<const std::byte> b
     errno = ec.value();
     fail("cannot create directory " + dir.string());
   }
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const std::string host = host_name();
+  std::string tmp = path;
+  tmp.append(".tmp.").append(host).push_back('.');
+  tmp.append(std::to_string(::getpid()));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("cannot create " + tmp);
   // Every later failure closes the file (if still open), removes it, and reports the first errno.
@@ -217,6 +251,7 @@ void write_file_atomically(const std::string& path, std::span<const std::byte> b
     ::fsync(dfd);  // best effort: makes the rename itself durable
     ::close(dfd);
   }
+  remove_stale_temporaries(dir, target.filename().string(), host);
 }
 
 std::vector<std::byte> read_file(const std::string& path) {

@@ -40,7 +40,9 @@ CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::s
 
 // Writes `bytes` to `path` so that a reader sees either the old file or the complete new one:
 // write to a temporary file in the same directory, fsync, rename over `path`, fsync the
-// directory. Creates the directory if missing. Throws Error naming the path on failure.
+// directory. Creates the directory if missing. Throws Error naming the path on failure. After a
+// successful write, removes temporary files of `path` left by writers on this host that died
+// mid-write (their process no longer exists).
 void write_file_atomically(const std::string& path, std::span<const std::byte> bytes);
 // The whole file; throws InvalidArgument naming the path when it cannot be read.
 std::vector<std::byte> read_file(const std::string& path);
