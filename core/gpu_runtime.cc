@@ -29,6 +29,7 @@ Loaded& loaded() {
   return *state;
 }
 
+#if GRADCOMM_HAVE_NCCL
 std::string this_object_directory() {
   Dl_info info{};
   if (dladdr(reinterpret_cast<void*>(&this_object_directory), &info) == 0 || !info.dli_fname)
@@ -37,6 +38,7 @@ std::string this_object_directory() {
   const std::filesystem::path path = std::filesystem::canonical(info.dli_fname, ec);
   return ec ? std::string() : path.parent_path().string();
 }
+#endif
 
 void load(Loaded& state) {
 #if !GRADCOMM_HAVE_NCCL

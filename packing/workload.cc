@@ -27,7 +27,7 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
   nlohmann::json doc;
   try {
     doc = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, out_of_range (1e400), ...
     bad(origin, std::string("invalid JSON: ") + e.what());
   }
   if (!doc.is_object()) bad(origin, "the top level must be an object");

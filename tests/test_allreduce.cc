@@ -662,8 +662,50 @@ TEST_F(AutoSelection, TuningTableDecidesWhenItMatches) {
 }
 
 TEST_F(AutoSelection, MalformedTablesAreErrors) {
-  EXPECT_THAT([] { collectives::TuningTable::parse("{", "t.json"); },
-              ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("t.json: malformed")));
+  auto error_of = [](const std::string& text) -> std::string {
+    try {
+      collectives::TuningTable::parse(text, "t.json");
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  using ::testing::HasSubstr;
+  EXPECT_THAT(error_of("{"), HasSubstr("t.json: invalid JSON"));
+  EXPECT_THAT(error_of("[]"), HasSubstr("the top level must be an object"));
+  EXPECT_THAT(error_of(R"({"version": 2})"), HasSubstr("expected \"version\": 1"));
+  const std::string rows = R"(, "rows": [{"max_bytes": 8, "algorithm": "ring"}]})";
+  EXPECT_THAT(error_of(R"({"version": 1, "groups": 1)" + rows), HasSubstr("missing field 'ranks'"));
+  // Out of range or not an integer: an error, never silently converted.
+  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 4294967298, "groups": 1)" + rows),
+              HasSubstr("field 'ranks' must be an integer from 1 to 2147483647"));
+  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2.5, "groups": 1)" + rows),
+              HasSubstr("field 'ranks' must be an integer"));
+  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2, "groups": 0)" + rows),
+              HasSubstr("field 'groups' must be an integer"));
+  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2, "groups": 1})"),
+              HasSubstr("missing array field 'rows'"));
+  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2, "groups": 1, "rows": []})"),
+              HasSubstr("no rows"));
+  EXPECT_THAT(
+      error_of(
+          R"({"version": 1, "ranks": 2, "groups": 1, "rows": [{"max_bytes": -8, "algorithm": "ring"}]})"),
+      HasSubstr("rows[0].max_bytes must be a non-negative integer"));
+  EXPECT_THAT(
+      error_of(
+          R"({"version": 1, "ranks": 2, "groups": 1, "rows": [{"max_bytes": 8, "algorithm": 3}]})"),
+      HasSubstr("rows[0].algorithm must be a string"));
+  // What to_json writes parses back to the same table.
+  collectives::TuningTable table;
+  table.ranks = 3;
+  table.groups = 1;
+  table.rows = {{4096, "halving_doubling"}, {std::size_t{1} << 40, "ring"}};
+  const auto again = collectives::TuningTable::parse(table.to_json(), "t.json");
+  EXPECT_EQ(again.ranks, 3);
+  EXPECT_EQ(again.groups, 1);
+  ASSERT_EQ(again.rows.size(), 2u);
+  EXPECT_EQ(again.rows[1].max_bytes, std::size_t{1} << 40);
+  EXPECT_EQ(again.rows[1].algorithm, "ring");
   EXPECT_THAT(
       [] {
         collectives::TuningTable::parse(

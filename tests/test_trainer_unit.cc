@@ -353,6 +353,14 @@ CheckpointState sample_state() {
   return s;
 }
 
+// Recomputes the trailing checksum (64-bit FNV-1a of everything before it) after an edit.
+void reseal(std::vector<std::byte>& bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i + 8 < bytes.size(); ++i)
+    h = (h ^ static_cast<std::uint64_t>(bytes[i])) * 1099511628211ull;
+  std::memcpy(bytes.data() + bytes.size() - 8, &h, 8);
+}
+
 std::string decode_error(const std::vector<std::byte>& bytes) {
   try {
     decode_checkpoint(bytes, "test.bin");
@@ -455,11 +463,20 @@ TEST(Checkpoint, RejectsTruncatedCorruptForeignAndNewerFiles) {
   std::vector<std::byte> bad = encode_checkpoint(odd);
   const std::uint64_t huge = ~std::uint64_t{0} / 2;
   std::memcpy(bad.data() + 24, &huge, 8);
-  std::uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i + 8 < bad.size(); ++i)
-    h = (h ^ static_cast<std::uint64_t>(bad[i])) * 1099511628211ull;
-  std::memcpy(bad.data() + bad.size() - 8, &h, 8);
+  reseal(bad);
   EXPECT_THAT(decode_error(bad), HasSubstr("runs past the end"));
+  // The reserved header word must be 0, as version 1 writes it.
+  std::vector<std::byte> reserved = good;
+  reserved[12] = std::byte{1};
+  reseal(reserved);
+  EXPECT_THAT(decode_error(reserved), HasSubstr("reserved header field is 1"));
+  // A tensor whose shape disagrees with its value count (checksum intact) is rejected.
+  CheckpointState mismatched = sample_state();
+  mismatched.parameters[0].shape = {5, 6};
+  EXPECT_THAT(decode_error(encode_checkpoint(mismatched)),
+              HasSubstr("tensor 'layer0.weight': its shape holds 30 values, the file has 24"));
+  mismatched.parameters[0].shape = {1ull << 40, 1ull << 40};
+  EXPECT_THAT(decode_error(encode_checkpoint(mismatched)), HasSubstr("more than 2^64"));
   EXPECT_THAT(decode_error(good), HasSubstr("no error"));
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string_view>
 
 #include "core/error.h"
@@ -54,6 +55,7 @@ class Reader {
 
   void raw(void* p, std::size_t n) {
     if (n > bytes_.size() - pos_) fail("the payload ends early (truncated or corrupt)");
+    if (n == 0) return;  // p may be null (an empty vector's data())
     std::memcpy(p, bytes_.data() + pos_, n);
     pos_ += n;
   }
@@ -169,6 +171,12 @@ CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::s
     header.fail("format version " + std::to_string(version) + "; this build reads version " +
                 std::to_string(kCheckpointVersion));
   }
+  std::uint32_t reserved = 0;
+  std::memcpy(&reserved, bytes.data() + 12, sizeof reserved);
+  if (reserved != 0) {
+    header.fail("reserved header field is " + std::to_string(reserved) +
+                ", version 1 writes 0 (corrupt)");
+  }
   std::uint64_t payload = 0;
   std::memcpy(&payload, bytes.data() + 16, sizeof payload);
   if (payload != bytes.size() - kHeaderBytes - 8) {
@@ -192,6 +200,17 @@ CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::s
     for (auto& d : t.shape)
       d = r.u64();
     t.values = r.floats();
+    std::uint64_t elements = 1;
+    bool overflow = false;
+    for (std::uint64_t d : t.shape) {
+      if (d != 0 && elements > std::numeric_limits<std::uint64_t>::max() / d) overflow = true;
+      elements *= d;
+    }
+    if (overflow || elements != t.values.size()) {
+      r.fail("tensor '" + t.name + "': its shape holds " +
+             (overflow ? std::string("more than 2^64") : std::to_string(elements)) +
+             " values, the file has " + std::to_string(t.values.size()) + " (corrupt)");
+    }
   }
   s.optimizer = r.str();
   s.optimizer_steps = r.u64();
