@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,7 +17,31 @@ namespace {
 // Whether this process's MPI was initialized by gradcomm::init (and so is ours to finalize).
 bool g_initialized_by_us = false;
 
+// Set when MPI_Finalize begins: MPI deletes MPI_COMM_SELF's attributes first thing in
+// MPI_Finalize, calling this (MPI-3.1 section 8.7.1).
+std::atomic<bool> g_mpi_finalized{false};
+
+int on_finalize(MPI_Comm, int, void*, void*) {
+  g_mpi_finalized.store(true, std::memory_order_relaxed);
+  return MPI_SUCCESS;
+}
+
+// Installs on_finalize once per process (MPI must be initialized).
+void watch_finalize() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int key = MPI_KEYVAL_INVALID;
+    if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, on_finalize, &key, nullptr) == MPI_SUCCESS) {
+      MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr);
+    }
+  });
+}
+
 }  // namespace
+
+bool mpi_finalized() {
+  return g_mpi_finalized.load(std::memory_order_relaxed);
+}
 
 bool mpi_ready() {
   int initialized = 0;
@@ -51,10 +77,20 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
     throw InvalidArgument(
         error_message("Communicator", -1, "MPI is not initialized (call gradcomm::init() first)"));
   }
-  if (comm == MPI_COMM_NULL) {
+  // Open MPI's MPI_Comm_f2c gives a null handle (not MPI_COMM_NULL) for an unknown index.
+  if (comm == MPI_COMM_NULL || comm == MPI_Comm{}) {
     throw InvalidArgument(
-        error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL"));
+        error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL or invalid"));
   }
+  int inter = 0;
+  check_mpi(MPI_Comm_test_inter(comm, &inter), "Communicator: MPI_Comm_test_inter");
+  if (inter) {
+    throw InvalidArgument(
+        error_message("Communicator", -1,
+                      "the MPI communicator is an intercommunicator; gradcomm reduces over "
+                      "intracommunicators (MPI_Intercomm_merge first)"));
+  }
+  watch_finalize();
   check_mpi(MPI_Comm_dup(comm, &comm_), "Communicator: MPI_Comm_dup");
   // Errors on our communicator come back as return codes that check_mpi turns into exceptions.
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
@@ -108,6 +144,9 @@ std::byte* Communicator::scratch(std::size_t bytes, int slot) {
 }
 
 RegisteredBuffer Communicator::allocate(std::size_t bytes) {
+  if (mpi_finalized()) {
+    throw InvalidArgument(error_message("allocate", rank_, "MPI has been finalized"));
+  }
   unsigned long long range[2] = {bytes, ~static_cast<unsigned long long>(bytes)};  // max, min
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_),
             "allocate: MPI_Allreduce", rank_);

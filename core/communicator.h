@@ -24,6 +24,9 @@ void init(int* argc = nullptr, char*** argv = nullptr);
 void finalize();
 // True when MPI is initialized and not yet finalized.
 bool mpi_ready();
+// True once MPI_Finalize has begun, as seen by a Communicator created before (one atomic load:
+// every collective checks it, so that a call after MPI_Finalize is an error, not an MPI abort).
+bool mpi_finalized();
 
 // Per-communicator state owned by a module above core (cached algorithm objects, sub-
 // communicators, ...). Created on first use by Communicator::attachment<T>(), destroyed with the

@@ -8,6 +8,7 @@
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_shm.h"
 #include "collectives/consistency.h"
+#include "collectives/registry.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 #include "core/reduce_kernels.h"
@@ -163,11 +164,25 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
         error_message("grouped_allreduce", comm.rank(),
                       "invalid reduce op " + std::to_string(static_cast<int>(op))));
   }
+  // The buckets' algorithm, checked here rather than by the first bucket's all-reduce (after the
+  // comparison and the fused buffer's allocation).
+  const std::string_view requested =
+      options.algorithm.empty() ? std::string_view(comm.config().algorithm) : options.algorithm;
+  if (!collectives::is_algorithm_name(requested)) {
+    std::string detail = "unknown algorithm '";
+    detail.append(requested).append("'");
+    if (options.algorithm.empty()) detail.append(" (from GRADCOMM_ALGORITHM)");
+    detail.append("; valid names: ").append(collectives::algorithm_names_joined());
+    throw InvalidArgument(error_message("grouped_allreduce", comm.rank(), detail));
+  }
+  const int algorithm = collectives::algorithm_index(requested);
   if (tensors.empty()) {  // still one call, compared like any other
     watchdog::CallInfo info;
     info.sequence = comm.next_sequence();
     info.kind = watchdog::CallKind::grouped_allreduce;
     info.op = static_cast<int>(op);
+    info.algorithm = algorithm;
+    info.algorithm_name = collectives::algorithm_name_at(algorithm);
     collectives::CallScope scope(comm, info, "grouped_allreduce");
     scope.check_now();
     return scope.finish();
@@ -205,6 +220,8 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
   info.sequence = comm.next_sequence();
   info.kind = watchdog::CallKind::grouped_allreduce;
   info.op = static_cast<int>(op);
+  info.algorithm = algorithm;
+  info.algorithm_name = collectives::algorithm_name_at(algorithm);
   info.detail = plan.hash;
   for (const TensorDesc& t : tensors)
     info.count += t.count;

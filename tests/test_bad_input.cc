@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/broadcast.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "tests/mpi_test.h"
@@ -125,6 +126,18 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
       {"GRADCOMM_PIPELINE_DEPTH", "-3", "GRADCOMM_PIPELINE_DEPTH='-3'"},
       {"GRADCOMM_DETERMINISTIC", "yes", "GRADCOMM_DETERMINISTIC='yes' is invalid: expected 0 or 1"},
       {"GRADCOMM_FUSION_THRESHOLD", "-1", "GRADCOMM_FUSION_THRESHOLD='-1' is invalid"},
+      {"GRADCOMM_CALIBRATE", "2", "GRADCOMM_CALIBRATE='2' is invalid: expected 0 or 1"},
+      {"GRADCOMM_RANKS_PER_NODE", "0", "GRADCOMM_RANKS_PER_NODE='0' is invalid"},
+      {"GRADCOMM_RANKS_PER_NODE", "2.5", "GRADCOMM_RANKS_PER_NODE='2.5' is invalid"},
+      {"GRADCOMM_TOPOLOGY", "dgx2", "GRADCOMM_TOPOLOGY='dgx2' is invalid: expected dgx1 or empty"},
+      {"GRADCOMM_BIND", "socket",
+       "GRADCOMM_BIND='socket' is invalid: expected one of none, core, numa"},
+      {"GRADCOMM_TIMEOUT", "-5", "GRADCOMM_TIMEOUT='-5' is invalid"},
+      {"GRADCOMM_TIMEOUT", "ten", "GRADCOMM_TIMEOUT='ten' is invalid"},
+      {"GRADCOMM_CHECK", "sometimes", "expected one of off, default, full"},
+      {"GRADCOMM_DEVICE", "-1", "GRADCOMM_DEVICE='-1' is invalid"},
+      {"GRADCOMM_GPU_INTER_NODE", "tcp",
+       "GRADCOMM_GPU_INTER_NODE='tcp' is invalid: expected nccl or mpi"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -156,6 +169,44 @@ TEST_F(BadNames, OutOfRangeConfigInCode) {
 TEST_F(BadNames, NullCommunicator) {
   expect_error<InvalidArgument>([] { Communicator comm(MPI_COMM_NULL); },
                                 {"Communicator", "MPI_COMM_NULL"});
+  // What Open MPI's MPI_Comm_f2c returns for an unknown handle: an error, not an MPI abort.
+  expect_error<InvalidArgument>([] { Communicator comm(MPI_Comm_f2c(123456)); },
+                                {"Communicator", "MPI_COMM_NULL or invalid"});
+}
+
+TEST_F(BadNames, IntercommunicatorIsRejected) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two groups";
+  const int rank = world().rank();
+  MPI_Comm half = MPI_COMM_NULL, inter = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, rank % 2, rank, &half);
+  MPI_Intercomm_create(half, 0, MPI_COMM_WORLD, 1 - rank % 2, 7, &inter);
+  expect_error<InvalidArgument>([&] { Communicator comm(inter); },
+                                {"Communicator", "intercommunicator", "MPI_Intercomm_merge"});
+  MPI_Comm_free(&inter);
+  MPI_Comm_free(&half);
+  expect_usable(world());
+}
+
+TEST_F(BadNames, BroadcastRejectsBadInputBeforeCommunication) {
+  Communicator& comm = world();
+  std::vector<float> buf(8, 1.0f);
+  const std::string rank = "rank " + std::to_string(comm.rank());
+  expect_error<InvalidArgument>([&] { broadcast(comm, buf.data(), 8, DataType::float32, -1); },
+                                {"broadcast", rank, "root -1 is outside [0, "});
+  expect_error<InvalidArgument>(
+      [&] { broadcast(comm, buf.data(), 8, DataType::float32, comm.size()); },
+      {"root " + std::to_string(comm.size()) + " is outside"});
+  expect_error<InvalidArgument>([&] { broadcast(comm, nullptr, 8, DataType::float32, 0); },
+                                {"buffer is null with 32 bytes"});
+  expect_error<InvalidArgument>(
+      [&] { broadcast(comm, buf.data(), 8, static_cast<DataType>(42), 0); }, {"invalid dtype 42"});
+  expect_error<InvalidArgument>(
+      [&] {
+        broadcast(comm, buf.data(), std::numeric_limits<std::size_t>::max(), DataType::float32, 0);
+      },
+      {"overflows size_t"});
+  broadcast(comm, nullptr, 0, DataType::float32, 0);  // nothing to send: null is fine
+  expect_usable(comm);
 }
 
 }  // namespace

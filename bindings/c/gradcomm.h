@@ -65,7 +65,9 @@ gradcomm_status gradcomm_comm_create_world(gradcomm_comm* out);
 gradcomm_status gradcomm_comm_create_from_fortran(int64_t mpi_fortran_handle, gradcomm_comm* out);
 gradcomm_status gradcomm_comm_rank(gradcomm_comm comm, int* rank);
 gradcomm_status gradcomm_comm_size(gradcomm_comm comm, int* size);
-/* Frees the communicator (NULL is a no-op); call it before gradcomm_finalize. */
+/* Frees the communicator (NULL is a no-op); call it before gradcomm_finalize. Every call given
+ * a handle that was freed already (or never created) returns GRADCOMM_ERROR_INVALID_ARGUMENT
+ * instead of touching freed memory; so does any collective after MPI was finalized. */
 gradcomm_status gradcomm_comm_free(gradcomm_comm comm);
 
 /* recv = op over all ranks of send (count elements); send == recv is in place. algorithm: a

@@ -6,9 +6,14 @@
 #include <mpi.h>
 
 #include <climits>
+#include <cstdio>
+#include <limits>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
+#include <type_traits>
+#include <unordered_set>
 #include <vector>
 
 #include "collectives/allreduce.h"
@@ -79,14 +84,71 @@ void require(const T* p, const char* call, const char* name) {
   if (p == nullptr) invalid(call, std::string(name) + " is NULL");
 }
 
+// Handles created and not yet freed: a freed or made-up handle is an error, not a use after
+// free (a double free included). One lock and hash lookup per call.
+class LiveHandles {
+ public:
+  void add(const void* h) {
+    std::lock_guard lock(mutex_);
+    live_.insert(h);
+  }
+  bool contains(const void* h) {
+    std::lock_guard lock(mutex_);
+    return live_.count(h) != 0;
+  }
+  bool remove(const void* h) {
+    std::lock_guard lock(mutex_);
+    return live_.erase(h) != 0;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_set<const void*> live_;
+};
+
+LiveHandles& live_handles() {
+  static LiveHandles* handles = new LiveHandles;  // never destroyed: usable from atexit handlers
+  return *handles;
+}
+
+std::string address(const void* p) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%p", p);
+  return text;
+}
+
 gradcomm::Communicator& unwrap(gradcomm_comm comm, const char* call) {
-  if (comm == nullptr || !comm->comm) invalid(call, "comm is NULL");
+  if (comm == nullptr) invalid(call, "comm is NULL");
+  if (!live_handles().contains(comm)) {
+    invalid(call, "comm " + address(comm) + " is not a live communicator (already freed?)");
+  }
   return *comm->comm;
 }
 
 gradcomm::packing::GradientPacker& unwrap(gradcomm_packer packer, const char* call) {
-  if (packer == nullptr || !packer->packer) invalid(call, "packer is NULL");
+  if (packer == nullptr) invalid(call, "packer is NULL");
+  if (!live_handles().contains(packer)) {
+    invalid(call, "packer " + address(packer) + " is not a live packer (already freed?)");
+  }
   return *packer->packer;
+}
+
+// Hands a new object to the caller as a live handle.
+template <class Handle>
+Handle publish(std::unique_ptr<std::remove_pointer_t<Handle>> object) {
+  Handle h = object.release();
+  live_handles().add(h);
+  return h;
+}
+
+// Frees a live handle; NULL is a no-op (as free(NULL)).
+template <class Handle>
+void release(Handle h, const char* call, const char* what) {
+  if (h == nullptr) return;
+  if (!live_handles().remove(h)) {
+    invalid(call, std::string(what) + " " + address(h) + " is not live (freed twice?)");
+  }
+  delete h;
 }
 
 void require_mpi(const char* call) {
@@ -96,6 +158,9 @@ void require_mpi(const char* call) {
 std::vector<gradcomm::packing::TensorDesc> tensors_of(void* const* buffers, const size_t* counts,
                                                       const gradcomm_dtype* dtypes, size_t n,
                                                       const char* call) {
+  if (n > std::numeric_limits<size_t>::max() / 64) {
+    invalid(call, "n " + std::to_string(n) + " is too large (a negative value cast to size_t?)");
+  }
   if (n > 0) {
     require(buffers, call, "buffers");
     require(counts, call, "counts");
@@ -132,7 +197,7 @@ gradcomm_status gradcomm_comm_create_world(gradcomm_comm* out) {
     require_mpi(call);
     auto handle = std::make_unique<gradcomm_comm_s>();
     handle->comm = std::make_unique<gradcomm::Communicator>(MPI_COMM_WORLD);
-    *out = handle.release();
+    *out = publish<gradcomm_comm>(std::move(handle));
   });
 }
 
@@ -142,14 +207,19 @@ gradcomm_status gradcomm_comm_create_from_fortran(int64_t mpi_fortran_handle, gr
     require(out, call, "out");
     *out = nullptr;
     require_mpi(call);
-    if (mpi_fortran_handle < INT_MIN || mpi_fortran_handle > INT_MAX) {
+    // Fortran handles are indices >= 0; an unknown one gives a null MPI_Comm (Open MPI), which
+    // MPI_Comm_dup would answer by aborting the job.
+    if (mpi_fortran_handle < 0 || mpi_fortran_handle > INT_MAX) {
       invalid(call, "handle " + std::to_string(mpi_fortran_handle) + " is not an MPI_Fint");
     }
     const MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(mpi_fortran_handle));
     if (c == MPI_COMM_NULL) invalid(call, "the handle is MPI_COMM_NULL");
+    if (c == MPI_Comm{}) {
+      invalid(call, "handle " + std::to_string(mpi_fortran_handle) + " names no communicator");
+    }
     auto handle = std::make_unique<gradcomm_comm_s>();
     handle->comm = std::make_unique<gradcomm::Communicator>(c);
-    *out = handle.release();
+    *out = publish<gradcomm_comm>(std::move(handle));
   });
 }
 
@@ -169,7 +239,7 @@ gradcomm_status gradcomm_comm_size(gradcomm_comm comm, int* size) {
 
 gradcomm_status gradcomm_comm_free(gradcomm_comm comm) {
   // After MPI_Finalize the MPI objects are gone already; the memory is released either way.
-  return guarded([&] { delete comm; });
+  return guarded([&] { release(comm, "gradcomm_comm_free", "comm"); });
 }
 
 gradcomm_status gradcomm_allreduce(gradcomm_comm comm, const void* send, void* recv, size_t count,
@@ -234,7 +304,7 @@ gradcomm_status gradcomm_packer_create(void* const* buffers, const size_t* count
     auto handle = std::make_unique<gradcomm_packer_s>();
     handle->packer = std::make_unique<gradcomm::packing::GradientPacker>(tensors, o);
     if (declined) *declined = handle->packer->declined() ? 1 : 0;
-    *out = handle.release();
+    *out = publish<gradcomm_packer>(std::move(handle));
   });
 }
 
@@ -269,7 +339,7 @@ gradcomm_status gradcomm_packer_buffer(gradcomm_packer packer, size_t index, voi
 }
 
 gradcomm_status gradcomm_packer_free(gradcomm_packer packer) {
-  return guarded([&] { delete packer; });
+  return guarded([&] { release(packer, "gradcomm_packer_free", "packer"); });
 }
 
 const char* gradcomm_error_string(gradcomm_status status) {

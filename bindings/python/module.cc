@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <bit>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -44,6 +45,17 @@ ReduceOp parse_op(const std::string& name, const std::string& call, int rank) {
 DataType dtype_of_array(const py::buffer_info& info, const std::string& call, int rank) {
   const std::string& f = info.format;
   const char kind = f.empty() ? '?' : f.back();
+  // A leading '<' or '>' (or '!') fixes the byte order; only the machine's own is summed right.
+  const char order = f.size() > 1 ? f.front() : '@';
+  const bool little = std::endian::native == std::endian::little;
+  const bool big_marked = order == '>' || order == '!';
+  if ((big_marked && little) || (order == '<' && !little)) {
+    invalid(call,
+            std::string("the array's byte order ('") + order +
+                "') is not this machine's; convert it first, e.g. "
+                "a.astype(a.dtype.newbyteorder('='))",
+            rank);
+  }
   if (info.itemsize == 4 && kind == 'f') return DataType::float32;
   if (info.itemsize == 8 && kind == 'd') return DataType::float64;
   if (info.itemsize == 2 && kind == 'e') return DataType::float16;
@@ -93,32 +105,42 @@ View view_of(const py::object& obj, bool writable, const std::string& call, cons
 // The communicator handed to Python: owns a gradcomm::Communicator.
 class PyCommunicator {
  public:
-  explicit PyCommunicator(MPI_Comm comm) : comm_(std::make_unique<Communicator>(comm)) {}
+  explicit PyCommunicator(MPI_Comm comm) : comm_(std::make_shared<Communicator>(comm)) {}
 
   static std::shared_ptr<PyCommunicator> from_mpi4py(const py::object& mpi4py_comm) {
     if (!mpi_ready()) invalid("Communicator", "MPI is not initialized", -1);
     if (!py::hasattr(mpi4py_comm, "py2f")) {
       invalid("Communicator", "expected an mpi4py communicator (with py2f())", -1);
     }
-    const auto handle = mpi4py_comm.attr("py2f")().cast<MPI_Fint>();
+    MPI_Fint handle = 0;
+    try {
+      handle = mpi4py_comm.attr("py2f")().cast<MPI_Fint>();
+    } catch (const py::cast_error&) {
+      invalid("Communicator", "py2f() did not return an MPI Fortran handle (an int)", -1);
+    }
     const MPI_Comm c = MPI_Comm_f2c(handle);
     if (c == MPI_COMM_NULL) invalid("Communicator", "the communicator is MPI.COMM_NULL", -1);
     return std::make_shared<PyCommunicator>(c);
   }
 
-  Communicator& get() {
-    if (!comm_) invalid("gradcomm", "the communicator was freed (after shutdown())", -1);
-    return *comm_;
+  // The communicator, held for the duration of a call: free() from another thread while the
+  // call runs without the GIL only drops this object's reference.
+  std::shared_ptr<Communicator> get() {
+    std::shared_ptr<Communicator> held = comm_;
+    if (!held) invalid("gradcomm", "the communicator was freed (after shutdown())", -1);
+    if (mpi_finalized()) invalid("gradcomm", "MPI has been finalized", held->rank());
+    return held;
   }
-  int rank() { return get().rank(); }
-  int size() { return get().size(); }
-  int local_rank() { return topology::topology_of(get()).local_rank(); }
-  int local_size() { return topology::topology_of(get()).local_size(); }
+  int rank() { return get()->rank(); }
+  int size() { return get()->size(); }
+  int local_rank() { return topology::topology_of(*get()).local_rank(); }
+  int local_size() { return topology::topology_of(*get()).local_size(); }
   void free() { comm_.reset(); }
 
   py::object allreduce(const py::object& array, const std::string& op,
                        const std::optional<std::string>& algorithm, const py::object& out) {
-    Communicator& c = get();
+    const std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
     const std::string call = "allreduce";
     const ReduceOp rop = parse_op(op, call, c.rank());
     const bool in_place = !out.is_none() && out.is(array);
@@ -128,8 +150,9 @@ class PyCommunicator {
       result = py::array(py::dtype(send.info), send.info.shape);
     }
     void* recv_ptr = send.info.ptr;
+    std::optional<View> recv_view;  // holds the export of `out` until the call is done
     if (!in_place) {
-      const View recv = view_of(result, true, call, "out", c.rank());
+      const View& recv = recv_view.emplace(view_of(result, true, call, "out", c.rank()));
       if (recv.dtype != send.dtype || recv.count != send.count) {
         invalid(call,
                 "out has " + std::to_string(recv.count) + " elements of " +
@@ -137,7 +160,7 @@ class PyCommunicator {
                     std::to_string(send.count) + " of " + std::string(to_string(send.dtype)),
                 c.rank());
       }
-      recv_ptr = recv.info.ptr;  // result keeps the memory alive
+      recv_ptr = recv.info.ptr;
     }
     const std::string alg = algorithm.value_or("");
     {
@@ -152,7 +175,8 @@ class PyCommunicator {
   py::list grouped_allreduce(const py::list& arrays, const std::string& op,
                              const std::optional<std::string>& algorithm,
                              std::optional<std::size_t> fusion_threshold) {
-    Communicator& c = get();
+    const std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
     const std::string call = "grouped_allreduce";
     const ReduceOp rop = parse_op(op, call, c.rank());
     std::vector<View> views;
@@ -171,7 +195,8 @@ class PyCommunicator {
                               const std::vector<std::string>& dtypes, const std::string& op,
                               const std::optional<std::string>& algorithm,
                               std::optional<std::size_t> fusion_threshold) {
-    Communicator& c = get();
+    const std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
     const std::string call = "grouped_allreduce";
     if (ptrs.size() != counts.size() || ptrs.size() != dtypes.size()) {
       invalid(call, "ptrs, counts and dtypes differ in length", c.rank());
@@ -188,7 +213,8 @@ class PyCommunicator {
   void allreduce_ptr(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
                      const std::string& dtype, const std::string& op,
                      const std::optional<std::string>& algorithm) {
-    Communicator& c = get();
+    const std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
     const ReduceOp rop = parse_op(op, "allreduce", c.rank());
     const DataType dt = parse_dtype(dtype, "allreduce", c.rank());
     const std::string alg = algorithm.value_or("");
@@ -198,7 +224,8 @@ class PyCommunicator {
   }
 
   py::object broadcast(const py::object& array, int root) {
-    Communicator& c = get();
+    const std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
     View v = view_of(array, true, "broadcast", "array", c.rank());
     py::gil_scoped_release release;
     gradcomm::broadcast(c, v.info.ptr, v.count, v.dtype, root);
@@ -209,7 +236,8 @@ class PyCommunicator {
   // the baseline for measuring what a Python call adds. Returns seconds.
   double bench_allreduce(const py::object& array, int iterations, const std::string& op,
                          const std::optional<std::string>& algorithm) {
-    Communicator& c = get();
+    const std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
     View v = view_of(array, true, "_bench_allreduce", "array", c.rank());
     const ReduceOp rop = parse_op(op, "_bench_allreduce", c.rank());
     const std::string alg = algorithm.value_or("");
@@ -222,7 +250,8 @@ class PyCommunicator {
   }
 
   void broadcast_ptr(std::uintptr_t data, std::size_t count, const std::string& dtype, int root) {
-    Communicator& c = get();
+    const std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
     const DataType dt = parse_dtype(dtype, "broadcast", c.rank());
     py::gil_scoped_release release;
     gradcomm::broadcast(c, reinterpret_cast<void*>(data), count, dt, root);
@@ -240,7 +269,7 @@ class PyCommunicator {
     gradcomm::grouped_allreduce(c, tensors, op, o);
   }
 
-  std::unique_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> comm_;
 };
 
 // GradientPacker over a list of arrays; buffers() are NumPy views of the packed memory that

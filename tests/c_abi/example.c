@@ -3,6 +3,7 @@
  * packer, byte counters, and rejected input (status, message, still usable afterwards). With
  * GRADCOMM_TEST_MPI it also wraps MPI_COMM_WORLD through its Fortran handle. Prints "c abi: ok"
  * on rank 0 and exits 0 when every rank passed. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <gradcomm.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -91,6 +92,100 @@ int main(int argc, char** argv) {
   CHECK(gradcomm_comm_rank(comm, &my_rank) == GRADCOMM_SUCCESS);
   CHECK(strcmp(gradcomm_last_error(), "") == 0);
 
+  /* Every entry point, more bad input: each returns INVALID_ARGUMENT with a message naming the
+   * problem, before any communication (every rank makes the same bad calls). */
+#define REJECTS(call, text)                               \
+  do {                                                    \
+    CHECK((call) == GRADCOMM_ERROR_INVALID_ARGUMENT);     \
+    CHECK(strstr(gradcomm_last_error(), (text)) != NULL); \
+  } while (0)
+  REJECTS(gradcomm_allreduce(comm, x, NULL, 4, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
+          "recvbuf is null");
+  REJECTS(gradcomm_allreduce(comm, x, x + 1, 8, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
+          "overlap partially");
+  CHECK(gradcomm_allreduce(comm, NULL, NULL, 0, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL) ==
+        GRADCOMM_SUCCESS); /* nothing to reduce: NULL is fine */
+  REJECTS(gradcomm_comm_create_world(NULL), "out is NULL");
+  REJECTS(gradcomm_comm_size(comm, NULL), "size is NULL");
+  REJECTS(gradcomm_comm_size(NULL, &size), "comm is NULL");
+  REJECTS(gradcomm_traffic(NULL, NULL, NULL, NULL, NULL), "comm is NULL");
+  REJECTS(gradcomm_reset_traffic(NULL), "comm is NULL");
+  REJECTS(gradcomm_broadcast(NULL, x, 4, GRADCOMM_FLOAT32, 0), "comm is NULL");
+  REJECTS(gradcomm_broadcast(comm, x, 4, GRADCOMM_FLOAT32, -1), "root -1 is outside");
+  REJECTS(gradcomm_broadcast(comm, NULL, 4, GRADCOMM_FLOAT32, 0), "buffer is null");
+  REJECTS(gradcomm_broadcast(comm, x, 4, (gradcomm_dtype)42, 0), "invalid dtype 42");
+  REJECTS(gradcomm_broadcast(comm, x, (size_t)-1, GRADCOMM_FLOAT32, 0), "overflows size_t");
+  {
+    void* two[] = {x, y};
+    void* with_null[] = {x, NULL};
+    void* overlapping[] = {x, x + 2};
+    size_t four[] = {4, 4};
+    size_t huge[] = {4, (size_t)-1};
+    gradcomm_dtype f32[] = {GRADCOMM_FLOAT32, GRADCOMM_FLOAT32};
+    gradcomm_dtype bad[] = {GRADCOMM_FLOAT32, (gradcomm_dtype)42};
+    REJECTS(gradcomm_grouped_allreduce(NULL, two, four, f32, 2, GRADCOMM_SUM, NULL, 0),
+            "comm is NULL");
+    REJECTS(gradcomm_grouped_allreduce(comm, NULL, four, f32, 2, GRADCOMM_SUM, NULL, 0),
+            "buffers is NULL");
+    REJECTS(gradcomm_grouped_allreduce(comm, two, NULL, f32, 2, GRADCOMM_SUM, NULL, 0),
+            "counts is NULL");
+    REJECTS(gradcomm_grouped_allreduce(comm, with_null, four, f32, 2, GRADCOMM_SUM, NULL, 0),
+            "tensor 1: data is null");
+    REJECTS(gradcomm_grouped_allreduce(comm, overlapping, four, f32, 2, GRADCOMM_SUM, NULL, 0),
+            "overlaps tensor");
+    REJECTS(gradcomm_grouped_allreduce(comm, two, four, bad, 2, GRADCOMM_SUM, NULL, 0),
+            "tensor 1: invalid dtype 42");
+    REJECTS(gradcomm_grouped_allreduce(comm, two, huge, f32, 2, GRADCOMM_SUM, NULL, 0),
+            "overflows size_t");
+    REJECTS(gradcomm_grouped_allreduce(comm, two, four, f32, 2, (gradcomm_op)9, NULL, 0),
+            "invalid reduce op 9");
+    REJECTS(gradcomm_grouped_allreduce(comm, two, four, f32, 2, GRADCOMM_SUM, "nope", 0),
+            "unknown algorithm 'nope'");
+    REJECTS(gradcomm_grouped_allreduce(comm, two, four, f32, 0, GRADCOMM_SUM, "nope", 0),
+            "unknown algorithm 'nope'");
+    REJECTS(gradcomm_grouped_allreduce(comm, two, four, f32, (size_t)-1, GRADCOMM_SUM, NULL, 0),
+            "is too large");
+    gradcomm_packer p = NULL;
+    REJECTS(gradcomm_packer_create(two, four, f32, 2, -1, &p, NULL), "num_split -1 is negative");
+    REJECTS(gradcomm_packer_create(two, four, f32, (size_t)-1, 0, &p, NULL), "is too large");
+    REJECTS(gradcomm_packer_create(overlapping, four, f32, 2, 0, &p, NULL), "overlaps tensor");
+    REJECTS(gradcomm_packer_create(two, four, f32, 2, 0, NULL, NULL), "out is NULL");
+    /* Tiny tensors: the packer declines, and using it says why. */
+    int declined_small = 0;
+    CHECK(gradcomm_packer_create(two, four, f32, 2, 0, &p, &declined_small) == GRADCOMM_SUCCESS);
+    CHECK(declined_small == 1);
+    REJECTS(gradcomm_packer_pack(p), "declined");
+    REJECTS(gradcomm_packer_buffer_count(p, NULL), "count is NULL");
+    CHECK(gradcomm_packer_free(p) == GRADCOMM_SUCCESS);
+    /* A freed handle is an error, not a use after free; NULL frees nothing. */
+    REJECTS(gradcomm_packer_free(p), "is not live");
+    REJECTS(gradcomm_packer_pack(p), "is not a live packer");
+    CHECK(gradcomm_packer_free(NULL) == GRADCOMM_SUCCESS);
+    gradcomm_comm spare = NULL;
+    CHECK(gradcomm_comm_create_world(&spare) == GRADCOMM_SUCCESS);
+    CHECK(gradcomm_comm_free(spare) == GRADCOMM_SUCCESS);
+    REJECTS(gradcomm_comm_free(spare), "is not live");
+    REJECTS(gradcomm_allreduce(spare, x, y, 4, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
+            "is not a live communicator");
+    REJECTS(gradcomm_comm_rank(spare, &my_rank), "is not a live communicator");
+    CHECK(gradcomm_comm_free(NULL) == GRADCOMM_SUCCESS);
+    /* Fortran handles: negative, too large for MPI_Fint, or naming no communicator (Open MPI
+     * would abort the job inside MPI_Comm_dup). */
+    REJECTS(gradcomm_comm_create_from_fortran(-1, &spare), "is not an MPI_Fint");
+    REJECTS(gradcomm_comm_create_from_fortran((int64_t)1 << 40, &spare), "is not an MPI_Fint");
+    REJECTS(gradcomm_comm_create_from_fortran(123456, &spare), "names no communicator");
+    CHECK(spare == NULL);
+#ifdef GRADCOMM_TEST_MPI
+    REJECTS(gradcomm_comm_create_from_fortran((int64_t)MPI_Comm_c2f(MPI_COMM_NULL), &spare),
+            "MPI_COMM_NULL");
+#endif
+    /* An invalid variable names itself and its valid values. */
+    setenv("GRADCOMM_CHECK", "sometimes", 1);
+    REJECTS(gradcomm_comm_create_world(&spare), "GRADCOMM_CHECK");
+    unsetenv("GRADCOMM_CHECK");
+  }
+  CHECK(gradcomm_comm_rank(comm, &my_rank) == GRADCOMM_SUCCESS); /* still usable */
+
   /* Grouped all-reduce of mixed dtypes, average. */
   float a[5];
   double b[1000];
@@ -155,15 +250,27 @@ int main(int argc, char** argv) {
   /* ring sends 2(n-1) chunks of about 4000/n bytes (chunks differ by up to one element) */
   CHECK(size == 1 || intra + inter >= (uint64_t)(size - 1) * 4000u / (uint64_t)size);
 
-  free(x);
-  free(y);
   free(t0);
   free(t1);
   /* Agree on the outcome: every rank learns whether any rank failed. */
   int64_t failed = failures;
   gradcomm_allreduce(comm, &failed, &failed, 1, GRADCOMM_INT64, GRADCOMM_SUM, NULL);
+  /* After MPI_Finalize: a collective on a communicator still alive is an error, not an MPI
+   * abort; freeing it releases the memory; a new one cannot be made. */
+  gradcomm_comm late = NULL;
+  CHECK(gradcomm_comm_create_world(&late) == GRADCOMM_SUCCESS);
+  CHECK(gradcomm_allreduce(late, x, y, 1000, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL) ==
+        GRADCOMM_SUCCESS);
   CHECK(gradcomm_comm_free(comm) == GRADCOMM_SUCCESS);
   CHECK(gradcomm_finalize() == GRADCOMM_SUCCESS);
+  REJECTS(gradcomm_allreduce(late, x, y, 4, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
+          "MPI has been finalized");
+  REJECTS(gradcomm_broadcast(late, x, 4, GRADCOMM_FLOAT32, 0), "MPI has been finalized");
+  CHECK(gradcomm_comm_rank(late, &my_rank) == GRADCOMM_SUCCESS);
+  CHECK(gradcomm_comm_free(late) == GRADCOMM_SUCCESS);
+  REJECTS(gradcomm_comm_create_world(&late), "not initialized");
+  free(x);
+  free(y);
   if (my_rank == 0) printf("c abi: %s (%d ranks)\n", failed == 0 ? "ok" : "FAILED", size);
   return failed == 0 && failures == 0 ? 0 : 1;
 }

@@ -147,6 +147,51 @@ def test_errors_name_the_problem_and_leave_the_module_usable():
     assert np.all(out == SIZE)
 
 
+def test_every_call_rejects_bad_arrays_before_communicating():
+    x = np.ones(8, dtype=np.float32)
+    ro = np.ones(4, dtype=np.float32)
+    ro.setflags(write=False)
+    bad = gradcomm.InvalidArgument
+    # Byte order other than the machine's would be summed as garbage.
+    expect_error(bad, "byte order", lambda: gradcomm.allreduce(np.ones(4, dtype=">f4")))
+    expect_error(bad, "of float64", lambda: gradcomm.allreduce(x, out=np.ones(8)))
+    buf = np.zeros(16, dtype=np.float32)
+    expect_error(bad, "overlap partially", lambda: gradcomm.allreduce(buf[0:8], out=buf[1:9]))
+    expect_error(bad, "read-only", lambda: gradcomm.allreduce(x, out=ro))
+    # grouped_allreduce
+    expect_error(bad, "not an array", lambda: gradcomm.grouped_allreduce([x, [1.0]]))
+    expect_error(bad, "read-only", lambda: gradcomm.grouped_allreduce([x, ro]))
+    expect_error(bad, "overlaps", lambda: gradcomm.grouped_allreduce([x, x]))
+    expect_error(bad, "unknown op 'median'", lambda: gradcomm.grouped_allreduce([x], op="median"))
+    expect_error(bad, "unknown algorithm 'nope'",
+                 lambda: gradcomm.grouped_allreduce([x], algorithm="nope"))
+    expect_error(bad, "unknown algorithm 'nope'",
+                 lambda: gradcomm.grouped_allreduce([], algorithm="nope"))
+    # broadcast
+    expect_error(bad, "root -1", lambda: gradcomm.broadcast(x, root=-1))
+    expect_error(bad, "read-only", lambda: gradcomm.broadcast(ro))
+    expect_error(bad, "not C-contiguous",
+                 lambda: gradcomm.broadcast(np.ones((4, 4), dtype=np.float32).T))
+    # the packer
+    expect_error(bad, "num_split", lambda: gradcomm.GradientPacker([x], num_split=0))
+    expect_error(bad, "overlaps", lambda: gradcomm.GradientPacker([x, x]))
+    expect_error(bad, "read-only", lambda: gradcomm.GradientPacker([ro]))
+    # communicators
+    expect_error(bad, "mpi4py communicator", lambda: gradcomm.Communicator("x"))
+    intercomm = None
+    if SIZE >= 2:
+        half = MPI.COMM_WORLD.Split(RANK % 2, RANK)
+        intercomm = half.Create_intercomm(0, MPI.COMM_WORLD, 1 - RANK % 2, 7)
+        expect_error(bad, "intercommunicator", lambda: gradcomm.Communicator(intercomm))
+        intercomm.Free()
+        half.Free()
+    spare = gradcomm.Communicator(MPI.COMM_WORLD)
+    spare.free()
+    expect_error(bad, "was freed", lambda: spare.allreduce(x))
+    out = gradcomm.allreduce(x, op="sum")  # still usable, and in step on every rank
+    assert np.all(out == SIZE)
+
+
 def test_topology_queries():
     assert 0 <= gradcomm.local_rank() < gradcomm.local_size() <= SIZE
     assert "ring" in gradcomm.algorithm_names()

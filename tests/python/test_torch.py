@@ -42,6 +42,40 @@ def test_errors():
         gt.allreduce_([1.0])
     with pytest.raises(gradcomm.Error, match="unknown op"):
         gt.allreduce_(torch.ones(4), op="median")
+    with pytest.raises(gradcomm.Error, match="is on meta"):
+        gt.allreduce_(torch.ones(4, device="meta"))
+    with pytest.raises(gradcomm.Error, match="layout"):
+        gt.allreduce_(torch.ones(4).to_sparse())
+    # In-place writes autograd cannot see: refused unless under no_grad (or on .detach()).
+    leaf = torch.ones(4, requires_grad=True)
+    with pytest.raises(gradcomm.Error, match="requires grad"):
+        gt.allreduce_(leaf)
+    with pytest.raises(gradcomm.Error, match="requires grad"):
+        gt.broadcast_(leaf)
+    with torch.no_grad():
+        gt.allreduce_(leaf, op="sum")
+    assert torch.equal(leaf.detach(), torch.full((4,), float(SIZE)))
+    with pytest.raises(gradcomm.Error, match=r"root -1 is outside"):
+        gt.broadcast_(torch.ones(4), root=-1)
+    with pytest.raises(gradcomm.Error, match=rf"root {SIZE} is outside"):
+        gt.broadcast_(torch.ones(4), root=SIZE)
+    t = torch.ones(8)
+    with pytest.raises(gradcomm.Error, match="overlaps"):
+        gt.grouped_allreduce_([t, t])
+    # A state_dict with an unsupported tensor fails before anything is broadcast.
+    model = make_model(100 + RANK)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = dict(model.state_dict())
+    state["zz.mask"] = torch.ones(3, dtype=torch.bool)
+    with pytest.raises(gradcomm.Error, match="zz.mask has unsupported dtype"):
+        gt.broadcast_parameters(state)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(gradcomm.Error, match="does not cover"):
+        gt.DistributedOptimizer(opt, named_parameters=list(model.named_parameters())[:1])
+    ones = torch.ones(4)
+    gt.allreduce_(ones, op="sum")  # still usable
+    assert torch.equal(ones, torch.full((4,), float(SIZE)))
 
 
 def make_model(seed):

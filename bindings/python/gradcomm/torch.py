@@ -12,6 +12,9 @@ DistributedOptimizer that averages gradients, fused, before every step (Horovod'
         optimizer.step()              # all-reduces the gradients, then steps
 
 Tensors are used in place through their data pointers: no copies for contiguous CPU tensors.
+The in-place calls refuse tensors that autograd tracks (requires_grad, outside torch.no_grad()):
+writes through a data pointer bypass autograd. They cannot tell memory that is read-only to the
+OS (a tensor over a read-only mmap, or over ``bytes`` via torch.frombuffer): do not pass those.
 """
 
 import torch
@@ -31,12 +34,19 @@ _DTYPES = {
 }
 
 
-def _check(tensor, call, what="tensor"):
+def _check(tensor, call, what="tensor", writes=False):
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgument(f"{call}: {what} is a {type(tensor).__name__}, not a torch.Tensor")
     if tensor.device.type != "cpu":
         raise InvalidArgument(f"{call}: {what} is on {tensor.device}; gradcomm.torch takes CPU "
                               "tensors (the nccl path is separate)")
+    if tensor.layout != torch.strided:
+        raise InvalidArgument(f"{call}: {what} has layout {tensor.layout}; gradcomm takes dense "
+                              "(strided) tensors (call .to_dense())")
+    if writes and tensor.requires_grad and torch.is_grad_enabled():
+        raise InvalidArgument(f"{call}: {what} requires grad, and an in-place write through its "
+                              "data pointer would bypass autograd; pass tensor.detach() (or "
+                              "its .grad), or call under torch.no_grad()")
     if not tensor.is_contiguous():
         raise InvalidArgument(f"{call}: {what} is not contiguous (call .contiguous())")
     if tensor.dtype not in _DTYPES:
@@ -46,7 +56,7 @@ def _check(tensor, call, what="tensor"):
 
 def allreduce_(tensor, op="average", algorithm=None, comm=None):
     """Reduces `tensor` over all ranks, in place. Returns it."""
-    dtype = _check(tensor, "allreduce_")
+    dtype = _check(tensor, "allreduce_", writes=True)
     ptr = tensor.data_ptr()
     (comm or world())._allreduce_ptr(ptr, ptr, tensor.numel(), dtype, op, algorithm)
     return tensor
@@ -64,7 +74,8 @@ def allreduce(tensor, op="average", algorithm=None, comm=None):
 def grouped_allreduce_(tensors, op="average", algorithm=None, fusion_threshold=None, comm=None):
     """All-reduces every tensor of the list in place, fused into buckets. Returns the list."""
     tensors = list(tensors)
-    dtypes = [_check(t, "grouped_allreduce_", f"tensor {i}") for i, t in enumerate(tensors)]
+    dtypes = [_check(t, "grouped_allreduce_", f"tensor {i}", writes=True)
+              for i, t in enumerate(tensors)]
     (comm or world())._grouped_allreduce_ptrs([t.data_ptr() for t in tensors],
                                               [t.numel() for t in tensors], dtypes, op, algorithm,
                                               fusion_threshold)
@@ -73,7 +84,7 @@ def grouped_allreduce_(tensors, op="average", algorithm=None, fusion_threshold=N
 
 def broadcast_(tensor, root=0, comm=None):
     """Copies root's `tensor` into `tensor` on every rank. Returns it."""
-    dtype = _check(tensor, "broadcast_")
+    dtype = _check(tensor, "broadcast_", writes=True)
     (comm or world())._broadcast_ptr(tensor.data_ptr(), tensor.numel(), dtype, root)
     return tensor
 
@@ -82,14 +93,15 @@ def broadcast_parameters(params, root=0, comm=None):
     """Broadcasts root's values of a state_dict (or named_parameters(), or a list of
     (name, tensor)) into every rank's tensors, in place, in name order."""
     items = params.items() if hasattr(params, "items") else params
-    named = sorted(((n, t) for n, t in items), key=lambda nt: nt[0])
+    named = sorted(((n, t) for n, t in items if isinstance(t, torch.Tensor)),
+                   key=lambda nt: nt[0])
+    # Every tensor is checked before the first is sent: a bad one fails on every rank (they all
+    # hold the same list) before any broadcast, instead of leaving the ranks out of step.
+    targets = [t.data if t.requires_grad else t for _, t in named]
+    for (name, _), target in zip(named, targets):
+        _check(target, "broadcast_parameters", name)
     with torch.no_grad():
-        for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            target = tensor.data if tensor.requires_grad else tensor
-            if not target.is_contiguous():
-                raise InvalidArgument(f"broadcast_parameters: {name} is not contiguous")
+        for target in targets:
             broadcast_(target, root, comm)
 
 
