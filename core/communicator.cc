@@ -33,6 +33,7 @@ void watch_finalize() {
     int key = MPI_KEYVAL_INVALID;
     if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, on_finalize, &key, nullptr) == MPI_SUCCESS) {
       MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr);
+      MPI_Comm_free_keyval(&key);  // released once the attribute is deleted (at MPI_Finalize)
     }
   });
 }
