@@ -14,11 +14,12 @@ namespace gradcomm {
 void allgatherv(Communicator& comm, const void* send, std::size_t send_count, void* recv,
                 std::span<const std::size_t> counts, DataType dtype) {
   const char* call = "allgatherv";
-  const std::size_t es = element_size(dtype);
+  require_mpi_alive(call, comm.rank());
   if (!is_valid(dtype)) {
     throw InvalidArgument(error_message(
         call, comm.rank(), "invalid dtype " + std::to_string(static_cast<int>(dtype))));
   }
+  const std::size_t es = element_size(dtype);
   auto invalid = [&](const std::string& detail) {
     throw InvalidArgument(error_message(call, comm.rank(), detail));
   };

@@ -26,11 +26,13 @@ void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,
 }  // namespace detail
 
 TrafficReport traffic(Communicator& comm) {
+  require_mpi_alive("traffic", comm.rank());  // the counters' first use finds the topology
   const collectives::TrafficCounters& c = comm.attachment<collectives::Traffic>().counters();
   return {c.intra_bytes, c.inter_bytes, c.intra_messages, c.inter_messages};
 }
 
 void reset_traffic(Communicator& comm) {
+  require_mpi_alive("reset_traffic", comm.rank());
   comm.attachment<collectives::Traffic>().counters() = collectives::TrafficCounters{};
 }
 
@@ -44,6 +46,7 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   auto invalid = [&](const std::string& detail) {
     throw InvalidArgument(error_message(call(), comm.rank(), detail));
   };
+  if (mpi_finalized()) invalid("MPI has been finalized: no collective can run after it");
 
   // Validation: everything here is local, so a bad call fails on the rank that made it, before
   // any message is sent.

@@ -37,7 +37,6 @@
 namespace gradcomm::collectives {
 namespace {
 
-
 // The sub-communicators of one communicator, built once (collectively, on first use).
 class Hierarchy : public Attachment {
  public:

@@ -37,6 +37,7 @@ void broadcast(Communicator& comm, void* buffer, std::size_t count, DataType dty
 
 void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int root) {
   const char* call = "broadcast";
+  require_mpi_alive(call, comm.rank());
   if (root < 0 || root >= comm.size()) {
     throw InvalidArgument(error_message(
         call, comm.rank(),

@@ -44,6 +44,13 @@ bool mpi_finalized() {
   return g_mpi_finalized.load(std::memory_order_relaxed);
 }
 
+void require_mpi_alive(std::string_view call, int rank) {
+  if (mpi_finalized()) {
+    throw InvalidArgument(error_message(std::string(call), rank,
+                                        "MPI has been finalized: no collective can run after it"));
+  }
+}
+
 bool mpi_ready() {
   int initialized = 0;
   int finalized = 0;
@@ -145,9 +152,7 @@ std::byte* Communicator::scratch(std::size_t bytes, int slot) {
 }
 
 RegisteredBuffer Communicator::allocate(std::size_t bytes) {
-  if (mpi_finalized()) {
-    throw InvalidArgument(error_message("allocate", rank_, "MPI has been finalized"));
-  }
+  require_mpi_alive("allocate", rank_);
   unsigned long long range[2] = {bytes, ~static_cast<unsigned long long>(bytes)};  // max, min
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_),
             "allocate: MPI_Allreduce", rank_);

@@ -27,6 +27,9 @@ bool mpi_ready();
 // True once MPI_Finalize has begun, as seen by a Communicator created before (one atomic load:
 // every collective checks it, so that a call after MPI_Finalize is an error, not an MPI abort).
 bool mpi_finalized();
+// Throws InvalidArgument naming `call` when MPI has been finalized: the first thing every public
+// collective does, before it touches any per-communicator state (which may itself communicate).
+void require_mpi_alive(std::string_view call, int rank);
 
 // Per-communicator state owned by a module above core (cached algorithm objects, sub-
 // communicators, ...). Created on first use by Communicator::attachment<T>(), destroyed with the

@@ -158,6 +158,7 @@ packing::FusionPlan grouped_allreduce_plan(const Communicator& comm,
 
 void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
                        const GroupedAllreduceOptions& options) {
+  require_mpi_alive("grouped_allreduce", comm.rank());
   packing::validate_tensors(tensors, "grouped_allreduce", comm.rank());
   if (!is_valid(op)) {
     throw InvalidArgument(

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -205,6 +206,10 @@ CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::s
     for (std::uint64_t d : t.shape) {
       if (d != 0 && elements > std::numeric_limits<std::uint64_t>::max() / d) overflow = true;
       elements *= d;
+    }
+    if (std::find(t.shape.begin(), t.shape.end(), std::uint64_t{0}) != t.shape.end()) {
+      overflow = false;  // a zero dimension: no values, whatever the others
+      elements = 0;
     }
     if (overflow || elements != t.values.size()) {
       r.fail("tensor '" + t.name + "': its shape holds " +

@@ -42,7 +42,9 @@ CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::s
 // write to a temporary file in the same directory, fsync, rename over `path`, fsync the
 // directory. Creates the directory if missing. Throws Error naming the path on failure. After a
 // successful write, removes temporary files of `path` left by writers on this host that died
-// mid-write (their process no longer exists).
+// mid-write (their process no longer exists). Limits: a writer on a host that changed its name
+// (a restarted container) leaves its file behind; containers that share a host name but not a
+// PID namespace must not share a checkpoint directory.
 void write_file_atomically(const std::string& path, std::span<const std::byte> bytes);
 // The whole file; throws InvalidArgument naming the path when it cannot be read.
 std::vector<std::byte> read_file(const std::string& path);

@@ -13,7 +13,7 @@
 #include <new>
 #include <string>
 #include <type_traits>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "collectives/allreduce.h"
@@ -84,31 +84,40 @@ void require(const T* p, const char* call, const char* name) {
   if (p == nullptr) invalid(call, std::string(name) + " is NULL");
 }
 
-// Handles created and not yet freed: a freed or made-up handle is an error, not a use after
-// free (a double free included). One lock and hash lookup per call.
-class LiveHandles {
+// Every handle ever created, with what it is: a freed, made-up or wrong-kind handle is an
+// error, not a use after free (a double free included). Freeing destroys the object but keeps
+// its 8-byte shell allocated, so that its address is never reused by a later handle and a stale
+// handle stays recognisable. One lock and hash lookup per call.
+enum class HandleKind { comm, packer, freed };
+
+class Handles {
  public:
-  void add(const void* h) {
+  void add(const void* h, HandleKind kind) {
     std::lock_guard lock(mutex_);
-    live_.insert(h);
+    kinds_[h] = kind;
   }
-  bool contains(const void* h) {
+  bool is(const void* h, HandleKind kind) {
     std::lock_guard lock(mutex_);
-    return live_.count(h) != 0;
+    const auto it = kinds_.find(h);
+    return it != kinds_.end() && it->second == kind;
   }
-  bool remove(const void* h) {
+  // Marks a live handle of `kind` freed; false if it was not one.
+  bool retire(const void* h, HandleKind kind) {
     std::lock_guard lock(mutex_);
-    return live_.erase(h) != 0;
+    const auto it = kinds_.find(h);
+    if (it == kinds_.end() || it->second != kind) return false;
+    it->second = HandleKind::freed;
+    return true;
   }
 
  private:
   std::mutex mutex_;
-  std::unordered_set<const void*> live_;
+  std::unordered_map<const void*, HandleKind> kinds_;
 };
 
-LiveHandles& live_handles() {
-  static LiveHandles* handles = new LiveHandles;  // never destroyed: usable from atexit handlers
-  return *handles;
+Handles& handles() {
+  static Handles* all = new Handles;  // never destroyed: usable from atexit handlers
+  return *all;
 }
 
 std::string address(const void* p) {
@@ -119,7 +128,7 @@ std::string address(const void* p) {
 
 gradcomm::Communicator& unwrap(gradcomm_comm comm, const char* call) {
   if (comm == nullptr) invalid(call, "comm is NULL");
-  if (!live_handles().contains(comm)) {
+  if (!handles().is(comm, HandleKind::comm)) {
     invalid(call, "comm " + address(comm) + " is not a live communicator (already freed?)");
   }
   return *comm->comm;
@@ -127,7 +136,7 @@ gradcomm::Communicator& unwrap(gradcomm_comm comm, const char* call) {
 
 gradcomm::packing::GradientPacker& unwrap(gradcomm_packer packer, const char* call) {
   if (packer == nullptr) invalid(call, "packer is NULL");
-  if (!live_handles().contains(packer)) {
+  if (!handles().is(packer, HandleKind::packer)) {
     invalid(call, "packer " + address(packer) + " is not a live packer (already freed?)");
   }
   return *packer->packer;
@@ -135,20 +144,23 @@ gradcomm::packing::GradientPacker& unwrap(gradcomm_packer packer, const char* ca
 
 // Hands a new object to the caller as a live handle.
 template <class Handle>
-Handle publish(std::unique_ptr<std::remove_pointer_t<Handle>> object) {
-  Handle h = object.release();
-  live_handles().add(h);
-  return h;
+Handle publish(std::unique_ptr<std::remove_pointer_t<Handle>> object, HandleKind kind) {
+  handles().add(object.get(), kind);  // may throw: the object is still owned here
+  return object.release();
 }
 
-// Frees a live handle; NULL is a no-op (as free(NULL)).
+// Destroys the object behind a live handle (its shell stays, see Handles); NULL is a no-op.
 template <class Handle>
-void release(Handle h, const char* call, const char* what) {
+void release(Handle h, HandleKind kind, const char* call, const char* what) {
   if (h == nullptr) return;
-  if (!live_handles().remove(h)) {
+  if (!handles().retire(h, kind)) {
     invalid(call, std::string(what) + " " + address(h) + " is not live (freed twice?)");
   }
-  delete h;
+  if constexpr (std::is_same_v<Handle, gradcomm_comm>) {
+    h->comm.reset();
+  } else {
+    h->packer.reset();
+  }
 }
 
 void require_mpi(const char* call) {
@@ -197,7 +209,7 @@ gradcomm_status gradcomm_comm_create_world(gradcomm_comm* out) {
     require_mpi(call);
     auto handle = std::make_unique<gradcomm_comm_s>();
     handle->comm = std::make_unique<gradcomm::Communicator>(MPI_COMM_WORLD);
-    *out = publish<gradcomm_comm>(std::move(handle));
+    *out = publish<gradcomm_comm>(std::move(handle), HandleKind::comm);
   });
 }
 
@@ -207,9 +219,9 @@ gradcomm_status gradcomm_comm_create_from_fortran(int64_t mpi_fortran_handle, gr
     require(out, call, "out");
     *out = nullptr;
     require_mpi(call);
-    // Fortran handles are indices >= 0; an unknown one gives a null MPI_Comm (Open MPI), which
-    // MPI_Comm_dup would answer by aborting the job.
-    if (mpi_fortran_handle < 0 || mpi_fortran_handle > INT_MAX) {
+    // An unknown handle gives a null MPI_Comm (Open MPI), which MPI_Comm_dup would answer by
+    // aborting the job.
+    if (mpi_fortran_handle < INT_MIN || mpi_fortran_handle > INT_MAX) {
       invalid(call, "handle " + std::to_string(mpi_fortran_handle) + " is not an MPI_Fint");
     }
     const MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(mpi_fortran_handle));
@@ -219,7 +231,7 @@ gradcomm_status gradcomm_comm_create_from_fortran(int64_t mpi_fortran_handle, gr
     }
     auto handle = std::make_unique<gradcomm_comm_s>();
     handle->comm = std::make_unique<gradcomm::Communicator>(c);
-    *out = publish<gradcomm_comm>(std::move(handle));
+    *out = publish<gradcomm_comm>(std::move(handle), HandleKind::comm);
   });
 }
 
@@ -239,7 +251,7 @@ gradcomm_status gradcomm_comm_size(gradcomm_comm comm, int* size) {
 
 gradcomm_status gradcomm_comm_free(gradcomm_comm comm) {
   // After MPI_Finalize the MPI objects are gone already; the memory is released either way.
-  return guarded([&] { release(comm, "gradcomm_comm_free", "comm"); });
+  return guarded([&] { release(comm, HandleKind::comm, "gradcomm_comm_free", "comm"); });
 }
 
 gradcomm_status gradcomm_allreduce(gradcomm_comm comm, const void* send, void* recv, size_t count,
@@ -304,7 +316,7 @@ gradcomm_status gradcomm_packer_create(void* const* buffers, const size_t* count
     auto handle = std::make_unique<gradcomm_packer_s>();
     handle->packer = std::make_unique<gradcomm::packing::GradientPacker>(tensors, o);
     if (declined) *declined = handle->packer->declined() ? 1 : 0;
-    *out = publish<gradcomm_packer>(std::move(handle));
+    *out = publish<gradcomm_packer>(std::move(handle), HandleKind::packer);
   });
 }
 
@@ -339,7 +351,7 @@ gradcomm_status gradcomm_packer_buffer(gradcomm_packer packer, size_t index, voi
 }
 
 gradcomm_status gradcomm_packer_free(gradcomm_packer packer) {
-  return guarded([&] { release(packer, "gradcomm_packer_free", "packer"); });
+  return guarded([&] { release(packer, HandleKind::packer, "gradcomm_packer_free", "packer"); });
 }
 
 const char* gradcomm_error_string(gradcomm_status status) {

@@ -162,6 +162,12 @@ int main(int argc, char** argv) {
     REJECTS(gradcomm_packer_pack(p), "is not a live packer");
     CHECK(gradcomm_packer_free(NULL) == GRADCOMM_SUCCESS);
     gradcomm_comm spare = NULL;
+    /* A packer handle is not a communicator, nor the other way round. */
+    gradcomm_packer other = NULL;
+    CHECK(gradcomm_packer_create(two, four, f32, 2, 0, &other, NULL) == GRADCOMM_SUCCESS);
+    REJECTS(gradcomm_comm_size((gradcomm_comm)(void*)other, &size), "is not a live communicator");
+    REJECTS(gradcomm_comm_free((gradcomm_comm)(void*)other), "is not live");
+    CHECK(gradcomm_packer_free(other) == GRADCOMM_SUCCESS);
     CHECK(gradcomm_comm_create_world(&spare) == GRADCOMM_SUCCESS);
     CHECK(gradcomm_comm_free(spare) == GRADCOMM_SUCCESS);
     REJECTS(gradcomm_comm_free(spare), "is not live");
@@ -171,7 +177,7 @@ int main(int argc, char** argv) {
     CHECK(gradcomm_comm_free(NULL) == GRADCOMM_SUCCESS);
     /* Fortran handles: negative, too large for MPI_Fint, or naming no communicator (Open MPI
      * would abort the job inside MPI_Comm_dup). */
-    REJECTS(gradcomm_comm_create_from_fortran(-1, &spare), "is not an MPI_Fint");
+    REJECTS(gradcomm_comm_create_from_fortran(-1, &spare), "names no communicator");
     REJECTS(gradcomm_comm_create_from_fortran((int64_t)1 << 40, &spare), "is not an MPI_Fint");
     REJECTS(gradcomm_comm_create_from_fortran(123456, &spare), "names no communicator");
     CHECK(spare == NULL);
@@ -266,6 +272,16 @@ int main(int argc, char** argv) {
   REJECTS(gradcomm_allreduce(late, x, y, 4, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
           "MPI has been finalized");
   REJECTS(gradcomm_broadcast(late, x, 4, GRADCOMM_FLOAT32, 0), "MPI has been finalized");
+  {
+    void* one[] = {x};
+    size_t four_elements[] = {4};
+    gradcomm_dtype f32_only[] = {GRADCOMM_FLOAT32};
+    REJECTS(
+        gradcomm_grouped_allreduce(late, one, four_elements, f32_only, 1, GRADCOMM_SUM, NULL, 0),
+        "MPI has been finalized");
+    uint64_t bytes = 0;
+    REJECTS(gradcomm_traffic(late, &bytes, NULL, NULL, NULL), "MPI has been finalized");
+  }
   CHECK(gradcomm_comm_rank(late, &my_rank) == GRADCOMM_SUCCESS);
   CHECK(gradcomm_comm_free(late) == GRADCOMM_SUCCESS);
   REJECTS(gradcomm_comm_create_world(&late), "not initialized");

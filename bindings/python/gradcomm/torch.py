@@ -145,7 +145,7 @@ class _DistributedOptimizerMixin:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
-            grads.append(p.grad)
+            grads.append(p.grad.detach())  # same memory; a create_graph grad is reduced as data
         grouped_allreduce_(grads, self._gradcomm_op, self._gradcomm_algorithm,
                            self._gradcomm_fusion, self._gradcomm_comm)
 
