@@ -51,9 +51,7 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   // Validation: everything here is local, so a bad call fails on the rank that made it, before
   // any message is sent.
   if (!collectives::is_algorithm_name(requested)) {
-    invalid("unknown algorithm '" + std::string(requested) + "'" +
-            (options.algorithm.empty() ? " (from GRADCOMM_ALGORITHM)" : "") +
-            "; valid names: " + collectives::algorithm_names_joined());
+    invalid(collectives::unknown_algorithm(requested, options.algorithm.empty()));
   }
   if (!is_valid(dtype)) invalid("invalid dtype " + std::to_string(static_cast<int>(dtype)));
   if (!is_valid(op)) invalid("invalid reduce op " + std::to_string(static_cast<int>(op)));

@@ -56,6 +56,14 @@ std::string algorithm_names_joined() {
   return joined;
 }
 
+std::string unknown_algorithm(std::string_view name, bool from_environment) {
+  std::string detail = "unknown algorithm '";
+  detail.append(name).push_back('\'');
+  if (from_environment) detail.append(" (from GRADCOMM_ALGORITHM)");
+  detail.append("; valid names: ").append(algorithm_names_joined());
+  return detail;
+}
+
 bool is_algorithm_name(std::string_view name) {
   if (name == "auto") return true;
   for (const AlgorithmEntry& entry : registered_algorithms()) {

@@ -29,6 +29,9 @@ std::vector<std::string> algorithm_names();
 std::vector<std::string> host_algorithm_names();
 // "auto, flat, ring, ..." for error messages.
 std::string algorithm_names_joined();
+// The error detail for an unknown algorithm name: "unknown algorithm 'x' (from
+// GRADCOMM_ALGORITHM); valid names: ..." (the parenthesis when it came from the environment).
+std::string unknown_algorithm(std::string_view name, bool from_environment);
 bool is_algorithm_name(std::string_view name);
 // The position of `name` among algorithm_names() (-1 when it is none of them), and the name at a
 // position in static storage (null when out of range): how call fingerprints carry algorithms.

@@ -170,20 +170,18 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
   const std::string_view requested =
       options.algorithm.empty() ? std::string_view(comm.config().algorithm) : options.algorithm;
   if (!collectives::is_algorithm_name(requested)) {
-    std::string detail = "unknown algorithm '";
-    detail.append(requested).append("'");
-    if (options.algorithm.empty()) detail.append(" (from GRADCOMM_ALGORITHM)");
-    detail.append("; valid names: ").append(collectives::algorithm_names_joined());
-    throw InvalidArgument(error_message("grouped_allreduce", comm.rank(), detail));
+    throw InvalidArgument(
+        error_message("grouped_allreduce", comm.rank(),
+                      collectives::unknown_algorithm(requested, options.algorithm.empty())));
   }
-  const int algorithm = collectives::algorithm_index(requested);
+  // The call's fingerprint; its sequence number is taken right before its scope opens.
+  watchdog::CallInfo info;
+  info.kind = watchdog::CallKind::grouped_allreduce;
+  info.op = static_cast<int>(op);
+  info.algorithm = collectives::algorithm_index(requested);
+  info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
   if (tensors.empty()) {  // still one call, compared like any other
-    watchdog::CallInfo info;
     info.sequence = comm.next_sequence();
-    info.kind = watchdog::CallKind::grouped_allreduce;
-    info.op = static_cast<int>(op);
-    info.algorithm = algorithm;
-    info.algorithm_name = collectives::algorithm_name_at(algorithm);
     collectives::CallScope scope(comm, info, "grouped_allreduce");
     scope.check_now();
     return scope.finish();
@@ -217,12 +215,7 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
 
   // Every rank must hold the same plan: its hash is part of the call's fingerprint, compared
   // before anything is reduced (whatever GRADCOMM_CHECK says: the buckets depend on it).
-  watchdog::CallInfo info;
   info.sequence = comm.next_sequence();
-  info.kind = watchdog::CallKind::grouped_allreduce;
-  info.op = static_cast<int>(op);
-  info.algorithm = algorithm;
-  info.algorithm_name = collectives::algorithm_name_at(algorithm);
   info.detail = plan.hash;
   for (const TensorDesc& t : tensors)
     info.count += t.count;
