@@ -124,9 +124,15 @@ TEST_F(Soak, TenThousandRandomAllreducesStayExactAndMemoryStaysFlat) {
         comm.rank(), calls, n, wrong, rss_start, quarters.c_str(), -growth[1], growth[0]);
   }
   EXPECT_EQ(wrong, 0u);
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer keeps freed memory in quarantine (up to 256 MiB) instead of reusing it, so
+  // resident memory grows by design; the valgrind test and the normal build check leaks.
+  std::printf("soak: AddressSanitizer build: resident memory reported, not checked\n");
+#else
   // A leak of even 200 bytes per call would be 1.5 MiB over the last three quarters.
   EXPECT_LT(rss_end - settled, 1024)
       << "resident memory grew by " << rss_end - settled << " KiB after the first quarter";
+#endif
 }
 
 }  // namespace
