@@ -335,7 +335,6 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
 
 CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view call)
     : comm_(comm), info_(info), call_(call) {
-  require_mpi_alive(call, comm.rank());
   if (t_current.scope != nullptr) return;  // part of an outer call
   // The comparison state is built (collectively: the board of a single-host communicator) by
   // every rank's first call, before anything below, which must not throw.
