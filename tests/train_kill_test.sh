@@ -7,16 +7,7 @@
 set -uo pipefail
 MPIEXEC=$1
 TRAIN=$2
-RUN=("$MPIEXEC" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
-# Every run uses algorithm auto, whose choice depends on a timing calibration that may differ
-# between the uninterrupted and the resumed run on a loaded machine (seen under the sanitizers);
-# in the reproducible mode every algorithm gives the same bits, so the hashes must agree.
-export GRADCOMM_DETERMINISTIC=1
-WORK=$(mktemp -d)
-trap 'pkill -9 -f "$WORK" 2>/dev/null; rm -rf "$WORK"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-hash_of() { sed -n 's/.*model hash \([0-9a-f]*\).*/\1/p' "$1"; }
+source "$(dirname "${BASH_SOURCE[0]}")/train_test_common.sh"
 
 STEPS=3000
 COMMON=(--steps "$STEPS" --batch 120 --optimizer adam --hidden 64 --samples 4000 --log-every 100)
