@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/allreduce_shm.h"
 #include "collectives/auto_select.h"
 #include "collectives/registry.h"
 #include "core/error.h"
@@ -171,6 +172,20 @@ std::string param_name(const std::string& algorithm) {
   return algorithm;
 }
 
+// shm runs only when every rank shares one host (not across the emulated hosts of the multihost
+// tests); elsewhere every rank must refuse the call, before any communication, saying why.
+bool runs_here(Communicator& comm, const std::string& algorithm) {
+  if (algorithm != "shm" || collectives::shares_one_host(comm)) return true;
+  std::vector<float> data(3, 1.0f);
+  EXPECT_THAT(
+      [&] {
+        allreduce(comm, data.data(), data.data(), 3, DataType::float32, ReduceOp::sum,
+                  {.algorithm = "shm"});
+      },
+      ::testing::ThrowsMessage<Unsupported>(::testing::HasSubstr("share this host")));
+  return false;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Every algorithm x dtype x op x count x placement, exact.
 
@@ -178,6 +193,7 @@ class AllreduceExact : public MpiTestWithParam<std::tuple<std::string, DataType>
 
 TEST_P(AllreduceExact, EveryOpCountAndPlacement) {
   const auto& [algorithm, dtype] = GetParam();
+  if (!runs_here(world(), algorithm)) GTEST_SKIP() << algorithm << " needs one host";
   std::vector<std::byte> send, recv;
   for (ReduceOp op : kAllReduceOps) {
     for (std::size_t count : small_counts(world().size())) {
@@ -202,6 +218,7 @@ INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceExact,
 class AllreduceLarge : public MpiTestWithParam<std::string> {};
 
 TEST_P(AllreduceLarge, SixteenMiElements) {
+  if (!runs_here(world(), GetParam())) GTEST_SKIP() << GetParam() << " needs one host";
   constexpr std::size_t kCount = std::size_t{16} << 20;
   std::vector<std::byte> send, recv;
   const std::tuple<DataType, ReduceOp> cases[] = {{DataType::float32, ReduceOp::sum},
@@ -224,6 +241,7 @@ class AllreduceRandom : public MpiTestWithParam<std::string> {};
 
 TEST_P(AllreduceRandom, MatchesFloat64Reference) {
   Communicator& comm = world();
+  if (!runs_here(comm, GetParam())) GTEST_SKIP() << GetParam() << " needs one host";
   const int n = comm.size();
   std::mt19937_64 rng(1234 + static_cast<unsigned>(comm.rank()));
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
@@ -286,6 +304,7 @@ INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceRandom, ::testing::ValuesIn(all_al
 class AllreduceSegments : public MpiTestWithParam<std::string> {};
 
 TEST_P(AllreduceSegments, TinySegmentsAndShallowPipelines) {
+  if (!runs_here(world(), GetParam())) GTEST_SKIP() << GetParam() << " needs one host";
   for (int depth : {1, 2, 5}) {
     Config config;
     config.segment_bytes = 64;  // 16 float32 per segment: a 100-element call has many
@@ -327,6 +346,7 @@ TEST_F(AllreduceSubcommunicators, PrefixesAndEvenOddSplit) {
       Communicator comm(split);
       std::vector<std::byte> send, recv;
       for (const std::string& algorithm : all_algorithms()) {
+        if (!runs_here(comm, algorithm)) continue;
         for (std::size_t count : {std::size_t{1}, std::size_t{8}, std::size_t{65537}}) {
           check_exact(comm, algorithm, DataType::float32, ReduceOp::sum, count, false, send, recv);
           check_exact(comm, algorithm, DataType::int32, ReduceOp::min, count, true, send, recv);
@@ -362,24 +382,28 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Hierarchical on emulated layouts: 8 = 2x4, 8 = 4x2, 6 = 2x3, 5 = 3+2, 4 = 1x4 and the DGX-1
-// preset at 8, each on a sub-communicator of the needed size cut from the world.
+// preset at 8, each on a sub-communicator of the needed size cut from the world; and on the
+// discovered layout of the whole world (one node on one machine; real hosts under
+// scripts/mpirun-hosts, the multihost tests).
 
 struct Layout {
   const char* label;
-  int ranks;
-  int ranks_per_node;  // 0 with the preset
+  int ranks;           // 0: the whole world
+  int ranks_per_node;  // 0 with the preset, or for the discovered layout
   const char* preset;
 };
-constexpr Layout kLayouts[] = {{"8=2x4", 8, 4, ""}, {"8=4x2", 8, 2, ""}, {"6=2x3", 6, 3, ""},
-                               {"5=3+2", 5, 3, ""}, {"4=1x4", 4, 4, ""}, {"dgx1", 8, 0, "dgx1"}};
+constexpr Layout kLayouts[] = {{"8=2x4", 8, 4, ""},     {"8=4x2", 8, 2, ""}, {"6=2x3", 6, 3, ""},
+                               {"5=3+2", 5, 3, ""},     {"4=1x4", 4, 4, ""}, {"dgx1", 8, 0, "dgx1"},
+                               {"discovered", 0, 0, ""}};
 
 // Runs `body` on a communicator of `layout.ranks` ranks with the layout's config, on the ranks
 // that take part; returns false (nothing run) when the world is too small.
 template <class Body>
 bool with_layout(const Layout& layout, Body body) {
-  if (world().size() < layout.ranks) return false;
+  const int ranks = layout.ranks > 0 ? layout.ranks : world().size();
+  if (world().size() < ranks) return false;
   MPI_Comm split = MPI_COMM_NULL;
-  const bool member = world().rank() < layout.ranks;
+  const bool member = world().rank() < ranks;
   MPI_Comm_split(MPI_COMM_WORLD, member ? 0 : MPI_UNDEFINED, world().rank(), &split);
   if (member) {
     Config config;
@@ -480,7 +504,7 @@ TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
   if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
 }
 
-INSTANTIATE_TEST_SUITE_P(Emulated, HierarchicalLayouts, ::testing::ValuesIn(kLayouts),
+INSTANTIATE_TEST_SUITE_P(Layouts, HierarchicalLayouts, ::testing::ValuesIn(kLayouts),
                          [](const auto& info) {
                            std::string name = info.param.label;
                            std::replace(name.begin(), name.end(), '=', '_');
@@ -632,7 +656,7 @@ TEST_F(AutoSelection, TuningTableDecidesWhenItMatches) {
   const std::string path = "/tmp/gradcomm_test_tuning_" + std::to_string(getpid()) + ".json";
   collectives::TuningTable table;
   table.ranks = world().size();
-  table.groups = 1;
+  table.groups = static_cast<int>(topology::topology_of(world()).groups.size());
   table.rows = {{1000, "flat"}, {100000, "mpi"}, {SIZE_MAX, "ring"}};
   if (world().rank() == 0) {
     std::ofstream(path) << table.to_json();

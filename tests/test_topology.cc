@@ -3,11 +3,13 @@
 
 #include <gmock/gmock.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "tests/mpi_test.h"
@@ -42,13 +44,50 @@ TEST_F(Topology, HardwareAgreesWithHwlocLs) {
   EXPECT_TRUE(h.gpus.empty() || !h.gpus.front().pci_bus_id.empty());
 }
 
-TEST_F(Topology, DiscoveredLayoutIsOneNodeHere) {
+// The discovered nodes are the ranks grouped by host name (MPI_Get_processor_name, an
+// independent source), numbered by their lowest rank. One node when every rank runs on this
+// machine; under scripts/mpirun-hosts (the multihost tests) GRADCOMM_TEST_EXPECTED_LAYOUT names
+// the ranks per host the launcher was asked for ("2,2", "3,1"), and the nodes must match it.
+TEST_F(Topology, DiscoveredLayoutMatchesHostNames) {
   const auto& t = topology::topology_of(world());
   EXPECT_EQ(t.source, "discovered");
-  ASSERT_EQ(t.nodes.size(), 1u);  // every rank of this test runs on one machine
-  EXPECT_EQ(t.local_size(), world().size());
-  EXPECT_EQ(t.local_rank(), world().rank());
+  const int n = world().size();
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int length = 0;
+  MPI_Get_processor_name(name, &length);
+  std::vector<char> names(static_cast<std::size_t>(n) * MPI_MAX_PROCESSOR_NAME);
+  MPI_Allgather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(), MPI_MAX_PROCESSOR_NAME,
+                MPI_CHAR, MPI_COMM_WORLD);
+  std::vector<std::string> hosts;
+  std::vector<std::vector<int>> expected;
+  for (int r = 0; r < n; ++r) {
+    const std::string host(&names[static_cast<std::size_t>(r) * MPI_MAX_PROCESSOR_NAME]);
+    const auto it = std::find(hosts.begin(), hosts.end(), host);
+    if (it == hosts.end()) {
+      hosts.push_back(host);
+      expected.push_back({r});
+    } else {
+      expected[static_cast<std::size_t>(it - hosts.begin())].push_back(r);
+    }
+  }
+  EXPECT_EQ(t.nodes, expected);
   EXPECT_EQ(t.groups, t.nodes);
+  for (int r = 0; r < n; ++r) {
+    const auto& node =
+        t.nodes[static_cast<std::size_t>(t.node_of_rank[static_cast<std::size_t>(r)])];
+    EXPECT_NE(std::find(node.begin(), node.end(), r), node.end()) << "rank " << r;
+  }
+  const auto& mine = t.nodes[static_cast<std::size_t>(t.node())];
+  EXPECT_EQ(t.local_size(), static_cast<int>(mine.size()));
+  EXPECT_EQ(mine[static_cast<std::size_t>(t.local_rank())], world().rank());
+  std::string layout;
+  for (const auto& node : t.nodes) {
+    if (!layout.empty()) layout.push_back(',');
+    layout.append(std::to_string(node.size()));
+  }
+  const char* wanted = std::getenv("GRADCOMM_TEST_EXPECTED_LAYOUT");
+  EXPECT_EQ(layout, wanted ? std::string(wanted) : std::to_string(n))
+      << "nodes seen on hosts " << ::testing::PrintToString(hosts);
 }
 
 TEST_F(Topology, EmulatedLayouts) {
