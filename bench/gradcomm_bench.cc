@@ -81,6 +81,10 @@ struct Row {
   // Bytes one call sent inside / across hierarchical groups, largest over ranks (gradcomm's own
   // algorithms; 0 for mpi, whose internals are not visible).
   unsigned long long intra_bytes = 0, inter_bytes = 0;
+  // auto's cost model: predicted time of this algorithm (of its pick, for auto), 0 where it has
+  // none (mpi, nccl); and what auto picks at this size (auto's row only).
+  double model_us = 0;
+  std::string picks;
 };
 
 const char kUsage[] =
@@ -493,11 +497,23 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   return rows;
 }
 
+// auto's view of a row: its model's prediction and, for auto, its pick. Every rank calls it (the
+// model is set up collectively on first use).
+void model_row(Communicator& comm, const Options& o, Row& row) {
+  if (row.algorithm == "auto" && comm.size() > 1) {
+    const gradcomm::collectives::AllreduceArgs args{nullptr, nullptr, row.count, o.dtype, o.op};
+    row.picks = gradcomm::collectives::select_allreduce_algorithm(args, comm);
+  }
+  const auto predicted = gradcomm::collectives::predicted_allreduce_seconds(
+      comm, row.picks.empty() ? row.algorithm : row.picks, row.bytes);
+  row.model_us = predicted ? *predicted * 1e6 : 0;
+}
+
 void print_header(const Options& o, int n) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
-        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound\n");
+        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound,model_us,picks\n");
   } else if (o.format == Options::Format::table) {
     std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
                 std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
@@ -511,12 +527,14 @@ void print_header(const Options& o, int n) {
         "faster)\n");
     std::printf(
         "# xgroup_MB: bytes one call sends across hierarchical groups (nodes), largest "
-        "rank\n#\n");
+        "rank\n");
+    std::printf(
+        "# model_us: auto's cost model (calibrated) for this algorithm, or for auto's pick\n#\n");
     std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %10s", "size",
                 "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us", "p50_us",
                 "p99_us", "algbw", "busbw", "#wrong", "vs_mpi", "xgroup_MB");
     if (o.stream) std::printf(" %8s", "of_bound");
-    std::printf("\n");
+    std::printf(" %10s  %s\n", "model_us", "picks");
   }
 }
 
@@ -525,19 +543,21 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
   const std::string op(to_string(o.op));
   if (o.format == Options::Format::csv) {
     std::printf(
-        "%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu,%.3f\n",
+        "%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu,%.3f,%.2f,"
+        "%s\n",
         r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0, n,
         r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi,
-        r.intra_bytes, r.inter_bytes, r.of_bound);
+        r.intra_bytes, r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str());
   } else if (o.format == Options::Format::json) {
     std::printf(
         "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
         "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
         "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f, "
-        "\"intra_bytes\": %llu, \"inter_bytes\": %llu, \"of_bound\": %.3f}",
+        "\"intra_bytes\": %llu, \"inter_bytes\": %llu, \"of_bound\": %.3f, "
+        "\"model_us\": %.2f, \"picks\": \"%s\"}",
         first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi, r.intra_bytes,
-        r.inter_bytes, r.of_bound);
+        r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str());
   } else {
     const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
     std::printf(
@@ -547,7 +567,7 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi,
         static_cast<double>(r.inter_bytes) / 1e6);
     if (o.stream) std::printf(" %8.2f", r.of_bound);
-    std::printf("\n");
+    std::printf(" %10.2f  %s\n", r.model_us, r.picks.c_str());
   }
   std::fflush(stdout);
 }
@@ -795,6 +815,7 @@ int run(int argc, char** argv) {
     if (fastest != rows.end()) winners.emplace_back(count * es, fastest->algorithm);
     for (Row row : rows) {
       if (o.stream) row.of_bound = row.busbw * 1e9 / stream.bound_busbw(comm.size());
+      if (!o.gpu) model_row(comm, o, row);
       if (rank == 0) print_row(o, row, comm.size(), first);
       first = false;
       total_wrong += std::max(row.wrong, 0LL);

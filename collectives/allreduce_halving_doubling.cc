@@ -8,10 +8,13 @@
 //   fold (only when n is not a power of two): among the first 2*rem ranks, each even rank sends
 //     its whole buffer to the odd rank above it, which reduces it and takes part in the rest as
 //     "new rank" r/2; ranks >= 2*rem become r - rem. The even ranks wait for the result.
-//   reduce-scatter, log2(p) steps: partners at distance p/2, p/4, ..., 1 (in new ranks) split
+//   reduce-scatter, log2(p) steps: partners at distance 1, 2, 4, ..., p/2 (in new ranks) split
 //     their common window in two halves (the lower new rank keeps the lower half), exchange the
 //     halves they give away and reduce the halves they keep. A rank ends owning 1/p of the
-//     buffer, fully reduced (and divided by n for avg).
+//     buffer, fully reduced (and divided by n for avg). Nearest partners first: the halves
+//     shrink as the distance grows, so when ranks are placed node by node (mpirun's default) the
+//     steps that cross nodes carry the smallest pieces; with 2^a ranks per node a rank sends
+//     2(G-1)/G * S/2^a across, as hierarchical does, where farthest-first would send S/2 at once.
 //   all-gather, log2(p) steps in reverse: partners swap their windows, straight into the output.
 //   unfold: odd ranks of the fold send the full result to their even partner.
 // 2*log2(p) steps (+2 for the fold), about 2*(p-1)/p * S bytes sent per rank.
@@ -96,7 +99,7 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
   std::size_t lo = 0;
   std::size_t hi = args.count;
   std::byte* incoming = comm.scratch((args.count / 2 + 1) * es);
-  for (int mask = p / 2; mask >= 1; mask /= 2) {
+  for (int mask = 1; mask < p; mask *= 2) {
     const int partner = real_rank(new_rank ^ mask);
     const std::size_t mid = lo + (hi - lo) / 2;
     const bool lower = (new_rank & mask) == 0;
@@ -114,7 +117,7 @@ void AllreduceHalvingDoubling::run(const AllreduceArgs& args, Communicator& comm
   if (args.op == ReduceOp::avg) divide_by(recv + lo * es, hi - lo, args.dtype, n);
 
   // All-gather by recursive doubling: swap windows with the partner of each level, in reverse.
-  for (int mask = 1; mask < p; mask *= 2) {
+  for (int mask = p / 2; mask >= 1; mask /= 2) {
     const int partner = real_rank(new_rank ^ mask);
     const auto [parent, kept_lower] = levels.back();
     levels.pop_back();

@@ -305,20 +305,40 @@ std::optional<double> CostModel::predict(std::string_view algorithm, std::size_t
                                          int groups, int group_size) const {
   const double S = static_cast<double>(bytes);
   const Link link = groups > 1 ? inter : intra;  // flat algorithms are as slow as their worst link
+  // A group's ranks share its link to the other groups (one NIC per node, which the calibration
+  // measures with one stream): when `streams` of them cross at once, each gets 1/streams of it.
+  auto shared = [&](int streams) {
+    Link l = inter;
+    l.beta *= std::max(1, streams);
+    return l;
+  };
   if (algorithm == "ring") {
+    // One rank per group sends across (to the next group's first rank) in each step; every step
+    // waits for its slowest link.
     return 2.0 * (n - 1) * (link.alpha + S / n * link.beta) + (n - 1.0) / n * S * gamma;
   }
   if (algorithm == "halving_doubling") {
-    int p = 1, steps = 0;
-    while (p * 2 <= n) {
+    int p = 1;
+    while (p * 2 <= n)
       p *= 2;
-      ++steps;
-    }
+    // The step at distance d pairs ranks d apart: inside a group while d < group_size (ranks
+    // placed group by group), else across, with every rank of a group crossing at once.
+    auto step = [&](int distance) {
+      return groups > 1 && distance >= group_size ? shared(group_size) : intra;
+    };
     const double fold = p == n ? 0.0 : 2 * (link.alpha + S * link.beta) + S * gamma;
-    if (bytes <= kRecursiveDoublingMaxBytes)
-      return steps * (link.alpha + S * link.beta + S * gamma) + fold;
-    return 2.0 * steps * link.alpha + 2.0 * (p - 1) / p * S * link.beta +
-           (p - 1.0) / p * S * gamma + fold;
+    double t = fold;
+    if (bytes <= kRecursiveDoublingMaxBytes) {
+      for (int d = 1; d < p; d *= 2)
+        t += step(d).alpha + S * step(d).beta + S * gamma;
+      return t;
+    }
+    double piece = S;  // halves at every step of the reduce-scatter, nearest partner first
+    for (int d = 1; d < p; d *= 2) {
+      piece /= 2;
+      t += 2 * (step(d).alpha + piece * step(d).beta);  // reduce-scatter and all-gather steps
+    }
+    return t + (p - 1.0) / p * S * gamma;
   }
   if (algorithm == "flat") {
     return 2 * link.alpha + 2.0 * (n - 1) * S * link.beta + (n - 1.0) * S * gamma;
@@ -330,7 +350,7 @@ std::optional<double> CostModel::predict(std::string_view algorithm, std::size_t
     const double intra_phases =
         2 * (g - 1) * intra.alpha + 2 * (g - 1) / g * S * intra.beta + (g - 1) / g * S * gamma;
     CostModel across = *this;
-    across.intra = inter;
+    across.intra = shared(group_size);  // every rank of a group crosses at once
     const std::string_view cross = shard < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";
     return intra_phases +
            *across.predict(cross, static_cast<std::size_t>(shard), groups, 1, groups);
@@ -410,6 +430,11 @@ TuningTable TuningTable::parse(const std::string& text, const std::string& origi
     }
   }
   return table;
+}
+
+std::optional<double> predicted_allreduce_seconds(Communicator& comm, std::string_view algorithm,
+                                                  std::size_t bytes) {
+  return comm.attachment<AutoState>().predict(algorithm, bytes, comm.size());
 }
 
 std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm) {

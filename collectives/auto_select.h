@@ -21,6 +21,12 @@ namespace gradcomm::collectives {
 // At debug level it logs each new choice and why.
 std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm);
 
+// The cost model's predicted seconds for `algorithm` on `bytes` (as auto sees it: calibrated,
+// scaled by the probes where there are any); nullopt for algorithms it has no model of (mpi,
+// nccl, auto). Collective on a communicator's first use of auto. For gradcomm-bench's model_us.
+std::optional<double> predicted_allreduce_seconds(Communicator& comm, std::string_view algorithm,
+                                                  std::size_t bytes);
+
 // A decision table: the first row whose max_bytes >= the call's bytes names the algorithm.
 struct TuningTable {
   struct Row {
