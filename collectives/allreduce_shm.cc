@@ -22,7 +22,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <new>
 #include <optional>
 #include <string>
@@ -90,8 +92,23 @@ class HostCheck : public Attachment {
               "allreduce(shm): MPI_Comm_split_type", comm.rank());
     MPI_Comm_size(node, &on_host);
     MPI_Comm_free(&node);
+    // Ranks under the same running kernel (boot id) share its CPUs even when MPI sees separate
+    // nodes: the emulated hosts of scripts/hosts, containers. One allgather of 8 bytes.
+    std::uint64_t mine = 0;
+    std::ifstream id("/proc/sys/kernel/random/boot_id");
+    std::string text;
+    if (std::getline(id, text) && !text.empty()) {
+      mine = 1469598103934665603ULL;  // FNV-1a
+      for (unsigned char c : text)
+        mine = (mine ^ c) * 1099511628211ULL;
+    }
+    std::vector<std::uint64_t> all(static_cast<std::size_t>(comm.size()));
+    check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm.mpi_comm()),
+              "allreduce(shm): MPI_Allgather", comm.rank());
+    on_machine = mine == 0 ? on_host : static_cast<int>(std::count(all.begin(), all.end(), mine));
   }
   int on_host = 1;
+  int on_machine = 1;  // >= on_host
 };
 
 // The segment of one communicator and this rank's view of it, built on first use.
@@ -229,6 +246,10 @@ void forget_shm_state(Communicator& comm) {
 
 int ranks_on_this_host(Communicator& comm) {
   return comm.attachment<HostCheck>().on_host;
+}
+
+int ranks_on_this_machine(Communicator& comm) {
+  return comm.attachment<HostCheck>().on_machine;
 }
 
 bool shares_one_host(Communicator& comm) {

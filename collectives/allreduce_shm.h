@@ -44,6 +44,11 @@ void forget_shm_state(Communicator& comm);
 // use, cached on the communicator).
 int ranks_on_this_host(Communicator& comm);
 
+// How many ranks of `comm` run under this rank's kernel (same boot id), which share its CPUs:
+// ranks_on_this_host on real clusters, more on hosts emulated in namespaces or containers of one
+// machine. Same caching.
+int ranks_on_this_machine(Communicator& comm);
+
 // True on every rank when all ranks of `comm` share one host (collective on first use; cached).
 bool shares_one_host(Communicator& comm);
 

@@ -133,30 +133,38 @@ constexpr double kProbeBudget = 0.3;     // seconds for all probes
 struct Corrections {
   std::vector<std::string_view> algorithms;
   std::vector<double> log_factor;  // [probe][algorithm]
+  std::vector<double> last_extra;  // [algorithm]: measured - predicted seconds at the last probe
+  bool complete = false;           // every probe size was timed (not stopped by the budget)
 
-  double factor(std::string_view algorithm, std::size_t bytes) const {
+  // The prediction scaled by measured / predicted, interpolated in log(size) between probes.
+  // Past the last probe: the same factor when every probe ran (the largest is 8 MiB); when the
+  // budget stopped them early (slow links), the last probe's excess as a fixed per-call cost,
+  // so that at sizes no probe reached the link model decides, not a factor measured where
+  // latency dominated.
+  double apply(std::string_view algorithm, std::size_t bytes, double predicted) const {
     const auto a = std::find(algorithms.begin(), algorithms.end(), algorithm);
-    if (a == algorithms.end()) return 1.0;
+    if (a == algorithms.end()) return predicted;
     const std::size_t col = static_cast<std::size_t>(a - algorithms.begin());
-    const std::size_t probes = log_factor.size() / algorithms.size();  // the budget may stop early
+    const std::size_t probes = log_factor.size() / algorithms.size();
     auto at = [&](std::size_t p) { return log_factor[p * algorithms.size() + col]; };
-    if (bytes <= kProbeBytes[0]) return std::exp(at(0));
+    if (bytes <= kProbeBytes[0]) return predicted * std::exp(at(0));
     for (std::size_t p = 1; p < probes; ++p) {
       if (bytes <= kProbeBytes[p]) {
         const double lo = std::log(static_cast<double>(kProbeBytes[p - 1]));
         const double hi = std::log(static_cast<double>(kProbeBytes[p]));
         const double t = (std::log(static_cast<double>(bytes)) - lo) / (hi - lo);
-        return std::exp(at(p - 1) + t * (at(p) - at(p - 1)));
+        return predicted * std::exp(at(p - 1) + t * (at(p) - at(p - 1)));
       }
     }
-    return std::exp(at(probes - 1));
+    if (complete) return predicted * std::exp(at(probes - 1));
+    return std::max(predicted + last_extra[col], 0.5 * predicted);
   }
 };
 
-// True on every rank when some host runs more of this communicator's ranks than it has hardware
-// threads.
+// True on every rank when some machine runs more of this communicator's ranks than it has
+// hardware threads (hosts emulated on one machine count as one machine).
 bool oversubscribed(Communicator& comm, const topology::Topology& topo) {
-  const int on_host = ranks_on_this_host(comm);
+  const int on_host = ranks_on_this_machine(comm);
   const int threads = std::max(1, topo.hardware.hardware_threads);
   int crowded = on_host > threads ? 1 : 0;
   MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, comm.mpi_comm());
@@ -211,12 +219,15 @@ Corrections probe_algorithms(Communicator& comm, const CostModel& model, int gro
     // The slowest rank's times, so that every rank holds the same numbers.
     MPI_Allreduce(MPI_IN_PLACE, measured.data(), static_cast<int>(na), MPI_DOUBLE, MPI_MAX,
                   comm.mpi_comm());
+    c.last_extra.assign(na, 0.0);
     for (std::size_t a = 0; a < na; ++a) {
       c.log_factor.push_back(std::log(std::max(measured[a], 1e-9) / predicted(a, bytes)));
+      c.last_extra[a] = measured[a] - predicted(a, bytes);
       spent += measured[a] * (kProbeRounds * calls_for(a, bytes) + 1);
     }
-    // Stop before a probe that would overrun the budget (tiny test segments make big calls
-    // slow); larger sizes then use the last probe's factors.
+    if (bytes == kProbeBytes[std::size(kProbeBytes) - 1]) c.complete = true;
+    // Stop before a probe that would overrun the budget (tiny test segments or slow links make
+    // big calls slow); see Corrections::apply for the sizes past the last probe.
     const std::size_t next = bytes * 8;
     double upcoming = 0;
     for (std::size_t a = 0; a < na; ++a) {
@@ -270,6 +281,14 @@ class AutoState : public Attachment {
       // schedule, and with a table the model is not used.
       if (!table && !config.deterministic && oversubscribed(comm, topo)) {
         corrections = probe_algorithms(comm, model, groups, group_size);
+        if (comm.log_enabled(LogLevel::debug)) {
+          const std::size_t probes = corrections.log_factor.size() /
+                                     std::max<std::size_t>(1, corrections.algorithms.size());
+          comm.log(LogLevel::debug,
+                   "auto: more ranks than hardware threads on one machine; timed " +
+                       std::to_string(probes) + " probe size(s) up to " +
+                       std::to_string(probes ? kProbeBytes[probes - 1] : 0) + " bytes");
+        }
       }
     }
     if (comm.log_enabled(LogLevel::debug)) {
@@ -287,7 +306,7 @@ class AutoState : public Attachment {
   std::optional<double> predict(std::string_view algorithm, std::size_t bytes, int ranks) const {
     const auto p = model.predict(algorithm, bytes, ranks, groups, group_size);
     if (!p) return p;
-    return *p * corrections.factor(algorithm, bytes);
+    return corrections.apply(algorithm, bytes, *p);
   }
 
   std::optional<TuningTable> table;
