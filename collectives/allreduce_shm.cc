@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <new>
 #include <optional>
 #include <string>
@@ -97,11 +98,7 @@ class HostCheck : public Attachment {
     std::uint64_t mine = 0;
     std::ifstream id("/proc/sys/kernel/random/boot_id");
     std::string text;
-    if (std::getline(id, text) && !text.empty()) {
-      mine = 1469598103934665603ULL;  // FNV-1a
-      for (unsigned char c : text)
-        mine = (mine ^ c) * 1099511628211ULL;
-    }
+    if (std::getline(id, text) && !text.empty()) mine = std::hash<std::string>{}(text) | 1;
     std::vector<std::uint64_t> all(static_cast<std::size_t>(comm.size()));
     check_mpi(MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, comm.mpi_comm()),
               "allreduce(shm): MPI_Allgather", comm.rank());
