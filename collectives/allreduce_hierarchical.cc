@@ -7,13 +7,19 @@
 // groups (5 = 3 + 2) some ranks of the smaller groups own two.
 //
 // Phases:
-//   1. reduce-scatter inside each group: every rank sends each column to its owner, which
-//      reduces the g_i contributions in local-rank order. (g-1)/g * S bytes sent per rank, all
-//      inside the group, in one round of concurrent messages.
+//   1. reduce-scatter inside each group: each column ends reduced at its owner. (g-1)/g * S
+//      bytes per rank, all inside the group, in one of three forms (Config::hierarchical_intra):
+//      direct (every rank sends each column to its owner, one round of concurrent messages),
+//      ring (g - 1 steps between neighbours) or shm (no messages: through the group's shared
+//      segment, when the group shares one host).
 //   2. all-reduce across groups of each column, among its G owners (one per group), on a cached
 //      column communicator, with the library's halving_doubling (below 4 MiB) or ring: the only
 //      cross-group traffic, 2(G-1)/G * S/g per rank with the ring, in 2(G-1) dependent steps.
-//   3. all-gather inside each group: owners send their columns to the rest of the group.
+//      With a second level (the DGX-1 preset on several servers: quads, then servers), the
+//      column communicator is itself split by the next level and phase 2 is this algorithm
+//      again on it: quad -> the two quads of a server -> across servers, so each server's
+//      uplink carries S/8 per rank instead of S/4.
+//   3. all-gather inside each group (the same form as phase 1): owners' columns to every member.
 // Cross-group bytes are cut by the group size against a flat ring. With one group, or groups of
 // one rank, there is no hierarchy and the call is the plain ring.
 
@@ -27,6 +33,7 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_nccl.h"
+#include "collectives/allreduce_shm.h"
 #include "collectives/owner_exchange.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
@@ -37,74 +44,197 @@
 namespace gradcomm::collectives {
 namespace {
 
-// The sub-communicators of one communicator, built once (collectively, on first use).
-class Hierarchy : public Attachment {
+constexpr std::string_view kCall = "allreduce(hierarchical)";
+
+std::vector<std::vector<int>> members_of(const std::vector<int>& group_of_rank) {
+  std::vector<std::vector<int>> groups;
+  for (std::size_t r = 0; r < group_of_rank.size(); ++r) {
+    const auto i = static_cast<std::size_t>(group_of_rank[r]);
+    if (groups.size() <= i) groups.resize(i + 1);
+    groups[i].push_back(static_cast<int>(r));
+  }
+  std::erase_if(groups, [](const std::vector<int>& g) { return g.empty(); });
+  return groups;
+}
+
+std::unique_ptr<Communicator> split(Communicator& comm, int color) {
+  MPI_Comm part = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split(comm.mpi_comm(), color, comm.rank(), &part),
+            "allreduce(hierarchical): MPI_Comm_split", comm.rank());
+  if (part == MPI_COMM_NULL) return nullptr;
+  auto result = std::make_unique<Communicator>(part, comm.config().for_sub_communicator());
+  MPI_Comm_free(&part);
+  return result;
+}
+
+// Counts a sub-communicator's messages into the root's counters, classified by the members'
+// topology groups.
+void attach_traffic(Communicator& sub, const std::shared_ptr<TrafficCounters>& counters,
+                    int traffic_group) {
+  std::vector<int> member_groups(static_cast<std::size_t>(sub.size()));
+  check_mpi(MPI_Allgather(&traffic_group, 1, MPI_INT, member_groups.data(), 1, MPI_INT,
+                          sub.mpi_comm()),
+            "allreduce(hierarchical): MPI_Allgather", sub.rank());
+  sub.attach(std::make_unique<Traffic>(counters, member_groups));
+}
+
+// One level of the hierarchy over a communicator: this rank's group communicator, and for each
+// column it owns the communicator of that column's owners (one per group), which carries the
+// next level or the cross-group all-reduce. Built once, collectively.
+class Level {
  public:
-  explicit Hierarchy(Communicator& comm) {
-    const topology::Topology& topo = topology::topology_of(comm);
-    const int group = topo.group();
-    const std::vector<int>& mine = topo.my_group();
-    groups = static_cast<int>(topo.groups.size());
-    group_size = static_cast<int>(mine.size());
-    local = topo.group_local_rank();
-    for (const auto& g : topo.groups)
-      columns = std::max(columns, static_cast<int>(g.size()));
-    trivial = groups == 1 || columns == 1;
-    if (trivial) return;
-    // Sub-communicators add to this communicator's counters.
-    const std::shared_ptr<TrafficCounters> counters = comm.attachment<Traffic>().shared_counters();
-    MPI_Comm split = MPI_COMM_NULL;
-    check_mpi(MPI_Comm_split(comm.mpi_comm(), group, comm.rank(), &split),
-              "allreduce(hierarchical): MPI_Comm_split", comm.rank());
-    group_comm = std::make_unique<Communicator>(split, comm.config().for_sub_communicator());
-    MPI_Comm_free(&split);
-    group_comm->attach(std::make_unique<Traffic>(counters, std::vector<int>(mine.size(), 0)));
+  // `ids[l][r]`: the group of rank r of `comm` at level l (innermost first).
+  Level(Communicator& comm, std::vector<std::vector<int>> ids,
+        const std::shared_ptr<TrafficCounters>& counters, int traffic_group) {
+    std::vector<std::vector<int>> groups;
+    // Levels that do not split this communicator (one group, or groups of one rank) are skipped.
+    while (!ids.empty()) {
+      groups = members_of(ids.front());
+      columns = 0;
+      for (const auto& g : groups)
+        columns = std::max(columns, static_cast<int>(g.size()));
+      if (groups.size() > 1 && columns > 1) break;
+      ids.erase(ids.begin());
+    }
+    if (ids.empty()) return;
+    flat = false;
+    const std::vector<int>& group_of_rank = ids.front();
+    const int group = group_of_rank[static_cast<std::size_t>(comm.rank())];
+    group_comm = split(comm, group);
+    attach_traffic(*group_comm, counters, traffic_group);
+    group_size = group_comm->size();
+    local = group_comm->rank();
     column_comms.resize(static_cast<std::size_t>(columns));
+    next.resize(static_cast<std::size_t>(columns));
     for (int c = 0; c < columns; ++c) {
       const bool owner = c % group_size == local;
-      check_mpi(MPI_Comm_split(comm.mpi_comm(), owner ? 0 : MPI_UNDEFINED, comm.rank(), &split),
-                "allreduce(hierarchical): MPI_Comm_split", comm.rank());
+      std::unique_ptr<Communicator> column = split(comm, owner ? 0 : MPI_UNDEFINED);
       if (!owner) continue;
-      auto column = std::make_unique<Communicator>(split, comm.config().for_sub_communicator());
-      MPI_Comm_free(&split);
-      // Every member of a column communicator is in a different group.
-      std::vector<int> member_groups(static_cast<std::size_t>(column->size()));
-      MPI_Allgather(&group, 1, MPI_INT, member_groups.data(), 1, MPI_INT, column->mpi_comm());
-      column->attach(std::make_unique<Traffic>(counters, member_groups));
+      attach_traffic(*column, counters, traffic_group);
+      if (ids.size() > 1) {  // the outer levels, restricted to this column's owners
+        const int parent_rank = comm.rank();
+        std::vector<int> parents(static_cast<std::size_t>(column->size()));
+        check_mpi(MPI_Allgather(&parent_rank, 1, MPI_INT, parents.data(), 1, MPI_INT,
+                                column->mpi_comm()),
+                  "allreduce(hierarchical): MPI_Allgather", column->rank());
+        std::vector<std::vector<int>> outer;
+        for (std::size_t l = 1; l < ids.size(); ++l) {
+          std::vector<int> level;
+          for (int p : parents)
+            level.push_back(ids[l][static_cast<std::size_t>(p)]);
+          outer.push_back(std::move(level));
+        }
+        auto nested = std::make_unique<Level>(*column, std::move(outer), counters, traffic_group);
+        if (!nested->flat) next[static_cast<std::size_t>(c)] = std::move(nested);
+      }
       column_comms[static_cast<std::size_t>(c)] = std::move(column);
     }
   }
 
-  bool trivial = false;
-  int groups = 1, group_size = 1, local = 0, columns = 1;
+  // All-reduces args (count elements; args.send may differ from args.recv only at the root)
+  // with `op` (never avg) on `comm`, this level's communicator; every owned column is divided
+  // by `divisor` once reduced (avg at the root).
+  void run(const AllreduceArgs& args, ReduceOp op, int divisor, Communicator& comm) {
+    const ColumnLayout layout(args.count, static_cast<std::size_t>(columns), group_size, local);
+    const std::size_t es = args.element_bytes();
+    const Intra intra = intra_form(args, layout, comm.config());
+    switch (intra) {  // phase 1
+      case Intra::direct:
+        reduce_scatter_to_owners(args, op, layout, *group_comm, comm);
+        break;
+      case Intra::ring:
+        ring_reduce_scatter_to_owners(args, op, layout, *group_comm, comm);
+        break;
+      case Intra::shm:
+        shm_reduce_scatter_to_owners(args, op, layout, *group_comm);
+        break;
+    }
+    for (std::size_t c : layout.owned) {  // phase 2
+      const auto col = layout.column(c);
+      std::byte* data = static_cast<std::byte*>(args.recv) + col.offset * es;
+      if (Level* inner = next[c].get()) {
+        inner->run({data, data, col.length, args.dtype, op}, op, 1, *column_comms[c]);
+      } else {
+        const std::string_view algorithm =
+            col.length * es < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";
+        allreduce(*column_comms[c], data, data, col.length, args.dtype, op,
+                  {.algorithm = algorithm});
+      }
+      if (divisor > 1) divide_by(data, col.length, args.dtype, divisor);
+    }
+    switch (intra) {  // phase 3
+      case Intra::direct:
+        return allgather_from_owners(args, layout, *group_comm);
+      case Intra::ring:
+        return ring_allgather_from_owners(args, layout, *group_comm);
+      case Intra::shm:
+        return shm_allgather_from_owners(args, layout, *group_comm);
+    }
+  }
+
+  bool flat = true;  // no level splits the communicator
+  int group_size = 1, local = 0, columns = 1;
   std::unique_ptr<Communicator> group_comm;
   std::vector<std::unique_ptr<Communicator>> column_comms;  // null where this rank is no owner
+  std::vector<std::unique_ptr<Level>> next;                 // null: one-level cross phase
+
+ private:
+  // The same on every member of the group (size, the group's placement and the config, which
+  // are equal there): different groups may choose differently.
+  Intra intra_form(const AllreduceArgs& args, const ColumnLayout& layout, const Config& config) {
+    const std::string& asked = config.hierarchical_intra;
+    if (asked == "direct" || group_size == 1) return Intra::direct;
+    if (asked == "ring") return Intra::ring;
+    const bool shm_ok =
+        shm_columns_fit(layout.columns, args.element_bytes()) && shm_available(*group_comm);
+    if (asked == "shm") return shm_ok ? Intra::shm : Intra::direct;
+    return hierarchical_intra_auto(args.count * args.element_bytes(), group_size, shm_ok);
+  }
+};
+
+// The root level of a communicator, from its topology.
+class Hierarchy : public Attachment {
+ public:
+  explicit Hierarchy(Communicator& comm) {
+    const topology::Topology& topo = topology::topology_of(comm);
+    // The intra-group form must agree inside each group; require it everywhere.
+    const int form = comm.config().hierarchical_intra == "auto"     ? 0
+                     : comm.config().hierarchical_intra == "direct" ? 1
+                     : comm.config().hierarchical_intra == "ring"   ? 2
+                                                                    : 3;
+    int range[2] = {-form, form};
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT, MPI_MAX, comm.mpi_comm()),
+              "allreduce(hierarchical): MPI_Allreduce", comm.rank());
+    if (-range[0] != range[1]) {
+      throw InvalidArgument(error_message(
+          kCall, comm.rank(),
+          "GRADCOMM_HIERARCHICAL_INTRA (Config::hierarchical_intra) differs across ranks (here '" +
+              comm.config().hierarchical_intra + "'); set it identically for every rank"));
+    }
+    root = std::make_unique<Level>(comm, topo.levels, comm.attachment<Traffic>().shared_counters(),
+                                   topo.group());
+  }
+  std::unique_ptr<Level> root;
 };
 
 }  // namespace
 
+Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok) {
+  (void)bytes;
+  (void)group_size;
+  return shm_ok ? Intra::shm : Intra::direct;
+}
+
+void forget_hierarchy(Communicator& comm) {
+  comm.detach<Hierarchy>();
+}
+
 void AllreduceHierarchical::run(const AllreduceArgs& args, Communicator& comm) {
   if (args.device) return gpu_hierarchical_allreduce(args, comm);
-  Hierarchy& h = comm.attachment<Hierarchy>();
-  if (h.trivial) return comm.attachment<AlgorithmCache>().find("ring")->run(args, comm);
-
-  const ColumnLayout layout(args.count, static_cast<std::size_t>(h.columns), h.group_size, h.local);
-  const ReduceOp phase_op = args.op == ReduceOp::avg ? ReduceOp::sum : args.op;
-  reduce_scatter_to_owners(args, phase_op, layout, *h.group_comm, comm);  // phase 1
-
-  // Phase 2: across groups, column by column.
-  const std::size_t es = args.element_bytes();
-  for (std::size_t c : layout.owned) {
-    const auto col = layout.column(c);
-    std::byte* data = static_cast<std::byte*>(args.recv) + col.offset * es;
-    const std::string_view algorithm =
-        col.length * es < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";
-    allreduce(*h.column_comms[c], data, data, col.length, args.dtype, phase_op,
-              {.algorithm = algorithm});
-    if (args.op == ReduceOp::avg) divide_by(data, col.length, args.dtype, comm.size());
-  }
-
-  allgather_from_owners(args, layout, *h.group_comm);  // phase 3
+  Level& root = *comm.attachment<Hierarchy>().root;
+  if (root.flat) return comm.attachment<AlgorithmCache>().find("ring")->run(args, comm);
+  const bool avg = args.op == ReduceOp::avg;
+  root.run(args, avg ? ReduceOp::sum : args.op, avg ? comm.size() : 1, comm);
 }
 
 }  // namespace gradcomm::collectives

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "collectives/consistency.h"
+#include "collectives/owner_exchange.h"
 #include "core/error.h"
 #include "core/reduce_kernels.h"
 #include "core/shared_memory.h"
@@ -52,7 +53,8 @@ constexpr std::size_t kStreamFromBytes = std::size_t{4} << 20;
 using Counter = std::atomic<std::uint64_t>;
 static_assert(Counter::is_always_lock_free, "counters must work across processes");
 
-enum class Path : std::uint32_t { small = 1, staged = 2 };
+// small and staged: the all-reduce's two paths; columns: hierarchical's intra-group phases.
+enum class Path : std::uint32_t { small = 1, staged = 2, columns = 3 };
 
 struct Descriptor {
   std::uint64_t count;
@@ -231,6 +233,79 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
   if (args.op == ReduceOp::avg) divide_by(result, n, args.dtype, ranks);
 }
 
+Descriptor descriptor_of(const AllreduceArgs& args, Path path,
+                         const std::optional<RegisteredLocation>& registered) {
+  const watchdog::CallInfo* call = current_call();
+  return Descriptor{args.count,
+                    static_cast<std::uint32_t>(args.dtype),
+                    static_cast<std::uint32_t>(args.op),
+                    static_cast<std::uint32_t>(path),
+                    registered ? 1u : 0u,
+                    registered ? registered->segment : 0,
+                    registered ? registered->offset : 0,
+                    call ? call->sequence : 0,
+                    call ? call->algorithm : -1,
+                    call ? 1u : 0u};
+}
+
+// Once every rank's `copied` counter has reached `first` (the call's first round), every rank
+// reads the same descriptors and decides the same way: returns where each rank's registered
+// input lies here (nullptr where it is not registered), or, when the ranks disagree, leaves the
+// counters where every rank expects them and throws on every rank.
+std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first) {
+  const int n = s.size, me = s.rank;
+  const watchdog::CallInfo* call = current_call();
+  std::vector<Descriptor> calls(static_cast<std::size_t>(n));
+  for (int j = 0; j < n; ++j)
+    calls[static_cast<std::size_t>(j)] = s.control(j).descriptor[first % 2];
+  std::vector<const std::byte*> inputs(static_cast<std::size_t>(n), nullptr);
+  std::string problem;
+  bool mismatch = false;
+  for (int j = 0; j < n && problem.empty(); ++j) {
+    const Descriptor& d = calls[static_cast<std::size_t>(j)];
+    const Descriptor& d0 = calls[0];
+    if (d.count != d0.count || d.dtype != d0.dtype || d.op != d0.op || d.path != d0.path ||
+        (d.in_call && d0.in_call && (d.sequence != d0.sequence || d.algorithm != d0.algorithm))) {
+      mismatch = true;
+      if (!d.in_call || !d0.in_call) {
+        problem = "ranks disagree on the call: rank 0 has " + describe(d0) + ", rank " +
+                  std::to_string(j) + " has " + describe(d);
+        continue;
+      }
+      std::vector<watchdog::CallInfo> infos;
+      for (const Descriptor& e : calls) {
+        watchdog::CallInfo info = call ? *call : watchdog::CallInfo{};
+        info.sequence = e.sequence;
+        info.count = e.count;
+        info.dtype = static_cast<int>(e.dtype);
+        info.op = static_cast<int>(e.op);
+        info.algorithm = e.algorithm;
+        infos.push_back(info);
+      }
+      problem = describe_mismatch(infos);
+    } else if (d.registered) {
+      inputs[static_cast<std::size_t>(j)] = registered_address({d.segment, d.offset});
+      if (inputs[static_cast<std::size_t>(j)] == nullptr) {
+        problem = "rank " + std::to_string(j) + "'s registered buffer is not mapped here";
+      }
+    }
+  }
+  if (!problem.empty()) {
+    RankControl& mine = s.control(me);
+    mine.reduced.store(first, std::memory_order_release);
+    mine.drained.store(first, std::memory_order_release);
+    s.round = first;
+    if (mismatch) {
+      // The call's own comparison (GRADCOMM_CHECK) sees the difference too: complete it, so that
+      // every rank leaves through the same path (it renews the communicator on every rank).
+      require_check();
+      throw MismatchError(error_message(kCall, me, problem));
+    }
+    throw InvalidArgument(error_message(kCall, me, problem));
+  }
+  return inputs;
+}
+
 }  // namespace
 
 bool shm_available(Communicator& comm) {
@@ -275,17 +350,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   // Round `first`: gate, descriptor, first input.
   const std::uint64_t first = s.round + 1;
   s.wait_all(&RankControl::drained, first < 2 ? 0 : first - 2, "drain");
-  const watchdog::CallInfo* call = current_call();
-  mine.descriptor[first % 2] = Descriptor{args.count,
-                                          static_cast<std::uint32_t>(args.dtype),
-                                          static_cast<std::uint32_t>(args.op),
-                                          static_cast<std::uint32_t>(path),
-                                          registered ? 1u : 0u,
-                                          registered ? registered->segment : 0,
-                                          registered ? registered->offset : 0,
-                                          call ? call->sequence : 0,
-                                          call ? call->algorithm : -1,
-                                          call ? 1u : 0u};
+  mine.descriptor[first % 2] = descriptor_of(args, path, registered);
   auto copy_in = [&](std::uint64_t k) {  // the k-th round of this call
     if (registered) return;
     const std::size_t e0 = k * round_elements;
@@ -299,56 +364,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   }
   mine.copied.store(first, std::memory_order_release);
   s.wait_all(&RankControl::copied, first, "copy-in");
-
-  // Every rank now reads the same descriptors.
-  std::vector<Descriptor> calls(static_cast<std::size_t>(n));
-  for (int j = 0; j < n; ++j)
-    calls[static_cast<std::size_t>(j)] = s.control(j).descriptor[first % 2];
-  std::vector<const std::byte*> inputs(static_cast<std::size_t>(n), nullptr);  // registered
-  std::string problem;
-  bool mismatch = false;
-  for (int j = 0; j < n && problem.empty(); ++j) {
-    const Descriptor& d = calls[static_cast<std::size_t>(j)];
-    const Descriptor& d0 = calls[0];
-    if (d.count != d0.count || d.dtype != d0.dtype || d.op != d0.op ||
-        (d.in_call && d0.in_call && (d.sequence != d0.sequence || d.algorithm != d0.algorithm))) {
-      mismatch = true;
-      if (!d.in_call || !d0.in_call) {
-        problem = "ranks disagree on the call: rank 0 has " + describe(d0) + ", rank " +
-                  std::to_string(j) + " has " + describe(d);
-        continue;
-      }
-      std::vector<watchdog::CallInfo> infos;
-      for (const Descriptor& e : calls) {
-        watchdog::CallInfo info = call ? *call : watchdog::CallInfo{};
-        info.sequence = e.sequence;
-        info.count = e.count;
-        info.dtype = static_cast<int>(e.dtype);
-        info.op = static_cast<int>(e.op);
-        info.algorithm = e.algorithm;
-        infos.push_back(info);
-      }
-      problem = describe_mismatch(infos);
-    } else if (d.registered) {
-      inputs[static_cast<std::size_t>(j)] = registered_address({d.segment, d.offset});
-      if (inputs[static_cast<std::size_t>(j)] == nullptr) {
-        problem = "rank " + std::to_string(j) + "'s registered buffer is not mapped here";
-      }
-    }
-  }
-  if (!problem.empty()) {
-    // Leave the counters where every rank expects them, then fail everywhere.
-    mine.reduced.store(first, std::memory_order_release);
-    mine.drained.store(first, std::memory_order_release);
-    s.round = first;
-    if (mismatch) {
-      // The call's own comparison (GRADCOMM_CHECK) sees the difference too: complete it, so that
-      // every rank leaves through the same path (it renews the communicator on every rank).
-      require_check();
-      throw MismatchError(error_message(kCall, me, problem));
-    }
-    throw InvalidArgument(error_message(kCall, me, problem));
-  }
+  const std::vector<const std::byte*> inputs = agree_on_call(s, first);
 
   std::vector<const std::byte*> sources(static_cast<std::size_t>(n));
   if (path == Path::small) {
@@ -392,6 +408,120 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + rounds - 1;
+}
+
+// Hierarchical's intra-group phases. Rounds carry one sub-piece of every column: `q` elements
+// of each (a multiple of a cache line, the P sub-pieces together at most one staged round),
+// at offset c * q of a rank's stage slot (reduce-scatter) or of the round's result
+// (all-gather). Column c of round k is [k * q, (k + 1) * q) of the column, cut at its length.
+namespace {
+
+struct ColumnRounds {
+  ColumnRounds(const ColumnLayout& layout, std::size_t es) {
+    const std::size_t line = std::max<std::size_t>(1, kLine / es);
+    const std::size_t per_column = kChunkBytes / es / layout.columns;
+    q = std::max<std::size_t>(1, per_column >= line ? per_column / line * line : per_column);
+    const std::size_t longest = layout.column(0).length;
+    rounds = std::max<std::uint64_t>(1, (longest + q - 1) / q);
+  }
+  // Elements of column `c` (of `length`) in round k, and where they start in the column.
+  std::size_t start(std::uint64_t k) const { return static_cast<std::size_t>(k) * q; }
+  std::size_t length(std::size_t column_length, std::uint64_t k) const {
+    return column_length > start(k) ? std::min(q, column_length - start(k)) : 0;
+  }
+  std::size_t q = 1;
+  std::uint64_t rounds = 1;
+};
+
+ShmState& usable_state(Communicator& group) {
+  ShmState& s = group.attachment<ShmState>();
+  if (!s.unavailable.empty()) {
+    throw Unsupported(s.unavailable_is_message ? s.unavailable
+                                               : error_message(kCall, group.rank(), s.unavailable));
+  }
+  return s;
+}
+
+}  // namespace
+
+bool shm_columns_fit(std::size_t columns, std::size_t element_bytes) {
+  return columns * element_bytes <= kChunkBytes;
+}
+
+void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
+                                  const ColumnLayout& layout, Communicator& group) {
+  ShmState& s = usable_state(group);
+  const int me = s.rank;
+  const std::size_t es = args.element_bytes();
+  const ColumnRounds plan(layout, es);
+  const auto* send = static_cast<const std::byte*>(args.send);
+  auto* recv = static_cast<std::byte*>(args.recv);
+  RankControl& mine = s.control(me);
+  std::vector<const std::byte*> sources(static_cast<std::size_t>(s.size));
+  const std::uint64_t first = s.round + 1;
+  for (std::uint64_t k = 0; k < plan.rounds; ++k) {
+    const std::uint64_t r = first + k;
+    // My slot's half was last read by round r - 2's owners.
+    s.wait_all(&RankControl::drained, r < 2 ? 0 : r - 2, "drain");
+    if (k == 0) mine.descriptor[first % 2] = descriptor_of(args, Path::columns, std::nullopt);
+    std::byte* slot = s.stage(me, r);
+    for (std::size_t c = 0; c < layout.columns; ++c) {
+      const auto col = layout.column(c);
+      const std::size_t m = plan.length(col.length, k);
+      std::memcpy(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es);
+    }
+    mine.copied.store(r, std::memory_order_release);
+    s.wait_all(&RankControl::copied, r, "copy-in");
+    if (k == 0) agree_on_call(s, first);
+    // The owner reduces its columns from every member's slot, in member order, into its output.
+    for (std::size_t c : layout.owned) {
+      const auto col = layout.column(c);
+      const std::size_t m = plan.length(col.length, k);
+      if (m == 0) continue;
+      for (int j = 0; j < s.size; ++j)
+        sources[static_cast<std::size_t>(j)] = s.stage(j, r) + c * plan.q * es;
+      std::byte* out = recv + (col.offset + plan.start(k)) * es;
+      reduce_to(out, sources[0], sources[1], m, args.dtype, op);
+      for (std::size_t j = 2; j < sources.size(); ++j)
+        reduce_into(out, sources[j], m, args.dtype, op);
+    }
+    mine.reduced.store(r, std::memory_order_release);
+    mine.drained.store(r, std::memory_order_release);
+  }
+  s.round = first + plan.rounds - 1;
+}
+
+void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
+                               Communicator& group) {
+  ShmState& s = usable_state(group);
+  const int me = s.rank;
+  const std::size_t es = args.element_bytes();
+  const ColumnRounds plan(layout, es);
+  auto* recv = static_cast<std::byte*>(args.recv);
+  RankControl& mine = s.control(me);
+  const std::uint64_t first = s.round + 1;
+  for (std::uint64_t k = 0; k < plan.rounds; ++k) {
+    const std::uint64_t r = first + k;
+    // The result half was last read by every rank in round r - 2.
+    s.wait_all(&RankControl::drained, r < 2 ? 0 : r - 2, "drain");
+    std::byte* result = s.result(r);
+    for (std::size_t c : layout.owned) {
+      const auto col = layout.column(c);
+      std::memcpy(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es,
+                  plan.length(col.length, k) * es);
+    }
+    mine.copied.store(r, std::memory_order_release);
+    mine.reduced.store(r, std::memory_order_release);
+    s.wait_all(&RankControl::reduced, r, "publish");
+    for (std::size_t c = 0; c < layout.columns; ++c) {
+      if (layout.owner(c) == layout.member) continue;
+      const auto col = layout.column(c);
+      std::memcpy(recv + (col.offset + plan.start(k)) * es, result + c * plan.q * es,
+                  plan.length(col.length, k) * es);
+    }
+    mine.drained.store(r, std::memory_order_release);
+  }
+  s.round = first + plan.rounds - 1;
 }
 
 }  // namespace gradcomm::collectives

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/allreduce_hierarchical.h"
 #include "collectives/allreduce_shm.h"
 #include "collectives/registry.h"
 #include "core/error.h"
@@ -360,6 +361,7 @@ CallScope::~CallScope() {
   state.board_pending = false;  // (the board needs no completion)
   if (state.forget_shm) {
     forget_shm_state(comm_);
+    forget_hierarchy(comm_);
     state.forget_shm = false;
     state.used.clear();  // the next shm call maps a new segment: compare before, as on first use
   }

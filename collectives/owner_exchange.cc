@@ -103,6 +103,99 @@ void allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout
   wait_all(requests.size(), requests.data(), kCall);
 }
 
+namespace {
+
+// The columns member b owns (its block), and their total length.
+std::vector<std::size_t> block_columns(const ColumnLayout& layout, int b) {
+  std::vector<std::size_t> columns;
+  for (std::size_t c = static_cast<std::size_t>(b); c < layout.columns;
+       c += static_cast<std::size_t>(layout.members))
+    columns.push_back(c);
+  return columns;
+}
+
+std::size_t block_length(const ColumnLayout& layout, const std::vector<std::size_t>& columns) {
+  std::size_t length = 0;
+  for (std::size_t c : columns)
+    length += layout.column(c).length;
+  return length;
+}
+
+int modulo(int value, int n) {
+  return ((value % n) + n) % n;
+}
+
+}  // namespace
+
+void ring_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
+                                   const ColumnLayout& layout, Communicator& group,
+                                   Communicator& scratch_owner) {
+  const std::size_t es = args.element_bytes();
+  const int g = layout.members, m = layout.member;
+  const auto* send = static_cast<const std::byte*>(args.send);
+  auto* recv = static_cast<std::byte*>(args.recv);
+  if (g == 1) {
+    for (std::size_t c : layout.owned) {
+      const auto col = layout.column(c);
+      if (recv != send) std::memcpy(recv + col.offset * es, send + col.offset * es, col.length * es);
+    }
+    return;
+  }
+  std::size_t largest = 0;
+  for (int b = 0; b < g; ++b)
+    largest = std::max(largest, block_length(layout, block_columns(layout, b)));
+  std::byte* incoming = scratch_owner.scratch(largest * es);
+  const int right = (m + 1) % g, left = modulo(m - 1, g);
+  std::vector<MPI_Request> requests;
+  for (int step = 0; step + 1 < g; ++step) {
+    // Send my partial of block m - 1 - step (my own contribution at step 0); receive block
+    // m - 2 - step, to which I add mine: after g - 1 steps block m is complete here.
+    const std::vector<std::size_t> out = block_columns(layout, modulo(m - 1 - step, g));
+    const std::vector<std::size_t> in = block_columns(layout, modulo(m - 2 - step, g));
+    const std::byte* from = step == 0 ? send : recv;
+    requests.clear();
+    std::size_t offset = 0;
+    for (std::size_t c : in) {
+      const auto col = layout.column(c);
+      irecv_pieces(incoming + offset * es, col.length * es, left, kTag, group, kCall, requests);
+      offset += col.length;
+    }
+    for (std::size_t c : out) {
+      const auto col = layout.column(c);
+      isend_pieces(from + col.offset * es, col.length * es, right, kTag, group, kCall, requests);
+    }
+    wait_all(requests.size(), requests.data(), kCall);
+    offset = 0;
+    for (std::size_t c : in) {
+      const auto col = layout.column(c);
+      reduce_to(recv + col.offset * es, incoming + offset * es, send + col.offset * es,
+                col.length, args.dtype, op);
+      offset += col.length;
+    }
+  }
+}
+
+void ring_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
+                                Communicator& group) {
+  const std::size_t es = args.element_bytes();
+  const int g = layout.members, m = layout.member;
+  auto* recv = static_cast<std::byte*>(args.recv);
+  const int right = (m + 1) % g, left = modulo(m - 1, g);
+  std::vector<MPI_Request> requests;
+  for (int step = 0; step + 1 < g; ++step) {
+    requests.clear();
+    for (std::size_t c : block_columns(layout, modulo(m - 1 - step, g))) {
+      const auto col = layout.column(c);
+      irecv_pieces(recv + col.offset * es, col.length * es, left, kTag, group, kCall, requests);
+    }
+    for (std::size_t c : block_columns(layout, modulo(m - step, g))) {
+      const auto col = layout.column(c);
+      isend_pieces(recv + col.offset * es, col.length * es, right, kTag, group, kCall, requests);
+    }
+    wait_all(requests.size(), requests.data(), kCall);
+  }
+}
+
 void reproducible_allreduce(const AllreduceArgs& args, Communicator& comm) {
   const ColumnLayout layout(args.count, static_cast<std::size_t>(comm.size()), comm.size(),
                             comm.rank());

@@ -41,6 +41,17 @@ void reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op, const Colu
 void allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
                            Communicator& group);
 
+// Ring forms of the two (hierarchical's intra-group phases for large buffers): g - 1 steps in
+// which member m sends to m + 1 one member's block (the columns it owns): the same
+// (g-1)/g * S bytes per rank, to one neighbour per step instead of g - 1 peers at once. Each
+// column is still reduced along one chain, so all members end with the same bits (not in
+// member order: the reproducible mode uses the direct form).
+void ring_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
+                                   const ColumnLayout& layout, Communicator& group,
+                                   Communicator& scratch_owner);
+void ring_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
+                                Communicator& group);
+
 // The reproducible mode (Config::deterministic): an all-reduce whose output is exactly the bits
 // of the serial reduction in rank order, for any algorithm name: column owners reduce the n
 // contributions in rank order, then all-gather. Same bytes as the ring's 2(n-1)/n * S per rank.

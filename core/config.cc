@@ -105,6 +105,13 @@ Config Config::from_environment() {
     if (value != "dgx1" && !value.empty()) bad_variable("GRADCOMM_TOPOLOGY", v, "dgx1 or empty");
     config.topology_preset = value;
   }
+  if (const char* v = get("GRADCOMM_HIERARCHICAL_INTRA")) {
+    const std::string value = v;
+    if (value != "auto" && value != "direct" && value != "ring" && value != "shm") {
+      bad_variable("GRADCOMM_HIERARCHICAL_INTRA", v, "one of auto, direct, ring, shm");
+    }
+    config.hierarchical_intra = value;
+  }
   if (const char* v = get("GRADCOMM_BIND")) {
     const std::string value = v;
     if (value != "none" && value != "core" && value != "numa") {
@@ -156,6 +163,10 @@ void Config::validate() const {
   if (ranks_per_node < 0) bad("ranks_per_node " + std::to_string(ranks_per_node) + " is negative");
   if (!topology_preset.empty() && topology_preset != "dgx1") {
     bad("topology_preset '" + topology_preset + "' is not dgx1");
+  }
+  if (hierarchical_intra != "auto" && hierarchical_intra != "direct" &&
+      hierarchical_intra != "ring" && hierarchical_intra != "shm") {
+    bad("hierarchical_intra '" + hierarchical_intra + "' is not auto, direct, ring or shm");
   }
   if (bind != "none" && bind != "core" && bind != "numa") bad("bind '" + bind + "' is invalid");
   if (timeout_seconds < 0)

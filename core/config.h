@@ -41,6 +41,11 @@ struct Config {
   int ranks_per_node = 0;
   // GRADCOMM_TOPOLOGY: "" (discover) or "dgx1": servers of 8 ranks, each two quads (0-3, 4-7).
   std::string topology_preset;
+  // GRADCOMM_HIERARCHICAL_INTRA: how hierarchical reduce-scatters and all-gathers inside a group:
+  // "direct" (one round of messages to and from each column's owner), "ring" (g - 1 steps
+  // between neighbours), "shm" (through the group's shared-memory segment; needs the group on
+  // one host, else direct) or "auto" (by size and placement, the same in every group).
+  std::string hierarchical_intra = "auto";
   // GRADCOMM_BIND: "none", "core" (each rank to its share of the node's cores) or "numa".
   std::string bind = "none";
   // GRADCOMM_TIMEOUT: seconds a collective may run. Past it, the stall watchdog prints one

@@ -392,14 +392,20 @@ struct Layout {
   int ranks_per_node;  // 0 with the preset, or for the discovered layout
   const char* preset;
 };
-constexpr Layout kLayouts[] = {{"8=2x4", 8, 4, ""},     {"8=4x2", 8, 2, ""}, {"6=2x3", 6, 3, ""},
-                               {"5=3+2", 5, 3, ""},     {"4=1x4", 4, 4, ""}, {"dgx1", 8, 0, "dgx1"},
-                               {"discovered", 0, 0, ""}};
+// "dgx1x2": two DGX-1 servers, the two-level schedule (quad -> server -> across servers); run
+// by the np16 test entry.
+constexpr Layout kLayouts[] = {{"8=2x4", 8, 4, ""},     {"8=4x2", 8, 2, ""},
+                               {"6=2x3", 6, 3, ""},     {"5=3+2", 5, 3, ""},
+                               {"4=1x4", 4, 4, ""},     {"dgx1", 8, 0, "dgx1"},
+                               {"dgx1x2", 16, 0, "dgx1"}, {"discovered", 0, 0, ""}};
+// Hierarchical's intra-group forms (Config::hierarchical_intra); on one machine every group
+// shares the host, so "shm" runs through shared memory.
+constexpr const char* kIntraForms[] = {"direct", "ring", "shm"};
 
 // Runs `body` on a communicator of `layout.ranks` ranks with the layout's config, on the ranks
 // that take part; returns false (nothing run) when the world is too small.
 template <class Body>
-bool with_layout(const Layout& layout, Body body) {
+bool with_layout(const Layout& layout, Body body, const char* intra = "auto") {
   const int ranks = layout.ranks > 0 ? layout.ranks : world().size();
   if (world().size() < ranks) return false;
   MPI_Comm split = MPI_COMM_NULL;
@@ -409,6 +415,7 @@ bool with_layout(const Layout& layout, Body body) {
     Config config;
     config.ranks_per_node = layout.ranks_per_node;
     config.topology_preset = layout.preset;
+    config.hierarchical_intra = intra;
     config.segment_bytes = std::size_t{1} << 30;  // one segment per step: messages == steps
     Communicator comm(split, config);
     body(comm);
@@ -421,19 +428,26 @@ class HierarchicalLayouts : public MpiTestWithParam<Layout> {};
 
 TEST_P(HierarchicalLayouts, EveryDtypeOpCountAndPlacement) {
   const Layout& layout = GetParam();
-  const bool ran = with_layout(layout, [&](Communicator& comm) {
-    std::vector<std::byte> send, recv;
-    for (DataType dtype : kAllDataTypes) {
-      for (ReduceOp op : kAllReduceOps) {
-        for (std::size_t count : small_counts(comm.size())) {
-          if (count > 100000 && (dtype != DataType::float32 || op != ReduceOp::sum)) continue;
-          for (bool in_place : {false, true}) {
-            check_exact(comm, "hierarchical", dtype, op, count, in_place, send, recv);
+  bool ran = false;
+  for (const char* intra : kIntraForms) {
+    SCOPED_TRACE(std::string("intra-group form ") + intra);
+    ran = with_layout(
+        layout,
+        [&](Communicator& comm) {
+          std::vector<std::byte> send, recv;
+          for (DataType dtype : kAllDataTypes) {
+            for (ReduceOp op : kAllReduceOps) {
+              for (std::size_t count : small_counts(comm.size())) {
+                if (count > 100000 && (dtype != DataType::float32 || op != ReduceOp::sum)) continue;
+                for (bool in_place : {false, true}) {
+                  check_exact(comm, "hierarchical", dtype, op, count, in_place, send, recv);
+                }
+              }
+            }
           }
-        }
-      }
-    }
-  });
+        },
+        intra);
+  }
   if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
 }
 
@@ -467,12 +481,11 @@ TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
     EXPECT_EQ(boundary ? t.intra_bytes : t.inter_bytes, 0u);
     EXPECT_EQ(boundary ? t.inter_messages : t.intra_messages, 2 * (n - 1));
 
-    // Hierarchical.
-    reset_traffic(comm);
-    allreduce(comm, data.data(), data.data(), count, DataType::float32, ReduceOp::sum,
-              {.algorithm = "hierarchical"});
-    t = traffic(comm);
     if (G == 1) {  // one group (the discovered layout on one machine): hierarchical is the ring
+      reset_traffic(comm);
+      allreduce(comm, data.data(), data.data(), count, DataType::float32, ReduceOp::sum,
+                {.algorithm = "hierarchical"});
+      t = traffic(comm);
       EXPECT_EQ(t.intra_bytes, ring_bytes);
       EXPECT_EQ(t.inter_bytes, 0u);
       EXPECT_EQ(t.intra_messages, 2 * (n - 1));
@@ -484,27 +497,63 @@ TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
     std::size_t P = 0;
     for (const auto& group : topo.groups)
       P = std::max(P, group.size());
-    std::uint64_t intra = 0, inter = 0, intra_messages = 0, inter_messages = 0;
-    for (std::size_t c = 0; c < P; ++c) {
-      const std::size_t length = count / P + (c < count % P ? 1 : 0);
-      if (c % g == local) {
-        intra += 4 * length * (g - 1);  // phase 3: to every other member
-        intra_messages += g - 1;
-        // Phase 2: ring over the G owners of column c; this rank's index is its group's.
-        inter += 4 * ring_sent(length, G, static_cast<std::size_t>(my_group));
-        inter_messages += 2 * (G - 1);
-      } else {
-        intra += 4 * length;  // phase 1: to the column's owner
-        intra_messages += 1;
+    auto length = [&](std::size_t c) { return count / P + (c < count % P ? 1 : 0); };
+    // Hierarchical, with every intra-group form: the same cross-group traffic (phase 2); inside
+    // the group, direct and ring send each column once to its owner (phase 1) and owners'
+    // columns to the others (phase 3: direct to every other member, ring every block but the
+    // right neighbour's), shm sends nothing.
+    for (const char* intra : kIntraForms) {
+      SCOPED_TRACE(std::string("intra-group form ") + intra);
+      const std::string form = intra;
+      Config config = comm.config();
+      config.hierarchical_intra = intra;
+      Communicator sub(comm.mpi_comm(), config);
+      reset_traffic(sub);
+      allreduce(sub, data.data(), data.data(), count, DataType::float32, ReduceOp::sum,
+                {.algorithm = "hierarchical"});
+      t = traffic(sub);
+      std::uint64_t intra_bytes = 0, inter = 0, intra_messages = 0, inter_messages = 0;
+      for (std::size_t c = 0; c < P; ++c) {
+        const std::size_t owner = c % g;
+        if (owner == local) {
+          if (form == "direct") {
+            intra_bytes += 4 * length(c) * (g - 1);
+            intra_messages += g - 1;
+          }
+          if (topo.levels.size() == 1) {
+            // Phase 2: ring over the G owners of column c; this rank's index is its group's.
+            inter += 4 * ring_sent(length(c), G, static_cast<std::size_t>(my_group));
+            inter_messages += 2 * (G - 1);
+          } else {
+            // Two DGX-1 servers: the column's 4 owners (one per quad, all in other quads) pair
+            // up inside each server, reduce-scatter the column (half to the partner), all-reduce
+            // the half across servers (halving_doubling over 2: half of it each way), gather.
+            const std::size_t half = length(c) / 2;
+            if (form != "shm") {
+              inter += 4 * 2 * half;  // the half to the partner, then this half back
+              inter_messages += 2;
+            }
+            inter += 4 * half;  // across servers
+            inter_messages += 2;
+          }
+        } else if (form != "shm") {
+          intra_bytes += 4 * length(c);  // phase 1: to the column's owner
+          intra_messages += 1;
+        }
+        if (form == "ring" && owner != (local + 1) % g) {  // phase 3 of the ring
+          intra_bytes += 4 * length(c);
+          intra_messages += 1;
+        }
       }
-    }
-    EXPECT_EQ(t.intra_bytes, intra);
-    EXPECT_EQ(t.inter_bytes, inter);
-    EXPECT_EQ(t.intra_messages, intra_messages);
-    EXPECT_EQ(t.inter_messages, inter_messages);
-    // Cross-group bytes cut by the group size against the ring's boundary ranks (even layouts).
-    if (n % G == 0 && G > 1 && g > 1) {
-      EXPECT_LE(t.inter_bytes * g, ring_bytes + 4 * g * G);
+      EXPECT_EQ(t.intra_bytes, intra_bytes);
+      EXPECT_EQ(t.inter_bytes, inter);
+      EXPECT_EQ(t.intra_messages, intra_messages);
+      EXPECT_EQ(t.inter_messages, inter_messages);
+      // Cross-group bytes cut by the group size against the ring's boundary ranks (even
+      // layouts).
+      if (n % G == 0 && G > 1 && g > 1) {
+        EXPECT_LE(t.inter_bytes * g, ring_bytes + 4 * g * G);
+      }
     }
   });
   if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";

@@ -213,6 +213,8 @@ Topology discover(Communicator& comm) {
   }
   t.nodes = members(t.node_of_rank);
   t.groups = members(t.group_of_rank);
+  t.levels = {t.group_of_rank};
+  if (config.topology_preset == "dgx1" && t.nodes.size() > 1) t.levels.push_back(t.node_of_rank);
 
   const Hwloc hw;
   t.hardware = read_hardware(hw);
@@ -248,6 +250,9 @@ std::string describe(const Topology& t) {
   out << "  groups:";
   for (const auto& g : t.groups)
     out << " [" << ranks_text(g) << "]";
+  if (t.levels.size() > 1) {
+    out << "\n  hierarchical levels: " << t.levels.size() << " (groups, then nodes)";
+  }
   const Hardware& h = t.hardware;
   out << "\n  hardware (rank " << t.rank << "'s host): " << h.packages << " package(s), "
       << h.numa_nodes << " NUMA node(s), " << h.cores << " cores, " << h.hardware_threads
