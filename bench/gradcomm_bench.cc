@@ -48,6 +48,17 @@ using gradcomm::Communicator;
 using gradcomm::DataType;
 using gradcomm::ReduceOp;
 
+// "hierarchical/shm" (also /direct, /ring): hierarchical with that intra-group form
+// (Config::hierarchical_intra), run on a communicator of its own so the forms interleave.
+std::string base_algorithm(const std::string& name) {
+  return name.substr(0, name.find('/'));
+}
+
+std::map<std::string, std::unique_ptr<Communicator>>& variant_comms() {
+  static std::map<std::string, std::unique_ptr<Communicator>> comms;
+  return comms;
+}
+
 struct Options {
   std::size_t min_bytes = 8;
   std::size_t max_bytes = std::size_t{64} << 20;
@@ -93,6 +104,8 @@ const char kUsage[] =
     "  -e, --maxbytes SIZE   largest message (default 64M)\n"
     "  -f, --stepfactor F    size multiplier between rows (default 2)\n"
     "  -a, --algorithms L    comma-separated names (default ring,halving_doubling,flat,auto);\n"
+    "                        hierarchical/direct, /ring, /shm: hierarchical with that\n"
+    "                        intra-group form (GRADCOMM_HIERARCHICAL_INTRA);\n"
     "                        MPI_Allreduce ('mpi') is always measured as the baseline\n"
     "  -d, --datatype T      float32 float64 float16 bfloat16 int32 int64 (default float32)\n"
     "  -o, --op OP           sum avg min max prod (default sum)\n"
@@ -235,7 +248,12 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
   if (o.factor <= 1) usage_error("--stepfactor must be > 1");
   if (o.min_bytes > o.max_bytes) usage_error("--minbytes is larger than --maxbytes");
   for (const std::string& name : o.algorithms) {
-    if (!gradcomm::collectives::is_algorithm_name(name)) {
+    const std::string form =
+        name.find('/') == std::string::npos ? "" : name.substr(name.find('/') + 1);
+    if (base_algorithm(name) == "hierarchical" && !form.empty()) {
+      if (form != "direct" && form != "ring" && form != "shm")
+        usage_error("unknown intra-group form in '" + name + "'; valid: direct, ring, shm");
+    } else if (!gradcomm::collectives::is_algorithm_name(name)) {
       usage_error("unknown algorithm '" + name +
                   "'; valid: " + gradcomm::collectives::algorithm_names_joined());
     }
@@ -416,12 +434,14 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   std::byte* out = o.in_place ? send : recv;
   // The baseline is MPI_Allreduce itself, also when GRADCOMM_DETERMINISTIC reroutes gradcomm.
   auto comm_for = [&](const std::string& algorithm) -> Communicator& {
-    return algorithm == "mpi" ? baseline : comm;
+    if (algorithm == "mpi") return baseline;
+    const auto variant = variant_comms().find(algorithm);
+    return variant == variant_comms().end() ? comm : *variant->second;
   };
   // GPU calls are enqueued asynchronously and synchronised once per batch (nccl-tests' way).
   auto call = [&](const std::string& algorithm) {
     gradcomm::allreduce(comm_for(algorithm), send, out, count, o.dtype, o.op,
-                        {.algorithm = algorithm, .asynchronous = o.gpu});
+                        {.algorithm = base_algorithm(algorithm), .asynchronous = o.gpu});
   };
   auto sync = [&] {
     if (o.gpu) gradcomm::gpu::runtime()->stream_synchronize(nullptr);
@@ -478,17 +498,17 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     row.p99_us = percentile(t, 0.99) * 1e6;
     row.algbw = row.mean_us > 0 ? static_cast<double>(bytes) / (row.mean_us * 1e-6) / 1e9 : 0;
     row.busbw = row.algbw * bus_factor;
-    gradcomm::reset_traffic(comm);
+    gradcomm::reset_traffic(comm_for(row.algorithm));
     call(row.algorithm);
     sync();
-    const gradcomm::TrafficReport traffic = gradcomm::traffic(comm);
+    const gradcomm::TrafficReport traffic = gradcomm::traffic(comm_for(row.algorithm));
     unsigned long long sent[2] = {traffic.intra_bytes, traffic.inter_bytes};
     MPI_Allreduce(MPI_IN_PLACE, sent, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi);
     row.intra_bytes = sent[0];
     row.inter_bytes = sent[1];
     if (o.check)
-      row.wrong = count_wrong(comm_for(row.algorithm), o, row.algorithm, count, send, recv, ref_in,
-                              ref_out);
+      row.wrong = count_wrong(comm_for(row.algorithm), o, base_algorithm(row.algorithm), count,
+                              send, recv, ref_in, ref_out);
     rows.push_back(row);
   }
   const double mpi_p50 = rows.back().p50_us;
@@ -505,7 +525,7 @@ void model_row(Communicator& comm, const Options& o, Row& row) {
     row.picks = gradcomm::collectives::select_allreduce_algorithm(args, comm);
   }
   const auto predicted = gradcomm::collectives::predicted_allreduce_seconds(
-      comm, row.picks.empty() ? row.algorithm : row.picks, row.bytes);
+      comm, row.picks.empty() ? base_algorithm(row.algorithm) : row.picks, row.bytes);
   row.model_us = predicted ? *predicted * 1e6 : 0;
 }
 
@@ -732,6 +752,12 @@ int run(int argc, char** argv) {
   gradcomm::Config plain = comm.config();
   plain.deterministic = false;
   Communicator baseline(MPI_COMM_WORLD, plain);
+  for (const std::string& name : o.algorithms) {
+    if (name.find('/') == std::string::npos) continue;
+    gradcomm::Config variant = comm.config();
+    variant.hierarchical_intra = name.substr(name.find('/') + 1);
+    variant_comms()[name] = std::make_unique<Communicator>(MPI_COMM_WORLD, variant);
+  }
   const std::size_t es = gradcomm::element_size(o.dtype);
   const std::size_t max_count = o.max_bytes / es;
   // Buffers allocated and touched once, reused for every size.

@@ -72,9 +72,9 @@ std::unique_ptr<Communicator> split(Communicator& comm, int color) {
 void attach_traffic(Communicator& sub, const std::shared_ptr<TrafficCounters>& counters,
                     int traffic_group) {
   std::vector<int> member_groups(static_cast<std::size_t>(sub.size()));
-  check_mpi(MPI_Allgather(&traffic_group, 1, MPI_INT, member_groups.data(), 1, MPI_INT,
-                          sub.mpi_comm()),
-            "allreduce(hierarchical): MPI_Allgather", sub.rank());
+  check_mpi(
+      MPI_Allgather(&traffic_group, 1, MPI_INT, member_groups.data(), 1, MPI_INT, sub.mpi_comm()),
+      "allreduce(hierarchical): MPI_Allgather", sub.rank());
   sub.attach(std::make_unique<Traffic>(counters, member_groups));
 }
 
@@ -84,8 +84,12 @@ void attach_traffic(Communicator& sub, const std::shared_ptr<TrafficCounters>& c
 class Level {
  public:
   // `ids[l][r]`: the group of rank r of `comm` at level l (innermost first).
+  // `machine_ranks`: ranks running on this machine (for shm's spin-or-yield choice); `crowded`:
+  // some machine runs more ranks than it has hardware threads (the same on every rank).
   Level(Communicator& comm, std::vector<std::vector<int>> ids,
-        const std::shared_ptr<TrafficCounters>& counters, int traffic_group) {
+        const std::shared_ptr<TrafficCounters>& counters, int traffic_group, int machine_ranks,
+        bool crowded_)
+      : crowded(crowded_) {
     std::vector<std::vector<int>> groups;
     // Levels that do not split this communicator (one group, or groups of one rank) are skipped.
     while (!ids.empty()) {
@@ -102,6 +106,7 @@ class Level {
     const int group = group_of_rank[static_cast<std::size_t>(comm.rank())];
     group_comm = split(comm, group);
     attach_traffic(*group_comm, counters, traffic_group);
+    share_machine_with(*group_comm, machine_ranks);
     group_size = group_comm->size();
     local = group_comm->rank();
     column_comms.resize(static_cast<std::size_t>(columns));
@@ -114,9 +119,9 @@ class Level {
       if (ids.size() > 1) {  // the outer levels, restricted to this column's owners
         const int parent_rank = comm.rank();
         std::vector<int> parents(static_cast<std::size_t>(column->size()));
-        check_mpi(MPI_Allgather(&parent_rank, 1, MPI_INT, parents.data(), 1, MPI_INT,
-                                column->mpi_comm()),
-                  "allreduce(hierarchical): MPI_Allgather", column->rank());
+        check_mpi(
+            MPI_Allgather(&parent_rank, 1, MPI_INT, parents.data(), 1, MPI_INT, column->mpi_comm()),
+            "allreduce(hierarchical): MPI_Allgather", column->rank());
         std::vector<std::vector<int>> outer;
         for (std::size_t l = 1; l < ids.size(); ++l) {
           std::vector<int> level;
@@ -124,7 +129,8 @@ class Level {
             level.push_back(ids[l][static_cast<std::size_t>(p)]);
           outer.push_back(std::move(level));
         }
-        auto nested = std::make_unique<Level>(*column, std::move(outer), counters, traffic_group);
+        auto nested = std::make_unique<Level>(*column, std::move(outer), counters, traffic_group,
+                                              machine_ranks, crowded);
         if (!nested->flat) next[static_cast<std::size_t>(c)] = std::move(nested);
       }
       column_comms[static_cast<std::size_t>(c)] = std::move(column);
@@ -172,7 +178,8 @@ class Level {
     }
   }
 
-  bool flat = true;  // no level splits the communicator
+  bool flat = true;      // no level splits the communicator
+  bool crowded = false;  // more ranks on this machine than cores
   int group_size = 1, local = 0, columns = 1;
   std::unique_ptr<Communicator> group_comm;
   std::vector<std::unique_ptr<Communicator>> column_comms;  // null where this rank is no owner
@@ -188,7 +195,7 @@ class Level {
     const bool shm_ok =
         shm_columns_fit(layout.columns, args.element_bytes()) && shm_available(*group_comm);
     if (asked == "shm") return shm_ok ? Intra::shm : Intra::direct;
-    return hierarchical_intra_auto(args.count * args.element_bytes(), group_size, shm_ok);
+    return hierarchical_intra_auto(args.count * args.element_bytes(), group_size, shm_ok, crowded);
   }
 };
 
@@ -211,18 +218,22 @@ class Hierarchy : public Attachment {
           "GRADCOMM_HIERARCHICAL_INTRA (Config::hierarchical_intra) differs across ranks (here '" +
               comm.config().hierarchical_intra + "'); set it identically for every rank"));
     }
+    const int machine_ranks = ranks_on_this_machine(comm);
+    int crowded = machine_ranks > std::max(1, topo.hardware.hardware_threads) ? 1 : 0;
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, comm.mpi_comm()),
+              "allreduce(hierarchical): MPI_Allreduce", comm.rank());
     root = std::make_unique<Level>(comm, topo.levels, comm.attachment<Traffic>().shared_counters(),
-                                   topo.group());
+                                   topo.group(), machine_ranks, crowded != 0);
   }
   std::unique_ptr<Level> root;
 };
 
 }  // namespace
 
-Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok) {
-  (void)bytes;
-  (void)group_size;
-  return shm_ok ? Intra::shm : Intra::direct;
+Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok, bool crowded) {
+  if (!shm_ok) return Intra::direct;
+  if (crowded && group_size > 2 && bytes > kHierarchicalShmCrowdedBytes) return Intra::direct;
+  return Intra::shm;
 }
 
 void forget_hierarchy(Communicator& comm) {

@@ -6,6 +6,9 @@
 
 namespace gradcomm::collectives {
 
+// auto's intra-group form switches from shm to direct above this size in crowded groups (below).
+inline constexpr std::size_t kHierarchicalShmCrowdedBytes = std::size_t{4} << 20;
+
 // The cross-group phase all-reduces each shard with halving_doubling below this size, with the
 // ring from it (the crossover measured on 2 and 4 ranks).
 inline constexpr std::size_t kHierarchicalRingFromBytes = std::size_t{4} << 20;
@@ -14,8 +17,13 @@ inline constexpr std::size_t kHierarchicalRingFromBytes = std::size_t{4} << 20;
 enum class Intra { direct, ring, shm };
 
 // The form "auto" picks for a call of `bytes` in a group of `group_size` ranks; `shm_ok` when the
-// group shares one host and its segment exists. Deterministic: every member picks the same.
-Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok);
+// group shares one host and its segment exists, `crowded` when this machine runs more ranks than
+// it has cores. shm wherever it can run, but for large calls in crowded groups of more than two:
+// every one of shm's flag rounds (one per 256 KiB) needs all the group's ranks scheduled, and
+// measured on 8 ranks over 2 cores (2 x 4) it fell behind direct from 8 MiB (README). direct
+// otherwise; the ring form is never picked here (it lost to direct at every size measured) and
+// is there for groups whose links form a ring. Same inputs on every member: same pick.
+Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok, bool crowded);
 
 // Drops the communicator's hierarchy (sub-communicators and their shm segments). Called on every
 // rank together after a mismatch ended a call, possibly inside a phase: the next call builds

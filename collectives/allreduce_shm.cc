@@ -110,6 +110,14 @@ class HostCheck : public Attachment {
   int on_machine = 1;  // >= on_host
 };
 
+// How many ranks run on this machine as far as the spin-or-yield choice goes: set by an
+// algorithm that runs shm on a sub-communicator of a larger one (0: the sub-communicator's own).
+class MachineRanks : public Attachment {
+ public:
+  explicit MachineRanks(Communicator&) {}
+  int ranks = 0;
+};
+
 // The segment of one communicator and this rank's view of it, built on first use.
 class ShmState : public Attachment {
  public:
@@ -138,7 +146,10 @@ class ShmState : public Attachment {
     check_mpi(MPI_Barrier(comm.mpi_comm()), "allreduce(shm): MPI_Barrier", rank);
     for (int j = 0; j < size; ++j)
       pids.push_back(static_cast<pid_t>(control(j).pid));
-    spin = size <= usable_cores() ? 2000 : 0;  // oversubscribed: yield at once
+    // Oversubscribed (counting the ranks of an enclosing communicator, whose others may be busy
+    // elsewhere: hierarchical's groups): yield at once instead of spinning.
+    const int busy = std::max(size, comm.attachment<MachineRanks>().ranks);
+    spin = busy <= usable_cores() ? 2000 : 0;
   }
 
   RankControl& control(int j) const { return reinterpret_cast<RankControl*>(segment.data())[j]; }
@@ -444,6 +455,10 @@ ShmState& usable_state(Communicator& group) {
 
 }  // namespace
 
+void share_machine_with(Communicator& sub, int ranks) {
+  sub.attachment<MachineRanks>().ranks = ranks;
+}
+
 bool shm_columns_fit(std::size_t columns, std::size_t element_bytes) {
   return columns * element_bytes <= kChunkBytes;
 }
@@ -458,6 +473,9 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
   auto* recv = static_cast<std::byte*>(args.recv);
   RankControl& mine = s.control(me);
   std::vector<const std::byte*> sources(static_cast<std::size_t>(s.size));
+  // The owner reads its own contribution from its input, not a copy, unless the output overwrites
+  // it before it is read: in place, as the third or later operand of the chain.
+  const bool own_from_input = !args.in_place() || me < 2;
   const std::uint64_t first = s.round + 1;
   for (std::uint64_t k = 0; k < plan.rounds; ++k) {
     const std::uint64_t r = first + k;
@@ -466,6 +484,7 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
     if (k == 0) mine.descriptor[first % 2] = descriptor_of(args, Path::columns, std::nullopt);
     std::byte* slot = s.stage(me, r);
     for (std::size_t c = 0; c < layout.columns; ++c) {
+      if (layout.owner(c) == me && own_from_input) continue;  // read where it lies
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
       std::memcpy(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es);
@@ -478,9 +497,12 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
       if (m == 0) continue;
-      for (int j = 0; j < s.size; ++j)
-        sources[static_cast<std::size_t>(j)] = s.stage(j, r) + c * plan.q * es;
       std::byte* out = recv + (col.offset + plan.start(k)) * es;
+      for (int j = 0; j < s.size; ++j) {
+        sources[static_cast<std::size_t>(j)] = j == me && own_from_input
+                                                   ? send + (col.offset + plan.start(k)) * es
+                                                   : s.stage(j, r) + c * plan.q * es;
+      }
       reduce_to(out, sources[0], sources[1], m, args.dtype, op);
       for (std::size_t j = 2; j < sources.size(); ++j)
         reduce_into(out, sources[j], m, args.dtype, op);

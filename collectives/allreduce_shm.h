@@ -64,6 +64,10 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
                                   const ColumnLayout& layout, Communicator& group);
 void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
                                Communicator& group);
+// Tells shm that `sub` runs beside other ranks of this machine (`ranks` in all, counting its
+// own): with more ranks than cores its waits yield at once instead of spinning first. Call before
+// the first shm use of `sub`.
+void share_machine_with(Communicator& sub, int ranks);
 // True when a round can carry one element of each of `columns` columns.
 bool shm_columns_fit(std::size_t columns, std::size_t element_bytes);
 

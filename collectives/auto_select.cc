@@ -171,6 +171,19 @@ bool oversubscribed(Communicator& comm, const topology::Topology& topo) {
   return crowded != 0;
 }
 
+// CostModel::group_shm and crowded, agreed by every rank.
+void set_hierarchical_view(Communicator& comm, const topology::Topology& topo, CostModel& model) {
+  const std::string& form = comm.config().hierarchical_intra;
+  int group_shm = (form == "auto" || form == "shm") &&
+                          ranks_on_this_host(comm) >= static_cast<int>(topo.my_group().size())
+                      ? 1
+                      : 0;
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &group_shm, 1, MPI_INT, MPI_MIN, comm.mpi_comm()),
+            "auto: MPI_Allreduce", comm.rank());
+  model.group_shm = group_shm != 0;
+  model.crowded = oversubscribed(comm, topo);
+}
+
 Corrections probe_algorithms(Communicator& comm, const CostModel& model, int groups,
                              int group_size) {
   Corrections c;
@@ -246,6 +259,7 @@ class AutoState : public Attachment {
     const topology::Topology& topo = topology::topology_of(comm);
     groups = static_cast<int>(topo.groups.size());
     model.one_host = shm_available(comm);
+    set_hierarchical_view(comm, topo, model);
     for (const auto& g : topo.groups)
       group_size = std::max(group_size, static_cast<int>(g.size()));
     const Config& config = comm.config();
@@ -277,6 +291,7 @@ class AutoState : public Attachment {
     if (config.calibrate) {
       model = calibrate(comm, topo);
       model.one_host = shm_available(comm);
+      set_hierarchical_view(comm, topo, model);
       // Probing times the algorithms themselves; in the reproducible mode they all run the same
       // schedule, and with a table the model is not used.
       if (!table && !config.deterministic && oversubscribed(comm, topo)) {
@@ -366,8 +381,16 @@ std::optional<double> CostModel::predict(std::string_view algorithm, std::size_t
     if (groups <= 1 || group_size <= 1) return predict("ring", bytes, n, 1, n);
     const double g = group_size;
     const double shard = S / g;
+    const bool shm_phases =
+        group_shm && hierarchical_intra_auto(bytes, group_size, true, crowded) == Intra::shm;
+    // direct: one round of messages each way; shm: 4 flag waits per 256 KiB round, copies in of
+    // the others' columns, out of the owner's, and out of the others'.
+    const double rounds = std::max(1.0, std::ceil(S / static_cast<double>(kShmChunkBytes)));
     const double intra_phases =
-        2 * (g - 1) * intra.alpha + 2 * (g - 1) / g * S * intra.beta + (g - 1) / g * S * gamma;
+        shm_phases ? 4 * rounds * flag_alpha + (2 * (g - 1) / g + 1 / g) * S * copy_beta +
+                         (g - 1) / g * S * gamma
+                   : 2 * (g - 1) * intra.alpha + 2 * (g - 1) / g * S * intra.beta +
+                         (g - 1) / g * S * gamma;
     CostModel across = *this;
     across.intra = shared(group_size);  // every rank of a group crosses at once
     const std::string_view cross = shard < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";

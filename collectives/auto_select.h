@@ -55,6 +55,11 @@ struct CostModel {
   double copy_beta = 1.0 / 10e9;   // seconds per byte copied in memory (shm's copy-in and out)
   double flag_alpha = 0.5e-6;      // seconds per flag round through shared memory
   bool one_host = false;           // every rank on one host: shm can run
+  // Hierarchical may run its intra-group phases through shm (every group on one host, and
+  // Config::hierarchical_intra auto or shm), and whether a machine runs more ranks than it has
+  // hardware threads (which of the forms auto picks depends on it).
+  bool group_shm = false;
+  bool crowded = false;
 
   // Predicted seconds of `algorithm` for `bytes` on `ranks` ranks in groups of `group_size`
   // (`groups` of them); nullopt for algorithms it has no model of (mpi).

@@ -137,7 +137,8 @@ void ring_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
   if (g == 1) {
     for (std::size_t c : layout.owned) {
       const auto col = layout.column(c);
-      if (recv != send) std::memcpy(recv + col.offset * es, send + col.offset * es, col.length * es);
+      if (recv != send)
+        std::memcpy(recv + col.offset * es, send + col.offset * es, col.length * es);
     }
     return;
   }
@@ -168,8 +169,8 @@ void ring_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
     offset = 0;
     for (std::size_t c : in) {
       const auto col = layout.column(c);
-      reduce_to(recv + col.offset * es, incoming + offset * es, send + col.offset * es,
-                col.length, args.dtype, op);
+      reduce_to(recv + col.offset * es, incoming + offset * es, send + col.offset * es, col.length,
+                args.dtype, op);
       offset += col.length;
     }
   }

@@ -394,9 +394,9 @@ struct Layout {
 };
 // "dgx1x2": two DGX-1 servers, the two-level schedule (quad -> server -> across servers); run
 // by the np16 test entry.
-constexpr Layout kLayouts[] = {{"8=2x4", 8, 4, ""},     {"8=4x2", 8, 2, ""},
-                               {"6=2x3", 6, 3, ""},     {"5=3+2", 5, 3, ""},
-                               {"4=1x4", 4, 4, ""},     {"dgx1", 8, 0, "dgx1"},
+constexpr Layout kLayouts[] = {{"8=2x4", 8, 4, ""},       {"8=4x2", 8, 2, ""},
+                               {"6=2x3", 6, 3, ""},       {"5=3+2", 5, 3, ""},
+                               {"4=1x4", 4, 4, ""},       {"dgx1", 8, 0, "dgx1"},
                                {"dgx1x2", 16, 0, "dgx1"}, {"discovered", 0, 0, ""}};
 // Hierarchical's intra-group forms (Config::hierarchical_intra); on one machine every group
 // shares the host, so "shm" runs through shared memory.

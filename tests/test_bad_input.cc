@@ -138,6 +138,8 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
       {"GRADCOMM_DEVICE", "-1", "GRADCOMM_DEVICE='-1' is invalid"},
       {"GRADCOMM_GPU_INTER_NODE", "tcp",
        "GRADCOMM_GPU_INTER_NODE='tcp' is invalid: expected nccl or mpi"},
+      {"GRADCOMM_HIERARCHICAL_INTRA", "nvlink",
+       "GRADCOMM_HIERARCHICAL_INTRA='nvlink' is invalid: expected one of auto, direct, ring, shm"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -164,6 +166,28 @@ TEST_F(BadNames, OutOfRangeConfigInCode) {
   expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
                                 {"segment_bytes 8 is outside [16, 1073741824]"});
   expect_usable(world());
+}
+
+// Ranks that disagree on hierarchical's intra-group form would wait on different protocols:
+// every rank gets an error naming the variable instead (at every hierarchical call), and the
+// communicator stays usable by the other algorithms.
+TEST_F(BadNames, HierarchicalIntraFormDiffersAcrossRanks) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  Config config;
+  config.ranks_per_node = 1;
+  config.hierarchical_intra = world().rank() == 1 ? "ring" : "direct";
+  Communicator comm(MPI_COMM_WORLD, config);
+  std::vector<float> data(64, 1.0f);
+  expect_error<InvalidArgument>(
+      [&] {
+        allreduce(comm, data.data(), data.data(), data.size(), DataType::float32, ReduceOp::sum,
+                  {.algorithm = "hierarchical"});
+      },
+      {"allreduce(hierarchical)", "GRADCOMM_HIERARCHICAL_INTRA", "differs across ranks"});
+  // Other algorithms still work on it.
+  allreduce(comm, data.data(), data.data(), data.size(), DataType::float32, ReduceOp::sum,
+            {.algorithm = "ring"});
+  EXPECT_EQ(data[0], static_cast<float>(comm.size()));
 }
 
 TEST_F(BadNames, NullCommunicator) {

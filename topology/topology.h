@@ -38,12 +38,12 @@ struct Topology {
   std::vector<std::vector<int>> nodes;   // ranks of every node, ascending
   std::vector<int> group_of_rank;        // hierarchical group of every rank
   std::vector<std::vector<int>> groups;  // ranks of every group, ascending
+  std::string source;                    // "discovered", "GRADCOMM_RANKS_PER_NODE=4", "dgx1"
+  Hardware hardware;                     // this rank's host
   // The hierarchical all-reduce's levels, innermost first: the group of every rank at each.
   // One level (group_of_rank) but with the DGX-1 preset on more than one server: quads, then
   // servers (quad -> server -> across servers).
   std::vector<std::vector<int>> levels;
-  std::string source;                    // "discovered", "GRADCOMM_RANKS_PER_NODE=4", "dgx1"
-  Hardware hardware;                     // this rank's host
 
   int node() const { return node_of_rank[static_cast<std::size_t>(rank)]; }
   int local_rank() const;  // index of this rank inside its node
