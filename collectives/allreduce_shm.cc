@@ -71,6 +71,7 @@ struct RankControl {
   alignas(kLine) Counter reduced{0};
   alignas(kLine) Counter drained{0};
   alignas(kLine) std::int64_t pid = 0;
+  std::atomic<int> cpu{-1};  // the CPU the rank last waited on (spin only where it differs)
   Descriptor descriptor[2] = {};
 };
 
@@ -168,14 +169,19 @@ class ShmState : public Attachment {
   // Waits until every other rank's `which` counter reaches `target`. Spins briefly, then yields;
   // checks now and then that the awaited rank is still alive.
   void wait_all(Counter RankControl::*which, std::uint64_t target, const char* stage_name) const {
+    const int here = spin > 0 ? sched_getcpu() : -1;
+    if (spin > 0) control(rank).cpu.store(here, std::memory_order_relaxed);
     for (int j = 0; j < size; ++j) {
       if (j == rank) continue;
       const Counter& counter = control(j).*which;
       if (counter.load(std::memory_order_acquire) >= target) continue;
+      // Spinning helps only while the awaited rank runs on another CPU; on this one (the
+      // scheduler put both here) it would burn the time the other needs: yield at once.
+      const long spins = control(j).cpu.load(std::memory_order_relaxed) == here ? 0 : spin;
       long polls = 0;
       auto started = std::chrono::steady_clock::time_point{};
       while (counter.load(std::memory_order_acquire) < target) {
-        if (++polls <= spin) {
+        if (++polls <= spins) {
           _mm_pause();
           continue;
         }

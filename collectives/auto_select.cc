@@ -107,6 +107,25 @@ CostModel calibrate(Communicator& comm, const topology::Topology& topo) {
   model.inter = {values[2], values[3]};
   model.gamma = values[4];
   model.copy_beta = values[5];
+  if (shm_available(comm)) {
+    // shm's flag round: the time of an 8-byte shm all-reduce (one round, nothing to copy),
+    // the slowest rank's median of 16.
+    AllreduceAlgorithm* shm = comm.attachment<AlgorithmCache>().find("shm");
+    float in[2] = {1.0f, 2.0f}, out[2] = {};
+    const AllreduceArgs args{in, out, 2, DataType::float32, ReduceOp::sum};
+    for (int i = 0; i < 3; ++i)
+      shm->run(args, comm);
+    std::vector<double> times(16);
+    for (double& t : times) {
+      const double t0 = MPI_Wtime();
+      shm->run(args, comm);
+      t = MPI_Wtime() - t0;
+    }
+    std::nth_element(times.begin(), times.begin() + 8, times.end());
+    double flag = times[8];
+    MPI_Allreduce(MPI_IN_PLACE, &flag, 1, MPI_DOUBLE, MPI_MAX, comm.mpi_comm());
+    model.flag_alpha = flag;
+  }
   return model;
 }
 
@@ -312,7 +331,8 @@ class AutoState : public Attachment {
                    std::to_string(1e-9 / model.intra.beta) + " GB/s; inter alpha " +
                    std::to_string(model.inter.alpha * 1e6) + " us, " +
                    std::to_string(1e-9 / model.inter.beta) + " GB/s; reduce " +
-                   std::to_string(1e-9 / model.gamma) + " GB/s" +
+                   std::to_string(1e-9 / model.gamma) + " GB/s; shm flag round " +
+                   std::to_string(model.flag_alpha * 1e6) + " us" +
                    (config.calibrate ? " (calibrated)" : " (defaults)"));
     }
   }
