@@ -46,17 +46,6 @@ namespace {
 
 constexpr std::string_view kCall = "allreduce(hierarchical)";
 
-std::vector<std::vector<int>> members_of(const std::vector<int>& group_of_rank) {
-  std::vector<std::vector<int>> groups;
-  for (std::size_t r = 0; r < group_of_rank.size(); ++r) {
-    const auto i = static_cast<std::size_t>(group_of_rank[r]);
-    if (groups.size() <= i) groups.resize(i + 1);
-    groups[i].push_back(static_cast<int>(r));
-  }
-  std::erase_if(groups, [](const std::vector<int>& g) { return g.empty(); });
-  return groups;
-}
-
 std::unique_ptr<Communicator> split(Communicator& comm, int color) {
   MPI_Comm part = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split(comm.mpi_comm(), color, comm.rank(), &part),
@@ -93,7 +82,8 @@ class Level {
     std::vector<std::vector<int>> groups;
     // Levels that do not split this communicator (one group, or groups of one rank) are skipped.
     while (!ids.empty()) {
-      groups = members_of(ids.front());
+      groups = topology::members(ids.front());
+      std::erase_if(groups, [](const std::vector<int>& g) { return g.empty(); });
       columns = 0;
       for (const auto& g : groups)
         columns = std::max(columns, static_cast<int>(g.size()));

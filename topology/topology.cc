@@ -107,16 +107,6 @@ void check_same_on_all_ranks(Communicator& comm, long long value, const char* va
   }
 }
 
-std::vector<std::vector<int>> members(const std::vector<int>& index_of_rank) {
-  std::vector<std::vector<int>> result;
-  for (std::size_t r = 0; r < index_of_rank.size(); ++r) {
-    const auto i = static_cast<std::size_t>(index_of_rank[r]);
-    if (result.size() <= i) result.resize(i + 1);
-    result[i].push_back(static_cast<int>(r));
-  }
-  return result;
-}
-
 // Node index of every rank from shared-memory domains, numbered by their lowest rank.
 std::vector<int> discover_nodes(Communicator& comm) {
   MPI_Comm node_comm = MPI_COMM_NULL;
@@ -168,6 +158,16 @@ class TopologyCache : public Attachment {
 };
 
 }  // namespace
+
+std::vector<std::vector<int>> members(const std::vector<int>& index_of_rank) {
+  std::vector<std::vector<int>> result;
+  for (std::size_t r = 0; r < index_of_rank.size(); ++r) {
+    const auto i = static_cast<std::size_t>(index_of_rank[r]);
+    if (result.size() <= i) result.resize(i + 1);
+    result[i].push_back(static_cast<int>(r));
+  }
+  return result;
+}
 
 int Topology::local_rank() const {
   const auto& mine = nodes[static_cast<std::size_t>(node())];

@@ -56,6 +56,10 @@ struct Topology {
   int group_local_rank() const;
 };
 
+// The ranks of every index in `index_of_rank` (rank r has index index_of_rank[r]), ascending; an
+// index no rank has gives an empty list.
+std::vector<std::vector<int>> members(const std::vector<int>& index_of_rank);
+
 // Discovers the layout of `comm` (collective). Nodes come from MPI_Comm_split_type(SHARED), or
 // from the emulation Config::ranks_per_node (every k consecutive ranks form a node; the last may
 // be smaller), or from the preset Config::topology_preset == "dgx1" (8 ranks per server, groups
