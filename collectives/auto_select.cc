@@ -108,23 +108,40 @@ CostModel calibrate(Communicator& comm, const topology::Topology& topo) {
   model.gamma = values[4];
   model.copy_beta = values[5];
   if (shm_available(comm)) {
-    // shm's flag round: the time of an 8-byte shm all-reduce (one round, nothing to copy),
-    // the slowest rank's median of 16.
-    AllreduceAlgorithm* shm = comm.attachment<AlgorithmCache>().find("shm");
+    // shm's flag round, measured against halving_doubling: 8-byte calls of both, interleaved
+    // (16 each, medians, slowest rank), and the flag round set so that the model's ratio of the
+    // two is the measured one. A plain time would compare a whole call against the model's bare
+    // message latency (the ping-pong above), and the two are often measured in different
+    // scheduler states (processes start on one CPU and spread later).
+    AlgorithmCache& cache = comm.attachment<AlgorithmCache>();
+    AllreduceAlgorithm* shm = cache.find("shm");
+    AllreduceAlgorithm* hd = cache.find("halving_doubling");
     float in[2] = {1.0f, 2.0f}, out[2] = {};
     const AllreduceArgs args{in, out, 2, DataType::float32, ReduceOp::sum};
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < 3; ++i) {
       shm->run(args, comm);
-    std::vector<double> times(16);
-    for (double& t : times) {
-      const double t0 = MPI_Wtime();
-      shm->run(args, comm);
-      t = MPI_Wtime() - t0;
+      hd->run(args, comm);
     }
-    std::nth_element(times.begin(), times.begin() + 8, times.end());
-    double flag = times[8];
-    MPI_Allreduce(MPI_IN_PLACE, &flag, 1, MPI_DOUBLE, MPI_MAX, comm.mpi_comm());
-    model.flag_alpha = flag;
+    std::vector<double> shm_times(16), hd_times(16);
+    for (std::size_t i = 0; i < shm_times.size(); ++i) {
+      double t0 = MPI_Wtime();
+      shm->run(args, comm);
+      shm_times[i] = MPI_Wtime() - t0;
+      t0 = MPI_Wtime();
+      hd->run(args, comm);
+      hd_times[i] = MPI_Wtime() - t0;
+    }
+    std::nth_element(shm_times.begin(), shm_times.begin() + 8, shm_times.end());
+    std::nth_element(hd_times.begin(), hd_times.begin() + 8, hd_times.end());
+    double medians[2] = {shm_times[8], hd_times[8]};
+    MPI_Allreduce(MPI_IN_PLACE, medians, 2, MPI_DOUBLE, MPI_MAX, comm.mpi_comm());
+    int group_size = 1;
+    for (const auto& g : topo.groups)
+      group_size = std::max(group_size, static_cast<int>(g.size()));
+    const std::optional<double> hd_model = model.predict(
+        "halving_doubling", 8, comm.size(), static_cast<int>(topo.groups.size()), group_size);
+    model.flag_alpha =
+        hd_model && medians[1] > 0 ? medians[0] * *hd_model / medians[1] : medians[0];
   }
   return model;
 }
