@@ -208,12 +208,9 @@ class Hierarchy : public Attachment {
           "GRADCOMM_HIERARCHICAL_INTRA (Config::hierarchical_intra) differs across ranks (here '" +
               comm.config().hierarchical_intra + "'); set it identically for every rank"));
     }
-    const int machine_ranks = ranks_on_this_machine(comm);
-    int crowded = machine_ranks > std::max(1, topo.hardware.hardware_threads) ? 1 : 0;
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, comm.mpi_comm()),
-              "allreduce(hierarchical): MPI_Allreduce", comm.rank());
     root = std::make_unique<Level>(comm, topo.levels, comm.attachment<Traffic>().shared_counters(),
-                                   topo.group(), machine_ranks, crowded != 0);
+                                   topo.group(), ranks_on_this_machine(comm),
+                                   machine_oversubscribed(comm));
   }
   std::unique_ptr<Level> root;
 };

@@ -36,6 +36,7 @@
 #include "core/error.h"
 #include "core/reduce_kernels.h"
 #include "core/shared_memory.h"
+#include "topology/topology.h"
 
 namespace gradcomm::collectives {
 namespace {
@@ -212,6 +213,16 @@ class ShmState : public Attachment {
   std::uint64_t round = 0;  // the last round this rank started
 };
 
+// The communicator's shm state; throws Unsupported (why) where shm cannot run.
+ShmState& usable_state(Communicator& group) {
+  ShmState& s = group.attachment<ShmState>();
+  if (!s.unavailable.empty()) {
+    throw Unsupported(s.unavailable_is_message ? s.unavailable
+                                               : error_message(kCall, group.rank(), s.unavailable));
+  }
+  return s;
+}
+
 // memcpy with non-temporal stores: for outputs too large to stay in cache, it saves reading each
 // destination line from memory before overwriting it, a third of the traffic of a copy.
 void stream_copy(std::byte* dst, const std::byte* src, std::size_t bytes) {
@@ -341,16 +352,20 @@ int ranks_on_this_machine(Communicator& comm) {
   return comm.attachment<HostCheck>().on_machine;
 }
 
+bool machine_oversubscribed(Communicator& comm) {
+  const int threads = std::max(1, topology::topology_of(comm).hardware.hardware_threads);
+  int crowded = ranks_on_this_machine(comm) > threads ? 1 : 0;
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, comm.mpi_comm()),
+            "allreduce(shm): MPI_Allreduce", comm.rank());
+  return crowded != 0;
+}
+
 bool shares_one_host(Communicator& comm) {
   return ranks_on_this_host(comm) == comm.size();
 }
 
 void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
-  ShmState& s = comm.attachment<ShmState>();
-  if (!s.unavailable.empty()) {
-    throw Unsupported(s.unavailable_is_message ? s.unavailable
-                                               : error_message(kCall, comm.rank(), s.unavailable));
-  }
+  ShmState& s = usable_state(comm);
   const int n = s.size, me = s.rank;
   const std::size_t es = args.element_bytes();
   const std::size_t bytes = args.count * es;
@@ -449,15 +464,6 @@ struct ColumnRounds {
   std::size_t q = 1;
   std::uint64_t rounds = 1;
 };
-
-ShmState& usable_state(Communicator& group) {
-  ShmState& s = group.attachment<ShmState>();
-  if (!s.unavailable.empty()) {
-    throw Unsupported(s.unavailable_is_message ? s.unavailable
-                                               : error_message(kCall, group.rank(), s.unavailable));
-  }
-  return s;
-}
 
 }  // namespace
 

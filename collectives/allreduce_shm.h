@@ -50,6 +50,10 @@ int ranks_on_this_host(Communicator& comm);
 // machine. Same caching.
 int ranks_on_this_machine(Communicator& comm);
 
+// True on every rank when some machine runs more of `comm`'s ranks than it has hardware threads
+// (ranks_on_this_machine against hwloc's count; collective).
+bool machine_oversubscribed(Communicator& comm);
+
 // True on every rank when all ranks of `comm` share one host (collective on first use; cached).
 bool shares_one_host(Communicator& comm);
 

@@ -197,16 +197,6 @@ struct Corrections {
   }
 };
 
-// True on every rank when some machine runs more of this communicator's ranks than it has
-// hardware threads (hosts emulated on one machine count as one machine).
-bool oversubscribed(Communicator& comm, const topology::Topology& topo) {
-  const int on_host = ranks_on_this_machine(comm);
-  const int threads = std::max(1, topo.hardware.hardware_threads);
-  int crowded = on_host > threads ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &crowded, 1, MPI_INT, MPI_MAX, comm.mpi_comm());
-  return crowded != 0;
-}
-
 // CostModel::group_shm and crowded, agreed by every rank.
 void set_hierarchical_view(Communicator& comm, const topology::Topology& topo, CostModel& model) {
   const std::string& form = comm.config().hierarchical_intra;
@@ -217,7 +207,7 @@ void set_hierarchical_view(Communicator& comm, const topology::Topology& topo, C
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, &group_shm, 1, MPI_INT, MPI_MIN, comm.mpi_comm()),
             "auto: MPI_Allreduce", comm.rank());
   model.group_shm = group_shm != 0;
-  model.crowded = oversubscribed(comm, topo);
+  model.crowded = machine_oversubscribed(comm);
 }
 
 Corrections probe_algorithms(Communicator& comm, const CostModel& model, int groups,
@@ -294,8 +284,6 @@ class AutoState : public Attachment {
   explicit AutoState(Communicator& comm) {
     const topology::Topology& topo = topology::topology_of(comm);
     groups = static_cast<int>(topo.groups.size());
-    model.one_host = shm_available(comm);
-    set_hierarchical_view(comm, topo, model);
     for (const auto& g : topo.groups)
       group_size = std::max(group_size, static_cast<int>(g.size()));
     const Config& config = comm.config();
@@ -324,13 +312,13 @@ class AutoState : public Attachment {
                                      " groups; using the cost model");
       }
     }
+    if (config.calibrate) model = calibrate(comm, topo);
+    model.one_host = shm_available(comm);
+    set_hierarchical_view(comm, topo, model);
     if (config.calibrate) {
-      model = calibrate(comm, topo);
-      model.one_host = shm_available(comm);
-      set_hierarchical_view(comm, topo, model);
       // Probing times the algorithms themselves; in the reproducible mode they all run the same
       // schedule, and with a table the model is not used.
-      if (!table && !config.deterministic && oversubscribed(comm, topo)) {
+      if (!table && !config.deterministic && model.crowded) {
         corrections = probe_algorithms(comm, model, groups, group_size);
         if (comm.log_enabled(LogLevel::debug)) {
           const std::size_t probes = corrections.log_factor.size() /
