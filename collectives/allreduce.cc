@@ -1,5 +1,6 @@
 #include "collectives/allreduce.h"
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -161,8 +162,10 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     return scope.finish(recvbuf, bytes);
   }
   if (requested == "auto") scope.before_first_use("auto");  // may calibrate (collectively)
+  collectives::AutoFollowUp follow_up = collectives::AutoFollowUp::none;
   const std::string_view name =
-      requested == "auto" ? collectives::select_allreduce_algorithm(args, comm) : requested;
+      requested == "auto" ? collectives::select_allreduce_algorithm(args, comm, &follow_up)
+                          : requested;
   collectives::AllreduceAlgorithm* algorithm =
       comm.attachment<collectives::AlgorithmCache>().find(name);
   if (!algorithm->supports(args, comm)) {
@@ -171,7 +174,17 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
                                         std::string(to_string(dtype)) + " buffers here"));
   }
   scope.start(name);
-  algorithm->run(args, comm);
+  if (follow_up == collectives::AutoFollowUp::time) {
+    const auto started = std::chrono::steady_clock::now();
+    algorithm->run(args, comm);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+    collectives::record_auto_call(args, comm, name, took.count());
+  } else {
+    algorithm->run(args, comm);
+    if (follow_up == collectives::AutoFollowUp::count) {
+      collectives::record_auto_call(args, comm, name, -1.0);
+    }
+  }
   scope.finish(recvbuf, bytes);
 }
 

@@ -1,6 +1,8 @@
 #include "collectives/auto_select.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -16,6 +18,7 @@
 #include "collectives/allreduce_halving_doubling.h"
 #include "collectives/allreduce_hierarchical.h"
 #include "collectives/allreduce_shm.h"
+#include "collectives/consistency.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
@@ -312,6 +315,7 @@ class AutoState : public Attachment {
                                      " groups; using the cost model");
       }
     }
+    measuring = config.auto_measure && !table;
     if (config.calibrate) model = calibrate(comm, topo);
     model.one_host = shm_available(comm);
     set_hierarchical_view(comm, topo, model);
@@ -349,13 +353,43 @@ class AutoState : public Attachment {
     return corrections.apply(algorithm, bytes, *p);
   }
 
+  // The modelled algorithms' predictions for `bytes`, in the registry's order.
+  void predictions(std::size_t bytes, int ranks, std::vector<std::string_view>& names,
+                   std::vector<double>& seconds) const {
+    names.clear();
+    seconds.clear();
+    for (const AlgorithmEntry& entry : registered_algorithms()) {
+      // hierarchical over one group is the ring (the same model; measuring it twice is waste)
+      if (entry.name == "hierarchical" && (groups <= 1 || group_size <= 1)) continue;
+      if (const auto p = predict(entry.name, bytes, ranks)) {
+        names.push_back(entry.name);
+        seconds.push_back(*p);
+      }
+    }
+  }
+
+  // One size class of measured choices: sizes [2^(b-1), 2^b) bytes for b = bit_width(bytes).
+  struct SizeClass {
+    bool set_up = false;
+    std::optional<MeasuredChoice> choice;  // empty: the model decides alone (see size_class)
+    int calls = 0;                         // in the current window
+    double fastest = 0;                    // this rank's smallest measured / predicted in it
+    std::size_t last_bytes = 0;            // the prediction of last_name for last_bytes
+    std::string_view last_name;
+    double last_predicted = 0;
+  };
+
   std::optional<TuningTable> table;
   CostModel model;
   Corrections corrections;
   int groups = 1;
   int group_size = 1;
-  std::string_view last;
-  std::unordered_map<std::size_t, std::string_view> decisions;  // bytes -> registry name
+  bool measuring = false;      // Config::auto_measure, and the model decides
+  std::string_view last;       // the latest choice, made for last_bytes
+  std::size_t last_bytes = 0;  // (in the measured path: 0)
+  std::unordered_map<std::size_t, std::string_view> decisions;  // bytes -> registry name (table)
+  std::array<SizeClass, 65> classes;                            // by bit_width(bytes) (model)
+  std::vector<std::pair<std::string_view, double>> test_scale;
 };
 
 }  // namespace
@@ -504,12 +538,174 @@ std::optional<double> predicted_allreduce_seconds(Communicator& comm, std::strin
   return comm.attachment<AutoState>().predict(algorithm, bytes, comm.size());
 }
 
-std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm) {
+namespace {
+
+std::string explain(const AutoState& state, std::size_t bytes, int ranks,
+                    const MeasuredChoice* measured) {
+  std::vector<std::string_view> names;
+  std::vector<double> predicted;
+  state.predictions(bytes, ranks, names, predicted);
+  std::string why;
+  if (measured != nullptr) {
+    for (std::size_t i = 0; i < measured->names().size(); ++i) {
+      if (!measured->measured(i)) continue;
+      const auto at = std::find(names.begin(), names.end(), measured->names()[i]);
+      const double p = predicted[static_cast<std::size_t>(at - names.begin())];
+      why += (why.empty() ? "measured " : ", ") + std::string(measured->names()[i]) + " " +
+             milliseconds(measured->expected(i, p));
+    }
+    if (!why.empty()) why += "; ";
+  }
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    why +=
+        (i == 0 ? "predicted " : ", ") + std::string(names[i]) + " " + milliseconds(predicted[i]);
+  }
+  return why;
+}
+
+// Calls predicted to take less than this are timed one in several (two clock reads are ~40 ns).
+constexpr double kTimedFromSeconds = 5e-6;
+
+// The size class of `bytes`, set up on its first call: measured when more than one algorithm is
+// modelled.
+AutoState::SizeClass& size_class(AutoState& state, Communicator& comm, std::size_t bytes) {
+  AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
+  if (c.set_up) return c;
+  c.set_up = true;
+  std::vector<std::string_view> names;
+  std::vector<double> predicted;
+  state.predictions(bytes, comm.size(), names, predicted);
+  if (names.size() < 2) return c;
+  const double best = *std::min_element(predicted.begin(), predicted.end());
+  // A window's decision costs about two small collectives (the call check and the agreement):
+  // windows long enough that it adds ~2%, at least 4 calls (duels: 2 of each).
+  std::vector<std::string_view> unused;
+  std::vector<double> small;
+  state.predictions(8, comm.size(), unused, small);
+  const double decision = 2 * *std::min_element(small.begin(), small.end());
+  // Calls shorter than kTimedFromSeconds are timed one in `stride`; a window has at least 4 timed
+  // calls, a duel at least 4 of each algorithm.
+  const int stride = static_cast<int>(std::clamp(std::ceil(kTimedFromSeconds / best), 1.0, 64.0));
+  const int calls = static_cast<int>(std::clamp(std::ceil(50 * decision / best), 4.0, 4096.0));
+  const int samples = std::max(4, (calls + stride - 1) / stride);
+  c.choice.emplace(std::move(names), predicted, samples * stride,
+                   2 * std::max(4, samples / 2) * stride, stride);
+  return c;
+}
+
+}  // namespace
+
+MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
+                               const std::vector<double>& predicted, int window, int duel,
+                               int stride)
+    : names_(std::move(names)),
+      ratio_(names_.size(), 0.0),
+      window_(window),
+      duel_(duel),
+      stride_(stride) {
+  choice_ = static_cast<std::size_t>(std::min_element(predicted.begin(), predicted.end()) -
+                                     predicted.begin());
+  challenger_ = choice_;
+}
+
+bool MeasuredChoice::record(double ratio) {
+  samples_[dueling() && (calls_ / stride_) % 2 == 1 ? 1 : 0].push_back(ratio);
+  ++calls_;
+  return window_done();
+}
+
+bool MeasuredChoice::skip() {
+  ++calls_;
+  return window_done();
+}
+
+std::array<double, 2> MeasuredChoice::figures() {
+  std::array<double, 2> medians{};
+  for (std::size_t slot = 0; slot < 2; ++slot) {
+    std::vector<double>& v = samples_[slot];
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    const std::size_t half = v.size() / 2;
+    medians[slot] = v.size() % 2 == 1 ? v[half] : (v[half - 1] + v[half]) / 2;
+  }
+  return medians;
+}
+
+bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
+                            const std::vector<double>& predicted) {
+  const std::size_t before = choice_;
+  const bool was_duel = dueling();
+  ratio_[choice_] = std::max(agreed[0], 1e-12);
+  if (was_duel) {
+    const bool recheck = measured(challenger_);
+    ratio_[challenger_] = std::max(agreed[1], 1e-12);
+    if (expected(challenger_, predicted[challenger_]) <
+        kMargin * expected(choice_, predicted[choice_])) {
+      choice_ = challenger_;
+      since_recheck_ = 0;
+      recheck_after_ = kFirstRecheck;
+    } else if (recheck) {  // the runner-up lost again: look less often
+      recheck_after_ = std::min(2 * recheck_after_, kLastRecheck);
+    }
+  }
+  calls_ = 0;
+  samples_[0].clear();
+  samples_[1].clear();
+  challenger_ = choice_;
+  // The strongest other: the lowest expectation (never measured: the model's prediction).
+  const double mine = expected(choice_, predicted[choice_]);
+  std::size_t other = choice_;
+  for (std::size_t i = 0; i < names_.size(); ++i) {
+    if (i != choice_ &&
+        (other == choice_ || expected(i, predicted[i]) < expected(other, predicted[other]))) {
+      other = i;
+    }
+  }
+  if (other != choice_) {
+    const double theirs = expected(other, predicted[other]);
+    if (theirs < mine) {
+      challenger_ = other;  // expected to win: find out
+    } else if (!was_duel && ++since_recheck_ >= recheck_after_) {
+      since_recheck_ = 0;
+      if (theirs <= kRecheckFactor * mine) challenger_ = other;
+    }
+  }
+  return choice_ != before;
+}
+
+std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm,
+                                            AutoFollowUp* follow_up) {
   AutoState& state = comm.attachment<AutoState>();
   const std::size_t bytes = args.count * args.element_bytes();
+  auto follow = [&](AutoFollowUp f) {
+    if (follow_up != nullptr) *follow_up = f;
+  };
+  follow(AutoFollowUp::none);
+  if (state.measuring) {
+    AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
+    if (c.choice) {
+      follow(c.choice->sampled() ? AutoFollowUp::time : AutoFollowUp::count);
+      return c.choice->next();
+    }
+    if (!c.set_up && size_class(state, comm, bytes).choice) {
+      follow(c.choice->sampled() ? AutoFollowUp::time : AutoFollowUp::count);
+      const std::string_view choice = c.choice->next();
+      if (comm.log_enabled(LogLevel::debug)) {
+        comm.log(LogLevel::debug, "auto: " + std::string(choice) + " for " + std::to_string(bytes) +
+                                      " bytes on " + std::to_string(comm.size()) + " ranks (" +
+                                      explain(state, bytes, comm.size(), nullptr) +
+                                      "); measuring it");
+      }
+      state.last = choice;
+      state.last_bytes = 0;
+      return choice;
+    }
+  }
   // Decisions are cached per size: this runs on every auto call, and small calls take ~1 us.
+  if (bytes == state.last_bytes && !state.last.empty()) return state.last;
   if (const auto hit = state.decisions.find(bytes); hit != state.decisions.end()) {
-    return hit->second;
+    state.last_bytes = bytes;
+    return state.last = hit->second;
   }
   std::string_view choice;
   if (state.table) {
@@ -533,23 +729,64 @@ std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communica
   if (state.decisions.size() >= 4096) state.decisions.clear();
   state.decisions.emplace(bytes, choice);
   if (state.last != choice && comm.log_enabled(LogLevel::debug)) {
-    std::string why;
-    if (state.table) {
-      why = "tuning table " + comm.config().tuning_file;
-    } else {
-      for (const AlgorithmEntry& entry : registered_algorithms()) {
-        const auto predicted = state.predict(entry.name, bytes, comm.size());
-        if (!predicted) continue;
-        why += (why.empty() ? "predicted " : ", ") + std::string(entry.name) + " " +
-               milliseconds(*predicted);
-      }
-    }
+    const std::string why = state.table ? "tuning table " + comm.config().tuning_file
+                                        : explain(state, bytes, comm.size(), nullptr);
     comm.log(LogLevel::debug, "auto: " + std::string(choice) + " for " + std::to_string(bytes) +
                                   " bytes on " + std::to_string(comm.size()) + " ranks (" + why +
                                   ")");
   }
   state.last = choice;
+  state.last_bytes = bytes;
   return choice;
+}
+
+void record_auto_call(const AllreduceArgs& args, Communicator& comm, std::string_view algorithm,
+                      double seconds) {
+  AutoState& state = comm.attachment<AutoState>();
+  if (!state.measuring) return;
+  const std::size_t bytes = args.count * args.element_bytes();
+  AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
+  if (!c.choice || c.choice->next() != algorithm) return;  // (not a choice of this class)
+  for (const auto& [name, factor] : state.test_scale) {
+    if (name == algorithm && seconds >= 0) seconds *= factor;
+  }
+  if (seconds >= 0 && (c.last_bytes != bytes || c.last_name != algorithm)) {
+    c.last_bytes = bytes;
+    c.last_name = algorithm;
+    c.last_predicted = state.predict(algorithm, bytes, comm.size()).value_or(1.0);
+  }
+  if (seconds < 0 ? !c.choice->skip() : !c.choice->record(seconds / c.last_predicted)) return;
+  // The window's figures: every rank's fastest call of each algorithm (one slow call is noise,
+  // not the algorithm), the slowest rank's (every rank then holds the same numbers). A rank whose
+  // peers made another call must not wait here for them: the call's comparison first.
+  require_check();
+  std::array<double, 2> agreed = c.choice->figures();
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed.data(), 2, MPI_DOUBLE, MPI_MAX, comm.mpi_comm()),
+            "auto: MPI_Allreduce", comm.rank());
+  std::vector<std::string_view> names;
+  std::vector<double> all;
+  state.predictions(bytes, comm.size(), names, all);
+  std::vector<double> predicted;
+  for (std::string_view name : c.choice->names()) {
+    predicted.push_back(
+        all[static_cast<std::size_t>(std::find(names.begin(), names.end(), name) - names.begin())]);
+  }
+  const bool changed = c.choice->decide(agreed, predicted);
+  if ((changed || c.choice->dueling()) && comm.log_enabled(LogLevel::debug)) {
+    const std::string what = changed ? std::string(c.choice->choice()) + " now"
+                                     : "measuring " + std::string(c.choice->challenger()) +
+                                           " against " + std::string(c.choice->choice());
+    comm.log(LogLevel::debug, "auto: " + what + " for " + std::to_string(bytes) + " bytes on " +
+                                  std::to_string(comm.size()) + " ranks (" +
+                                  explain(state, bytes, comm.size(), &*c.choice) + ")");
+  }
+}
+
+void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor) {
+  AutoState& state = comm.attachment<AutoState>();
+  for (const AlgorithmEntry& entry : registered_algorithms()) {
+    if (entry.name == algorithm) state.test_scale.emplace_back(entry.name, factor);
+  }
 }
 
 }  // namespace gradcomm::collectives

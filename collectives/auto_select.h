@@ -1,5 +1,6 @@
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -18,8 +19,96 @@ namespace gradcomm::collectives {
 //      `gradcomm-bench --tune`, used when its rank count and group count match;
 //   2. an alpha-beta-gamma cost model (Thakur, Rabenseifner and Gropp 2005) with intra- and
 //      inter-group link parameters from a short calibration (Config::calibrate) or defaults.
-// At debug level it logs each new choice and why.
-std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm);
+// With the model (no table), auto then checks its pick by measuring (Config::auto_measure,
+// GRADCOMM_AUTO_MEASURE): see MeasuredChoice and record_auto_call. At debug level it logs each
+// new choice and why. Not a call: asking does not count as one (gradcomm-bench's picks column).
+// `follow_up` (optional) says whether the caller must call record_auto_call after the call, and
+// whether it must time it first.
+enum class AutoFollowUp { none, count, time };
+std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm,
+                                            AutoFollowUp* follow_up = nullptr);
+
+// After an auto call for which select_allreduce_algorithm set `follow_up`, having run `algorithm`
+// (what it returned) for `seconds` on this rank (negative: not timed, as it asked). At the end of
+// a measuring window it completes the call's comparison (GRADCOMM_CHECK) and agrees the window's
+// figures across ranks with one MPI_Allreduce of 16 bytes, then decides the next window
+// (collective; same decision on every rank).
+void record_auto_call(const AllreduceArgs& args, Communicator& comm, std::string_view algorithm,
+                      double seconds);
+
+// Tests only: auto's measured times of `algorithm` on this rank are multiplied by `factor` (a
+// model that is wrong about it, on demand). Call on every rank alike.
+void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor);
+
+// The measured refinement of one size class's choice (sizes [2^(b-1), 2^b)), as pure logic. The
+// caller asks next() which algorithm a call runs and whether to time it (sampled(): every call,
+// or every stride-th where calls are so short that two clock reads would show), passes the time
+// over the model's prediction to record() (skip() for calls not timed), and at the end of a window
+// agrees figures() across ranks (every rank's median of each algorithm's timed calls in the
+// window, the slowest rank's figure) and passes them to decide(); every rank then holds the same
+// state. Windows are solo (the choice only) or duels (the choice and a challenger on alternate
+// timed calls, so that both see the same machine: its speed drifts by 2x within minutes here, and
+// one algorithm timed after another would compare the drift).
+// Optimism under uncertainty: an algorithm never measured is expected to take what the model
+// says, a measured one what the model says times its measured ratio. When some other algorithm is
+// expected to beat the choice (never measured and predicted faster than the choice measured, or
+// measured faster earlier), the next window is a duel with it, and the winner by more than 2%
+// stays. So a model that is right costs one solo window, and one that is wrong about its pick (the
+// machine's state changed: both ranks moved onto one core, a cache domain split) is corrected
+// after a duel per algorithm that could beat it. The runner-up is challenged again now and then
+// (after 8 solo windows, doubling up to 64 while it keeps losing), so that a choice that became
+// wrong later is found.
+class MeasuredChoice {
+ public:
+  static constexpr double kMargin = 0.98;        // a challenger must be this much faster
+  static constexpr double kRecheckFactor = 2.0;  // runner-ups expected slower are not challenged
+  static constexpr int kFirstRecheck = 8, kLastRecheck = 64;  // solo windows between re-checks
+
+  // `names` in the registry's order, `predicted` seconds for each at the first call's size. A
+  // solo window has `window` calls, a duel `duel` calls; every `stride`-th call is timed.
+  MeasuredChoice(std::vector<std::string_view> names, const std::vector<double>& predicted,
+                 int window, int duel, int stride);
+
+  // Whether the next call is timed, and its algorithm.
+  bool sampled() const { return calls_ % stride_ == 0; }
+  std::string_view next() const {
+    return names_[dueling() && sampled() && (calls_ / stride_) % 2 == 1 ? challenger_ : choice_];
+  }
+  // The best measured so far (the model's pick before any measurement).
+  std::string_view choice() const { return names_[choice_]; }
+  bool dueling() const { return challenger_ != choice_; }
+  std::string_view challenger() const { return names_[challenger_]; }
+  // The call just made (next()) took `ratio` times its prediction on this rank (record, for a
+  // sampled call) or was not timed (skip); true when it completed the window.
+  bool record(double ratio);
+  bool skip();
+  // This rank's figures of the window: the median ratio of the choice's timed calls and of the
+  // challenger's (0 in a solo window).
+  std::array<double, 2> figures();
+  // The window ended with these agreed figures; `predicted` holds every candidate's prediction
+  // at the size of the window's last call. Picks the next window; true when the choice changed.
+  bool decide(const std::array<double, 2>& agreed, const std::vector<double>& predicted);
+
+  const std::vector<std::string_view>& names() const { return names_; }
+  bool measured(std::size_t i) const { return ratio_[i] > 0; }
+  // The expected seconds of candidate i, given the model's `predicted` for it at some size.
+  double expected(std::size_t i, double predicted) const {
+    return measured(i) ? predicted * ratio_[i] : predicted;
+  }
+
+ private:
+  bool window_done() const { return calls_ >= (dueling() ? duel_ : window_); }
+
+  std::vector<std::string_view> names_;
+  std::vector<double> ratio_;  // measured / predicted (0: never measured)
+  std::size_t choice_ = 0;
+  std::size_t challenger_ = 0;  // == choice_ in a solo window
+  int window_, duel_, stride_;
+  int calls_ = 0;                               // in the current window
+  std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
+  int since_recheck_ = 0;
+  int recheck_after_ = kFirstRecheck;
+};
 
 // The cost model's predicted seconds for `algorithm` on `bytes` (as auto sees it: calibrated,
 // scaled by the probes where there are any); nullopt for algorithms it has no model of (mpi,

@@ -139,6 +139,11 @@ void Communicator::renew_after_mismatch() {
   comm_ = fresh;
 }
 
+std::size_t Communicator::next_attachment_slot() {
+  static std::atomic<std::size_t> next{0};
+  return next.fetch_add(1);
+}
+
 Communicator::~Communicator() {
   recorder_.reset();
   attachments_.clear();  // they may hold MPI objects derived from comm_

@@ -8,7 +8,7 @@
 #include <memory>
 #include <string_view>
 #include <type_traits>
-#include <typeindex>
+#include <vector>
 
 #include "core/aligned_buffer.h"
 #include "core/config.h"
@@ -73,9 +73,11 @@ class Communicator {
   template <class T>
   T& attachment() {
     static_assert(std::is_base_of_v<Attachment, T>, "attachments derive from Attachment");
-    auto& entry = attachments_[std::type_index(typeid(T))];
-    if (!entry) entry = std::make_unique<T>(*this);
-    return static_cast<T&>(*entry);
+    const std::size_t slot = attachment_slot<T>();
+    if (slot < attachments_.size() && attachments_[slot]) {
+      return static_cast<T&>(*attachments_[slot]);
+    }
+    return attach(std::make_unique<T>(*this));
   }
 
   // Installs a prepared attachment (replacing any of the same type); for state a parent
@@ -83,15 +85,18 @@ class Communicator {
   template <class T>
   T& attach(std::unique_ptr<T> value) {
     static_assert(std::is_base_of_v<Attachment, T>, "attachments derive from Attachment");
+    const std::size_t slot = attachment_slot<T>();
+    if (slot >= attachments_.size()) attachments_.resize(slot + 1);
     T& result = *value;
-    attachments_[std::type_index(typeid(T))] = std::move(value);
+    attachments_[slot] = std::move(value);
     return result;
   }
 
   // Removes the attachment of type T, if any (its destructor runs now).
   template <class T>
   void detach() {
-    attachments_.erase(std::type_index(typeid(T)));
+    const std::size_t slot = attachment_slot<T>();
+    if (slot < attachments_.size()) attachments_[slot].reset();
   }
 
   // After ranks were found to disagree on a call (collective: every rank learns of it together):
@@ -109,6 +114,13 @@ class Communicator {
 
  private:
   void start_watchdog();
+  // A small number per attachment type, the same for every communicator of the process.
+  static std::size_t next_attachment_slot();
+  template <class T>
+  static std::size_t attachment_slot() {
+    static const std::size_t slot = next_attachment_slot();
+    return slot;
+  }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
@@ -116,7 +128,9 @@ class Communicator {
   Config config_;
   std::uint64_t sequence_ = 0;
   std::map<int, AlignedBuffer> scratch_;
-  std::map<std::type_index, std::unique_ptr<Attachment>> attachments_;
+  // Indexed by attachment_slot<T>(): an attachment is looked up on every call (several per call),
+  // so in O(1), not by type name.
+  std::vector<std::unique_ptr<Attachment>> attachments_;
   std::shared_ptr<watchdog::Recorder> recorder_;
 };
 

@@ -91,6 +91,11 @@ Config Config::from_environment() {
     if (value != "0" && value != "1") bad_variable("GRADCOMM_CALIBRATE", v, "0 or 1");
     config.calibrate = value == "1";
   }
+  if (const char* v = get("GRADCOMM_AUTO_MEASURE")) {
+    const std::string value = v;
+    if (value != "0" && value != "1") bad_variable("GRADCOMM_AUTO_MEASURE", v, "0 or 1");
+    config.auto_measure = value == "1";
+  }
   if (const char* v = get("GRADCOMM_DETERMINISTIC")) {
     const std::string value = v;
     if (value != "0" && value != "1") bad_variable("GRADCOMM_DETERMINISTIC", v, "0 or 1");

@@ -33,6 +33,11 @@ struct Config {
   // GRADCOMM_CALIBRATE: 1 measures links and reduction speed for auto's cost model on its first
   // use (a few ms); 0 uses defaults.
   bool calibrate = true;
+  // GRADCOMM_AUTO_MEASURE: 1 lets auto check the cost model's pick by timing its calls: per size
+  // class it measures the pick and any algorithm the model expects to be close, agrees the times
+  // across ranks, and keeps the fastest, re-measuring the runner-up now and then; 0 keeps the
+  // model's picks (the same algorithm for the same call in every run).
+  bool auto_measure = true;
   // GRADCOMM_DETERMINISTIC: 1 makes every algorithm return exactly the bits of the serial
   // reduction in rank order ((x0 op x1) op x2 ...), reproducible for a given rank count.
   bool deterministic = false;
