@@ -565,6 +565,7 @@ std::string explain(const AutoState& state, std::size_t bytes, int ranks,
 
 // Calls predicted to take less than this are timed one in several (two clock reads are ~40 ns).
 constexpr double kTimedFromSeconds = 5e-6;
+constexpr double kWindowSeconds = 1e-3;  // the shortest measuring window
 
 // The size class of `bytes`, set up on its first call: measured when more than one algorithm is
 // modelled.
@@ -577,39 +578,44 @@ AutoState::SizeClass& size_class(AutoState& state, Communicator& comm, std::size
   state.predictions(bytes, comm.size(), names, predicted);
   if (names.size() < 2) return c;
   const double best = *std::min_element(predicted.begin(), predicted.end());
-  // A window's decision costs about two small collectives (the call check and the agreement):
-  // windows long enough that it adds ~2%, at least 4 calls (duels: 2 of each).
+  // A window ends in a decision that costs a few small collectives (the call check, the
+  // agreement: 3-5 us on 2 ranks here, where the model's 8-byte call says ~1 us): windows of at
+  // least 1 ms, and 200 times the model's two 8-byte calls, keep it below ~0.5%. Calls shorter
+  // than kTimedFromSeconds are timed one in `stride`; a window has at least 4 timed calls, a duel
+  // 4 - 16 of the challenger.
   std::vector<std::string_view> unused;
   std::vector<double> small;
   state.predictions(8, comm.size(), unused, small);
   const double decision = 2 * *std::min_element(small.begin(), small.end());
-  // Calls shorter than kTimedFromSeconds are timed one in `stride`; a window has at least 4 timed
-  // calls, a duel at least 4 of each algorithm.
+  const double seconds = std::max(kWindowSeconds, 200 * decision);
   const int stride = static_cast<int>(std::clamp(std::ceil(kTimedFromSeconds / best), 1.0, 64.0));
-  const int calls = static_cast<int>(std::clamp(std::ceil(50 * decision / best), 4.0, 4096.0));
+  const int calls = static_cast<int>(std::clamp(std::ceil(seconds / best), 4.0, 8192.0));
   const int samples = std::max(4, (calls + stride - 1) / stride);
-  c.choice.emplace(std::move(names), predicted, samples * stride,
-                   2 * std::max(4, samples / 2) * stride, stride);
+  const int challenger_calls = std::clamp(samples / 2, 4, 16);
+  const int duel = std::max(samples * stride, 2 * challenger_calls * stride);
+  c.choice.emplace(std::move(names), predicted, samples * stride, stride, duel,
+                   duel / challenger_calls);
   return c;
 }
 
 }  // namespace
 
 MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
-                               const std::vector<double>& predicted, int window, int duel,
-                               int stride)
+                               const std::vector<double>& predicted, int window, int stride,
+                               int duel, int period)
     : names_(std::move(names)),
       ratio_(names_.size(), 0.0),
       window_(window),
+      stride_(stride),
       duel_(duel),
-      stride_(stride) {
+      period_(period) {
   choice_ = static_cast<std::size_t>(std::min_element(predicted.begin(), predicted.end()) -
                                      predicted.begin());
   challenger_ = choice_;
 }
 
 bool MeasuredChoice::record(double ratio) {
-  samples_[dueling() && (calls_ / stride_) % 2 == 1 ? 1 : 0].push_back(ratio);
+  samples_[challenger_call() ? 1 : 0].push_back(ratio);
   ++calls_;
   return window_done();
 }
@@ -637,7 +643,7 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   const bool was_duel = dueling();
   ratio_[choice_] = std::max(agreed[0], 1e-12);
   if (was_duel) {
-    const bool recheck = measured(challenger_);
+    const bool recheck = rechecking_;
     ratio_[challenger_] = std::max(agreed[1], 1e-12);
     if (expected(challenger_, predicted[challenger_]) <
         kMargin * expected(choice_, predicted[choice_])) {
@@ -663,11 +669,15 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   }
   if (other != choice_) {
     const double theirs = expected(other, predicted[other]);
+    rechecking_ = false;
     if (theirs < mine) {
       challenger_ = other;  // expected to win: find out
     } else if (!was_duel && ++since_recheck_ >= recheck_after_) {
       since_recheck_ = 0;
-      if (theirs <= kRecheckFactor * mine) challenger_ = other;
+      if (theirs <= kRecheckFactor * mine) {
+        challenger_ = other;
+        rechecking_ = true;
+      }
     }
   }
   return choice_ != before;

@@ -46,9 +46,10 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 // over the model's prediction to record() (skip() for calls not timed), and at the end of a window
 // agrees figures() across ranks (every rank's median of each algorithm's timed calls in the
 // window, the slowest rank's figure) and passes them to decide(); every rank then holds the same
-// state. Windows are solo (the choice only) or duels (the choice and a challenger on alternate
-// timed calls, so that both see the same machine: its speed drifts by 2x within minutes here, and
-// one algorithm timed after another would compare the drift).
+// state. Windows are solo (the choice only) or duels (the challenger runs one call in every few,
+// at least 4 and at most 16 in the window, interleaved with the choice's calls, so that both see
+// the same machine: its speed drifts by 2x within minutes here, and one algorithm timed after
+// another would compare the drift; and a slow challenger costs little).
 // Optimism under uncertainty: an algorithm never measured is expected to take what the model
 // says, a measured one what the model says times its measured ratio. When some other algorithm is
 // expected to beat the choice (never measured and predicted faster than the choice measured, or
@@ -65,15 +66,14 @@ class MeasuredChoice {
   static constexpr int kFirstRecheck = 8, kLastRecheck = 64;  // solo windows between re-checks
 
   // `names` in the registry's order, `predicted` seconds for each at the first call's size. A
-  // solo window has `window` calls, a duel `duel` calls; every `stride`-th call is timed.
+  // solo window has `window` calls, every `stride`-th timed; a duel `duel` calls, of which one in
+  // `period` (in the middle of each period) is the challenger's, and timed.
   MeasuredChoice(std::vector<std::string_view> names, const std::vector<double>& predicted,
-                 int window, int duel, int stride);
+                 int window, int stride, int duel, int period);
 
   // Whether the next call is timed, and its algorithm.
-  bool sampled() const { return calls_ % stride_ == 0; }
-  std::string_view next() const {
-    return names_[dueling() && sampled() && (calls_ / stride_) % 2 == 1 ? challenger_ : choice_];
-  }
+  bool sampled() const { return challenger_call() || calls_ % stride_ == 0; }
+  std::string_view next() const { return names_[challenger_call() ? challenger_ : choice_]; }
   // The best measured so far (the model's pick before any measurement).
   std::string_view choice() const { return names_[choice_]; }
   bool dueling() const { return challenger_ != choice_; }
@@ -98,14 +98,16 @@ class MeasuredChoice {
 
  private:
   bool window_done() const { return calls_ >= (dueling() ? duel_ : window_); }
+  bool challenger_call() const { return dueling() && calls_ % period_ == period_ / 2; }
 
   std::vector<std::string_view> names_;
   std::vector<double> ratio_;  // measured / predicted (0: never measured)
   std::size_t choice_ = 0;
   std::size_t challenger_ = 0;  // == choice_ in a solo window
-  int window_, duel_, stride_;
+  int window_, stride_, duel_, period_;
   int calls_ = 0;                               // in the current window
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
+  bool rechecking_ = false;                     // the duel re-checks the runner-up
   int since_recheck_ = 0;
   int recheck_after_ = kFirstRecheck;
 };

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -815,6 +816,143 @@ TEST_F(AutoSelection, CostModelPrefersFewStepsSmallAndFewBytesLarge) {
   // Across two slow-linked groups, hierarchical beats the flat ring at 1 MiB (the README table).
   EXPECT_LT(t("hierarchical", 1 << 20, 16, 2, 8), t("ring", 1 << 20, 16, 2, 8));
   EXPECT_FALSE(model.predict("mpi", 8, 2, 1, 2).has_value());
+}
+
+// The measured refinement, as pure logic: `truth` is every algorithm's real time; the model's
+// predictions are 1, 2, 3. Runs `calls` calls and returns how many each algorithm ran.
+std::vector<int> simulate(collectives::MeasuredChoice& m, const std::vector<double>& predicted,
+                          const std::function<double(std::size_t)>& truth, int calls) {
+  std::vector<int> ran(m.names().size(), 0);
+  for (int i = 0; i < calls; ++i) {
+    const std::string_view next = m.next();
+    const std::size_t a = static_cast<std::size_t>(
+        std::find(m.names().begin(), m.names().end(), next) - m.names().begin());
+    ++ran[a];
+    const bool done = m.sampled() ? m.record(truth(a) / predicted[a]) : m.skip();
+    if (done) m.decide(m.figures(), predicted);
+  }
+  return ran;
+}
+
+TEST_F(AutoSelection, MeasuringARightModelCostsOnlyRechecks) {
+  const std::vector<double> predicted = {1, 2, 3};
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 4, 1, 8, 2);
+  EXPECT_EQ(m.next(), "a");
+  // Each algorithm as fast as the model says: "a" stays; "b" (within 2x) is re-checked after 8
+  // solo windows, then after 16, 32, 64 (4 of its calls each time); "c" never runs.
+  const std::vector<int> ran = simulate(
+      m, predicted, [&](std::size_t a) { return predicted[a]; }, 4 * 400);
+  EXPECT_EQ(m.choice(), "a");
+  EXPECT_EQ(ran[2], 0);
+  EXPECT_GT(ran[1], 0);
+  EXPECT_LE(ran[1], 4 * 8);  // re-checks back off: 8, 16, 32, 64, 64, ... solo windows apart
+  EXPECT_GE(ran[0], 4 * 400 - 4 * 8);
+}
+
+TEST_F(AutoSelection, MeasuringAWrongModelSwitchesAfterADuel) {
+  const std::vector<double> predicted = {1, 2, 3};
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 4, 1, 8, 2);
+  // "a" really takes 5: after its first window (4 calls) it duels "b" (predicted 2 < 5; 8
+  // calls, 4 of each), which wins. "c" (predicted 3 > b's 2) is not expected to win.
+  const std::vector<double> truth = {5, 2, 6};
+  std::vector<int> ran = simulate(
+      m, predicted, [&](std::size_t a) { return truth[a]; }, 12);
+  EXPECT_EQ(m.choice(), "b");
+  EXPECT_EQ(ran[0], 8);
+  EXPECT_EQ(ran[1], 4);
+  // Re-checks: the runner-up "c" (predicted 3, within 2x of b's 2) once, measured at 6; then
+  // nothing is within 2x of "b": only "b" runs.
+  ran = simulate(
+      m, predicted, [&](std::size_t a) { return truth[a]; }, 400);
+  EXPECT_EQ(m.choice(), "b");
+  EXPECT_EQ(ran[0], 0);
+  EXPECT_EQ(ran[2], 4);
+}
+
+TEST_F(AutoSelection, MeasuringFollowsAMachineThatChanges) {
+  const std::vector<double> predicted = {1, 2, 3};
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 4, 1, 8, 2);
+  double a_time = 1;  // "a" slows to 3 for a while, then recovers; "b" always takes 2
+  auto truth = [&](std::size_t i) { return i == 0 ? a_time : predicted[i]; };
+  simulate(m, predicted, truth, 100);
+  EXPECT_EQ(m.choice(), "a");
+  a_time = 3;  // the next solo window sees it; "b" (measured at 2 in a re-check) wins the duel
+  simulate(m, predicted, truth, 12);
+  EXPECT_EQ(m.choice(), "b");
+  a_time = 1;  // found by the next re-check of the runner-up (3 <= 2 x 2), 8 windows later
+  simulate(m, predicted, truth, 4 * 8 + 8 + 8);
+  EXPECT_EQ(m.choice(), "a");
+}
+
+TEST_F(AutoSelection, ShortCallsAreTimedOneInStride) {
+  const std::vector<double> predicted = {1, 2};
+  // Solo windows of 120 calls timed one in 12; duels of 120 calls, the challenger one in 30.
+  collectives::MeasuredChoice m({"a", "b"}, predicted, 120, 12, 120, 30);
+  int timed = 0;
+  for (int i = 0; i < 120; ++i) {
+    EXPECT_EQ(m.next(), "a");
+    if (m.sampled()) {
+      ++timed;
+      EXPECT_EQ(m.record(3.0), i == 119);  // "a" takes 3x its prediction: "b" is expected faster
+    } else {
+      EXPECT_EQ(m.skip(), i == 119);
+    }
+  }
+  EXPECT_EQ(timed, 10);
+  m.decide(m.figures(), predicted);
+  ASSERT_TRUE(m.dueling());
+  int challenger = 0;
+  for (int i = 0; i < 120; ++i) {
+    const bool b = m.next() == "b";
+    challenger += b;
+    if (b) {
+      EXPECT_TRUE(m.sampled());
+    }
+    if (m.sampled()) {
+      m.record(b ? 1.0 : 3.0);
+    } else {
+      m.skip();
+    }
+  }
+  EXPECT_EQ(challenger, 4);
+  m.decide(m.figures(), predicted);
+  EXPECT_EQ(m.choice(), "b");
+}
+
+// End to end: an algorithm that auto picks but that is slow here (its measured times scaled by
+// 20 on every rank) is replaced after a few calls, by the same algorithm on every rank, and
+// every call's result stays exact.
+TEST_F(AutoSelection, MeasuredPickThatIsSlowIsReplaced) {
+  if (world().size() < 2) GTEST_SKIP() << "auto runs only with 2 or more ranks";
+  for (const bool measure : {true, false}) {
+    SCOPED_TRACE(measure ? "GRADCOMM_AUTO_MEASURE=1" : "GRADCOMM_AUTO_MEASURE=0");
+    Config config;
+    config.auto_measure = measure;
+    Communicator comm(MPI_COMM_WORLD, config);
+    constexpr std::size_t kCount = (1 << 20) / 4 + 3;  // ~1 MiB of float32
+    const std::string first(collectives::select_allreduce_algorithm(args_of(kCount * 4), comm));
+    collectives::scale_auto_timing_for_testing(comm, first, 20.0);
+    std::vector<std::byte> send, recv;
+    std::string picks;
+    for (int call = 0; call < 40; ++call) {
+      const std::string pick(collectives::select_allreduce_algorithm(args_of(kCount * 4), comm));
+      picks += pick + " ";
+      check_exact(comm, "auto", DataType::float32, ReduceOp::sum, kCount, call % 2 == 1, send,
+                  recv);
+    }
+    const std::string last(collectives::select_allreduce_algorithm(args_of(kCount * 4), comm));
+    if (measure) {
+      EXPECT_NE(last, first) << picks;
+    } else {
+      EXPECT_EQ(last, first) << picks;
+    }
+    // Every rank made the same picks, call by call.
+    const std::uint64_t mine = std::hash<std::string>{}(picks);
+    std::uint64_t lo = mine, hi = mine;
+    MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+    EXPECT_EQ(lo, hi) << "rank " << world().rank() << " picked " << picks;
+  }
 }
 
 }  // namespace

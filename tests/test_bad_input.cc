@@ -127,6 +127,7 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
       {"GRADCOMM_DETERMINISTIC", "yes", "GRADCOMM_DETERMINISTIC='yes' is invalid: expected 0 or 1"},
       {"GRADCOMM_FUSION_THRESHOLD", "-1", "GRADCOMM_FUSION_THRESHOLD='-1' is invalid"},
       {"GRADCOMM_CALIBRATE", "2", "GRADCOMM_CALIBRATE='2' is invalid: expected 0 or 1"},
+      {"GRADCOMM_AUTO_MEASURE", "on", "GRADCOMM_AUTO_MEASURE='on' is invalid: expected 0 or 1"},
       {"GRADCOMM_RANKS_PER_NODE", "0", "GRADCOMM_RANKS_PER_NODE='0' is invalid"},
       {"GRADCOMM_RANKS_PER_NODE", "2.5", "GRADCOMM_RANKS_PER_NODE='2.5' is invalid"},
       {"GRADCOMM_TOPOLOGY", "dgx2", "GRADCOMM_TOPOLOGY='dgx2' is invalid: expected dgx1 or empty"},
