@@ -162,10 +162,9 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     return scope.finish(recvbuf, bytes);
   }
   if (requested == "auto") scope.before_first_use("auto");  // may calibrate (collectively)
-  collectives::AutoFollowUp follow_up = collectives::AutoFollowUp::none;
+  bool timed = false;
   const std::string_view name =
-      requested == "auto" ? collectives::select_allreduce_algorithm(args, comm, &follow_up)
-                          : requested;
+      requested == "auto" ? collectives::begin_auto_call(args, comm, timed) : requested;
   collectives::AllreduceAlgorithm* algorithm =
       comm.attachment<collectives::AlgorithmCache>().find(name);
   if (!algorithm->supports(args, comm)) {
@@ -174,16 +173,13 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
                                         std::string(to_string(dtype)) + " buffers here"));
   }
   scope.start(name);
-  if (follow_up == collectives::AutoFollowUp::time) {
+  if (timed) {
     const auto started = std::chrono::steady_clock::now();
     algorithm->run(args, comm);
     const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-    collectives::record_auto_call(args, comm, name, took.count());
+    collectives::end_auto_call(args, comm, took.count());
   } else {
     algorithm->run(args, comm);
-    if (follow_up == collectives::AutoFollowUp::count) {
-      collectives::record_auto_call(args, comm, name, -1.0);
-    }
   }
   scope.finish(recvbuf, bytes);
 }

@@ -374,6 +374,7 @@ class AutoState : public Attachment {
     std::optional<MeasuredChoice> choice;  // empty: the model decides alone (see size_class)
     int calls = 0;                         // in the current window
     double fastest = 0;                    // this rank's smallest measured / predicted in it
+    std::string_view pending;              // the algorithm of the timed call under way
     std::size_t last_bytes = 0;            // the prediction of last_name for last_bytes
     std::string_view last_name;
     double last_predicted = 0;
@@ -590,23 +591,22 @@ AutoState::SizeClass& size_class(AutoState& state, Communicator& comm, std::size
   const double seconds = std::max(kWindowSeconds, 200 * decision);
   const int stride = static_cast<int>(std::clamp(std::ceil(kTimedFromSeconds / best), 1.0, 64.0));
   const int calls = static_cast<int>(std::clamp(std::ceil(seconds / best), 4.0, 8192.0));
-  const int samples = std::max(4, (calls + stride - 1) / stride);
-  const int challenger_calls = std::clamp(samples / 2, 4, 16);
-  const int duel = std::max(samples * stride, 2 * challenger_calls * stride);
-  c.choice.emplace(std::move(names), predicted, samples * stride, stride, duel,
-                   duel / challenger_calls);
+  const int window = std::max(4, (calls + stride - 1) / stride);  // timed calls
+  const int challenger_calls = std::clamp(window / 2, 4, 16);
+  const int duel = std::max(window, 2 * challenger_calls);
+  c.choice.emplace(std::move(names), predicted, stride, window, duel, duel / challenger_calls);
   return c;
 }
 
 }  // namespace
 
 MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
-                               const std::vector<double>& predicted, int window, int stride,
+                               const std::vector<double>& predicted, int stride, int window,
                                int duel, int period)
     : names_(std::move(names)),
       ratio_(names_.size(), 0.0),
-      window_(window),
       stride_(stride),
+      window_(window),
       duel_(duel),
       period_(period) {
   choice_ = static_cast<std::size_t>(std::min_element(predicted.begin(), predicted.end()) -
@@ -615,14 +615,9 @@ MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
 }
 
 bool MeasuredChoice::record(double ratio) {
-  samples_[challenger_call() ? 1 : 0].push_back(ratio);
-  ++calls_;
-  return window_done();
-}
-
-bool MeasuredChoice::skip() {
-  ++calls_;
-  return window_done();
+  samples_[challenger_turn() ? 1 : 0].push_back(ratio);
+  ++timed_;
+  return timed_ >= (dueling() ? duel_ : window_);
 }
 
 std::array<double, 2> MeasuredChoice::figures() {
@@ -654,7 +649,7 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       recheck_after_ = std::min(2 * recheck_after_, kLastRecheck);
     }
   }
-  calls_ = 0;
+  timed_ = 0;
   samples_[0].clear();
   samples_[1].clear();
   challenger_ = choice_;
@@ -683,33 +678,18 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   return choice_ != before;
 }
 
-std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm,
-                                            AutoFollowUp* follow_up) {
+std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm) {
   AutoState& state = comm.attachment<AutoState>();
   const std::size_t bytes = args.count * args.element_bytes();
-  auto follow = [&](AutoFollowUp f) {
-    if (follow_up != nullptr) *follow_up = f;
-  };
-  follow(AutoFollowUp::none);
   if (state.measuring) {
     AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
-    if (c.choice) {
-      follow(c.choice->sampled() ? AutoFollowUp::time : AutoFollowUp::count);
-      return c.choice->next();
+    if (!c.set_up && size_class(state, comm, bytes).choice && comm.log_enabled(LogLevel::debug)) {
+      comm.log(LogLevel::debug,
+               "auto: " + std::string(c.choice->choice()) + " for " + std::to_string(bytes) +
+                   " bytes on " + std::to_string(comm.size()) + " ranks (" +
+                   explain(state, bytes, comm.size(), nullptr) + "); measuring it");
     }
-    if (!c.set_up && size_class(state, comm, bytes).choice) {
-      follow(c.choice->sampled() ? AutoFollowUp::time : AutoFollowUp::count);
-      const std::string_view choice = c.choice->next();
-      if (comm.log_enabled(LogLevel::debug)) {
-        comm.log(LogLevel::debug, "auto: " + std::string(choice) + " for " + std::to_string(bytes) +
-                                      " bytes on " + std::to_string(comm.size()) + " ranks (" +
-                                      explain(state, bytes, comm.size(), nullptr) +
-                                      "); measuring it");
-      }
-      state.last = choice;
-      state.last_bytes = 0;
-      return choice;
-    }
+    if (c.choice) return c.choice->choice();
   }
   // Decisions are cached per size: this runs on every auto call, and small calls take ~1 us.
   if (bytes == state.last_bytes && !state.last.empty()) return state.last;
@@ -750,25 +730,40 @@ std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communica
   return choice;
 }
 
-void record_auto_call(const AllreduceArgs& args, Communicator& comm, std::string_view algorithm,
-                      double seconds) {
+std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed) {
+  timed = false;
   AutoState& state = comm.attachment<AutoState>();
-  if (!state.measuring) return;
+  if (state.measuring) {
+    const std::size_t bytes = args.count * args.element_bytes();
+    AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
+    if (!c.set_up) select_allreduce_algorithm(args, comm);  // sets it up
+    if (c.choice) {
+      const MeasuredChoice::Pick pick = c.choice->pick();
+      timed = pick.timed;
+      c.pending = pick.algorithm;
+      return pick.algorithm;
+    }
+  }
+  return select_allreduce_algorithm(args, comm);
+}
+
+void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds) {
+  AutoState& state = comm.attachment<AutoState>();
   const std::size_t bytes = args.count * args.element_bytes();
   AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
-  if (!c.choice || c.choice->next() != algorithm) return;  // (not a choice of this class)
+  const std::string_view algorithm = c.pending;
   for (const auto& [name, factor] : state.test_scale) {
-    if (name == algorithm && seconds >= 0) seconds *= factor;
+    if (name == algorithm) seconds *= factor;
   }
-  if (seconds >= 0 && (c.last_bytes != bytes || c.last_name != algorithm)) {
+  if (c.last_bytes != bytes || c.last_name != algorithm) {
     c.last_bytes = bytes;
     c.last_name = algorithm;
     c.last_predicted = state.predict(algorithm, bytes, comm.size()).value_or(1.0);
   }
-  if (seconds < 0 ? !c.choice->skip() : !c.choice->record(seconds / c.last_predicted)) return;
-  // The window's figures: every rank's fastest call of each algorithm (one slow call is noise,
-  // not the algorithm), the slowest rank's (every rank then holds the same numbers). A rank whose
-  // peers made another call must not wait here for them: the call's comparison first.
+  if (!c.choice->record(seconds / c.last_predicted)) return;
+  // The window's figures: every rank's median of each algorithm's timed calls, the slowest
+  // rank's (every rank then holds the same numbers). A rank whose peers made another call must
+  // not wait here for them: the call's comparison first.
   require_check();
   std::array<double, 2> agreed = c.choice->figures();
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed.data(), 2, MPI_DOUBLE, MPI_MAX, comm.mpi_comm()),

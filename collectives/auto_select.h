@@ -19,37 +19,35 @@ namespace gradcomm::collectives {
 //      `gradcomm-bench --tune`, used when its rank count and group count match;
 //   2. an alpha-beta-gamma cost model (Thakur, Rabenseifner and Gropp 2005) with intra- and
 //      inter-group link parameters from a short calibration (Config::calibrate) or defaults.
-// With the model (no table), auto then checks its pick by measuring (Config::auto_measure,
-// GRADCOMM_AUTO_MEASURE): see MeasuredChoice and record_auto_call. At debug level it logs each
-// new choice and why. Not a call: asking does not count as one (gradcomm-bench's picks column).
-// `follow_up` (optional) says whether the caller must call record_auto_call after the call, and
-// whether it must time it first.
-enum class AutoFollowUp { none, count, time };
-std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm,
-                                            AutoFollowUp* follow_up = nullptr);
+// With the model (no table), auto then checks its picks by measuring them (Config::auto_measure,
+// GRADCOMM_AUTO_MEASURE; see MeasuredChoice): this returns the current choice for the call's size
+// class. At debug level it logs each new choice and why. Asking is not a call: it changes nothing
+// (gradcomm-bench's picks column).
+std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm);
 
-// After an auto call for which select_allreduce_algorithm set `follow_up`, having run `algorithm`
-// (what it returned) for `seconds` on this rank (negative: not timed, as it asked). At the end of
-// a measuring window it completes the call's comparison (GRADCOMM_CHECK) and agrees the window's
-// figures across ranks with one MPI_Allreduce of 16 bytes, then decides the next window
-// (collective; same decision on every rank).
-void record_auto_call(const AllreduceArgs& args, Communicator& comm, std::string_view algorithm,
-                      double seconds);
+// The front door's: the algorithm of this auto call (select_allreduce_algorithm's, or a
+// challenger that auto is measuring against it), counted as one call of its size class. When it
+// sets `timed`, the caller times the algorithm's run and passes the seconds to end_auto_call.
+std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed);
+// After a timed call. At the end of a measuring window it completes the call's comparison
+// (GRADCOMM_CHECK) and agrees the window's figures across ranks with one MPI_Allreduce of 16
+// bytes, then decides the next window (collective; the same decision on every rank).
+void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
 
 // Tests only: auto's measured times of `algorithm` on this rank are multiplied by `factor` (a
 // model that is wrong about it, on demand). Call on every rank alike.
 void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor);
 
-// The measured refinement of one size class's choice (sizes [2^(b-1), 2^b)), as pure logic. The
-// caller asks next() which algorithm a call runs and whether to time it (sampled(): every call,
-// or every stride-th where calls are so short that two clock reads would show), passes the time
-// over the model's prediction to record() (skip() for calls not timed), and at the end of a window
-// agrees figures() across ranks (every rank's median of each algorithm's timed calls in the
-// window, the slowest rank's figure) and passes them to decide(); every rank then holds the same
-// state. Windows are solo (the choice only) or duels (the challenger runs one call in every few,
-// at least 4 and at most 16 in the window, interleaved with the choice's calls, so that both see
-// the same machine: its speed drifts by 2x within minutes here, and one algorithm timed after
-// another would compare the drift; and a slow challenger costs little).
+// The measured refinement of one size class's choice (sizes [2^(b-1), 2^b)), as pure logic. For
+// every call the caller asks pick() which algorithm to run and whether to time it (every call, or
+// one in `stride` where calls are so short that two clock reads would show); it passes a timed
+// call's seconds over the model's prediction to record(), and when that ends a window it agrees
+// figures() across ranks (every rank's median of each algorithm's timed calls in the window, the
+// slowest rank's figure) and passes them to decide(); every rank then holds the same state.
+// Windows are solo (the choice only) or duels: a challenger runs one in every few timed calls (4 -
+// 16 in the window), between the choice's, so that both see the same machine (its speed drifts
+// by 2x within minutes here: one algorithm timed after another would compare the drift), and a
+// slow challenger costs little.
 // Optimism under uncertainty: an algorithm never measured is expected to take what the model
 // says, a measured one what the model says times its measured ratio. When some other algorithm is
 // expected to beat the choice (never measured and predicted faster than the choice measured, or
@@ -65,23 +63,28 @@ class MeasuredChoice {
   static constexpr double kRecheckFactor = 2.0;  // runner-ups expected slower are not challenged
   static constexpr int kFirstRecheck = 8, kLastRecheck = 64;  // solo windows between re-checks
 
-  // `names` in the registry's order, `predicted` seconds for each at the first call's size. A
-  // solo window has `window` calls, every `stride`-th timed; a duel `duel` calls, of which one in
-  // `period` (in the middle of each period) is the challenger's, and timed.
+  // `names` in the registry's order, `predicted` seconds for each at the first call's size. One
+  // call in `stride` is timed; a solo window has `window` timed calls, a duel `duel`, of which
+  // one in `period` (the middle one of each period) is the challenger's.
   MeasuredChoice(std::vector<std::string_view> names, const std::vector<double>& predicted,
-                 int window, int stride, int duel, int period);
+                 int stride, int window, int duel, int period);
 
-  // Whether the next call is timed, and its algorithm.
-  bool sampled() const { return challenger_call() || calls_ % stride_ == 0; }
-  std::string_view next() const { return names_[challenger_call() ? challenger_ : choice_]; }
-  // The best measured so far (the model's pick before any measurement).
-  std::string_view choice() const { return names_[choice_]; }
-  bool dueling() const { return challenger_ != choice_; }
-  std::string_view challenger() const { return names_[challenger_]; }
-  // The call just made (next()) took `ratio` times its prediction on this rank (record, for a
-  // sampled call) or was not timed (skip); true when it completed the window.
+  struct Pick {
+    std::string_view algorithm;
+    bool timed;
+  };
+  // The next call's algorithm and whether to time it; counts the call.
+  Pick pick() {
+    if (until_timed_ > 0) {
+      --until_timed_;
+      return {names_[choice_], false};
+    }
+    until_timed_ = stride_ - 1;
+    return {names_[challenger_turn() ? challenger_ : choice_], true};
+  }
+  // The timed call just picked took `ratio` times its prediction on this rank; true when it
+  // completed the window.
   bool record(double ratio);
-  bool skip();
   // This rank's figures of the window: the median ratio of the choice's timed calls and of the
   // challenger's (0 in a solo window).
   std::array<double, 2> figures();
@@ -89,6 +92,10 @@ class MeasuredChoice {
   // at the size of the window's last call. Picks the next window; true when the choice changed.
   bool decide(const std::array<double, 2>& agreed, const std::vector<double>& predicted);
 
+  // The best measured so far (the model's pick before any measurement).
+  std::string_view choice() const { return names_[choice_]; }
+  bool dueling() const { return challenger_ != choice_; }
+  std::string_view challenger() const { return names_[challenger_]; }
   const std::vector<std::string_view>& names() const { return names_; }
   bool measured(std::size_t i) const { return ratio_[i] > 0; }
   // The expected seconds of candidate i, given the model's `predicted` for it at some size.
@@ -97,15 +104,15 @@ class MeasuredChoice {
   }
 
  private:
-  bool window_done() const { return calls_ >= (dueling() ? duel_ : window_); }
-  bool challenger_call() const { return dueling() && calls_ % period_ == period_ / 2; }
+  bool challenger_turn() const { return dueling() && timed_ % period_ == period_ / 2; }
 
   std::vector<std::string_view> names_;
   std::vector<double> ratio_;  // measured / predicted (0: never measured)
   std::size_t choice_ = 0;
   std::size_t challenger_ = 0;  // == choice_ in a solo window
-  int window_, stride_, duel_, period_;
-  int calls_ = 0;                               // in the current window
+  int stride_, window_, duel_, period_;
+  int until_timed_ = 0;                         // calls before the next timed one
+  int timed_ = 0;                               // timed calls in the current window
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
   bool rechecking_ = false;                     // the duel re-checks the runner-up
   int since_recheck_ = 0;

@@ -824,20 +824,19 @@ std::vector<int> simulate(collectives::MeasuredChoice& m, const std::vector<doub
                           const std::function<double(std::size_t)>& truth, int calls) {
   std::vector<int> ran(m.names().size(), 0);
   for (int i = 0; i < calls; ++i) {
-    const std::string_view next = m.next();
+    const collectives::MeasuredChoice::Pick pick = m.pick();
     const std::size_t a = static_cast<std::size_t>(
-        std::find(m.names().begin(), m.names().end(), next) - m.names().begin());
+        std::find(m.names().begin(), m.names().end(), pick.algorithm) - m.names().begin());
     ++ran[a];
-    const bool done = m.sampled() ? m.record(truth(a) / predicted[a]) : m.skip();
-    if (done) m.decide(m.figures(), predicted);
+    if (pick.timed && m.record(truth(a) / predicted[a])) m.decide(m.figures(), predicted);
   }
   return ran;
 }
 
 TEST_F(AutoSelection, MeasuringARightModelCostsOnlyRechecks) {
   const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 4, 1, 8, 2);
-  EXPECT_EQ(m.next(), "a");
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 2);
+  EXPECT_EQ(m.choice(), "a");
   // Each algorithm as fast as the model says: "a" stays; "b" (within 2x) is re-checked after 8
   // solo windows, then after 16, 32, 64 (4 of its calls each time); "c" never runs.
   const std::vector<int> ran = simulate(
@@ -851,7 +850,7 @@ TEST_F(AutoSelection, MeasuringARightModelCostsOnlyRechecks) {
 
 TEST_F(AutoSelection, MeasuringAWrongModelSwitchesAfterADuel) {
   const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 4, 1, 8, 2);
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 2);
   // "a" really takes 5: after its first window (4 calls) it duels "b" (predicted 2 < 5; 8
   // calls, 4 of each), which wins. "c" (predicted 3 > b's 2) is not expected to win.
   const std::vector<double> truth = {5, 2, 6};
@@ -871,7 +870,7 @@ TEST_F(AutoSelection, MeasuringAWrongModelSwitchesAfterADuel) {
 
 TEST_F(AutoSelection, MeasuringFollowsAMachineThatChanges) {
   const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 4, 1, 8, 2);
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 2);
   double a_time = 1;  // "a" slows to 3 for a while, then recovers; "b" always takes 2
   auto truth = [&](std::size_t i) { return i == 0 ? a_time : predicted[i]; };
   simulate(m, predicted, truth, 100);
@@ -886,32 +885,31 @@ TEST_F(AutoSelection, MeasuringFollowsAMachineThatChanges) {
 
 TEST_F(AutoSelection, ShortCallsAreTimedOneInStride) {
   const std::vector<double> predicted = {1, 2};
-  // Solo windows of 120 calls timed one in 12; duels of 120 calls, the challenger one in 30.
-  collectives::MeasuredChoice m({"a", "b"}, predicted, 120, 12, 120, 30);
+  // One call in 12 timed; solo windows of 10 timed calls; duels of 12, the challenger's one in 3.
+  collectives::MeasuredChoice m({"a", "b"}, predicted, 12, 10, 12, 3);
   int timed = 0;
   for (int i = 0; i < 120; ++i) {
-    EXPECT_EQ(m.next(), "a");
-    if (m.sampled()) {
+    const collectives::MeasuredChoice::Pick pick = m.pick();
+    EXPECT_EQ(pick.algorithm, "a");
+    EXPECT_EQ(pick.timed, i % 12 == 0);
+    if (pick.timed) {
       ++timed;
-      EXPECT_EQ(m.record(3.0), i == 119);  // "a" takes 3x its prediction: "b" is expected faster
-    } else {
-      EXPECT_EQ(m.skip(), i == 119);
+      // "a" takes 3x its prediction: "b" (predicted 2) is expected faster
+      EXPECT_EQ(m.record(3.0), timed == 10);
     }
   }
-  EXPECT_EQ(timed, 10);
   m.decide(m.figures(), predicted);
   ASSERT_TRUE(m.dueling());
   int challenger = 0;
-  for (int i = 0; i < 120; ++i) {
-    const bool b = m.next() == "b";
+  for (int i = 0; i < 144; ++i) {
+    const collectives::MeasuredChoice::Pick pick = m.pick();
+    const bool b = pick.algorithm == "b";
     challenger += b;
     if (b) {
-      EXPECT_TRUE(m.sampled());
+      EXPECT_TRUE(pick.timed);
     }
-    if (m.sampled()) {
-      m.record(b ? 1.0 : 3.0);
-    } else {
-      m.skip();
+    if (pick.timed && m.record(b ? 1.0 : 3.0)) {
+      EXPECT_EQ(i, 132);  // the 12th timed call
     }
   }
   EXPECT_EQ(challenger, 4);
