@@ -583,7 +583,7 @@ AutoState::SizeClass& size_class(AutoState& state, Communicator& comm, std::size
   // agreement: 3-5 us on 2 ranks here, where the model's 8-byte call says ~1 us): windows of at
   // least 1 ms, and 200 times the model's two 8-byte calls, keep it below ~0.5%. Calls shorter
   // than kTimedFromSeconds are timed one in `stride`; a window has at least 4 timed calls, a duel
-  // 4 - 16 of the challenger.
+  // 4 - 8 of the challenger.
   std::vector<std::string_view> unused;
   std::vector<double> small;
   state.predictions(8, comm.size(), unused, small);
@@ -592,9 +592,9 @@ AutoState::SizeClass& size_class(AutoState& state, Communicator& comm, std::size
   const int stride = static_cast<int>(std::clamp(std::ceil(kTimedFromSeconds / best), 1.0, 64.0));
   const int calls = static_cast<int>(std::clamp(std::ceil(seconds / best), 4.0, 8192.0));
   const int window = std::max(4, (calls + stride - 1) / stride);  // timed calls
-  const int challenger_calls = std::clamp(window / 2, 4, 16);
+  const int challenger_calls = std::clamp(window / 4, 4, 8);
   const int duel = std::max(window, 2 * challenger_calls);
-  c.choice.emplace(std::move(names), predicted, stride, window, duel, duel / challenger_calls);
+  c.choice.emplace(std::move(names), predicted, stride, window, duel, challenger_calls);
   return c;
 }
 
@@ -602,13 +602,13 @@ AutoState::SizeClass& size_class(AutoState& state, Communicator& comm, std::size
 
 MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
                                const std::vector<double>& predicted, int stride, int window,
-                               int duel, int period)
+                               int duel, int challenger_calls)
     : names_(std::move(names)),
       ratio_(names_.size(), 0.0),
       stride_(stride),
       window_(window),
       duel_(duel),
-      period_(period) {
+      challenger_calls_(challenger_calls) {
   choice_ = static_cast<std::size_t>(std::min_element(predicted.begin(), predicted.end()) -
                                      predicted.begin());
   challenger_ = choice_;

@@ -44,10 +44,10 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 // call's seconds over the model's prediction to record(), and when that ends a window it agrees
 // figures() across ranks (every rank's median of each algorithm's timed calls in the window, the
 // slowest rank's figure) and passes them to decide(); every rank then holds the same state.
-// Windows are solo (the choice only) or duels: a challenger runs one in every few timed calls (4 -
-// 16 in the window), between the choice's, so that both see the same machine (its speed drifts
-// by 2x within minutes here: one algorithm timed after another would compare the drift), and a
-// slow challenger costs little.
+// Windows are solo (the choice only) or duels: a challenger runs 4 - 8 timed calls in a row in the
+// middle of the window, the choice the rest, so that both see the same machine (its speed drifts
+// by 2x within minutes here: one algorithm timed long after another would compare the drift), and
+// a slow challenger costs little (few calls, together).
 // Optimism under uncertainty: an algorithm never measured is expected to take what the model
 // says, a measured one what the model says times its measured ratio. When some other algorithm is
 // expected to beat the choice (never measured and predicted faster than the choice measured, or
@@ -65,9 +65,9 @@ class MeasuredChoice {
 
   // `names` in the registry's order, `predicted` seconds for each at the first call's size. One
   // call in `stride` is timed; a solo window has `window` timed calls, a duel `duel`, of which
-  // one in `period` (the middle one of each period) is the challenger's.
+  // `challenger_calls` in the middle are the challenger's.
   MeasuredChoice(std::vector<std::string_view> names, const std::vector<double>& predicted,
-                 int stride, int window, int duel, int period);
+                 int stride, int window, int duel, int challenger_calls);
 
   struct Pick {
     std::string_view algorithm;
@@ -104,13 +104,16 @@ class MeasuredChoice {
   }
 
  private:
-  bool challenger_turn() const { return dueling() && timed_ % period_ == period_ / 2; }
+  bool challenger_turn() const {
+    const int first = (duel_ - challenger_calls_) / 2;
+    return dueling() && timed_ >= first && timed_ < first + challenger_calls_;
+  }
 
   std::vector<std::string_view> names_;
   std::vector<double> ratio_;  // measured / predicted (0: never measured)
   std::size_t choice_ = 0;
   std::size_t challenger_ = 0;  // == choice_ in a solo window
-  int stride_, window_, duel_, period_;
+  int stride_, window_, duel_, challenger_calls_;
   int until_timed_ = 0;                         // calls before the next timed one
   int timed_ = 0;                               // timed calls in the current window
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window

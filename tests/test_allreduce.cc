@@ -835,7 +835,7 @@ std::vector<int> simulate(collectives::MeasuredChoice& m, const std::vector<doub
 
 TEST_F(AutoSelection, MeasuringARightModelCostsOnlyRechecks) {
   const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 2);
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
   EXPECT_EQ(m.choice(), "a");
   // Each algorithm as fast as the model says: "a" stays; "b" (within 2x) is re-checked after 8
   // solo windows, then after 16, 32, 64 (4 of its calls each time); "c" never runs.
@@ -850,7 +850,7 @@ TEST_F(AutoSelection, MeasuringARightModelCostsOnlyRechecks) {
 
 TEST_F(AutoSelection, MeasuringAWrongModelSwitchesAfterADuel) {
   const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 2);
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
   // "a" really takes 5: after its first window (4 calls) it duels "b" (predicted 2 < 5; 8
   // calls, 4 of each), which wins. "c" (predicted 3 > b's 2) is not expected to win.
   const std::vector<double> truth = {5, 2, 6};
@@ -870,7 +870,7 @@ TEST_F(AutoSelection, MeasuringAWrongModelSwitchesAfterADuel) {
 
 TEST_F(AutoSelection, MeasuringFollowsAMachineThatChanges) {
   const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 2);
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
   double a_time = 1;  // "a" slows to 3 for a while, then recovers; "b" always takes 2
   auto truth = [&](std::size_t i) { return i == 0 ? a_time : predicted[i]; };
   simulate(m, predicted, truth, 100);
@@ -885,8 +885,9 @@ TEST_F(AutoSelection, MeasuringFollowsAMachineThatChanges) {
 
 TEST_F(AutoSelection, ShortCallsAreTimedOneInStride) {
   const std::vector<double> predicted = {1, 2};
-  // One call in 12 timed; solo windows of 10 timed calls; duels of 12, the challenger's one in 3.
-  collectives::MeasuredChoice m({"a", "b"}, predicted, 12, 10, 12, 3);
+  // One call in 12 timed; solo windows of 10 timed calls; duels of 12, the challenger's the
+  // middle 4 (timed calls 4 - 7).
+  collectives::MeasuredChoice m({"a", "b"}, predicted, 12, 10, 12, 4);
   int timed = 0;
   for (int i = 0; i < 120; ++i) {
     const collectives::MeasuredChoice::Pick pick = m.pick();
