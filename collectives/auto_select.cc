@@ -665,7 +665,7 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   if (other != choice_) {
     const double theirs = expected(other, predicted[other]);
     rechecking_ = false;
-    if (theirs < mine) {
+    if (theirs < kMargin * mine) {
       challenger_ = other;  // expected to win: find out
     } else if (!was_duel && ++since_recheck_ >= recheck_after_) {
       since_recheck_ = 0;
@@ -730,9 +730,11 @@ std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communica
   return choice;
 }
 
-std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed) {
+std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed,
+                                 bool outermost) {
   timed = false;
   AutoState& state = comm.attachment<AutoState>();
+  if (state.measuring && !outermost) return select_allreduce_algorithm(args, comm);
   if (state.measuring) {
     const std::size_t bytes = args.count * args.element_bytes();
     AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
