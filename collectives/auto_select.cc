@@ -372,8 +372,6 @@ class AutoState : public Attachment {
   struct SizeClass {
     bool set_up = false;
     std::optional<MeasuredChoice> choice;  // empty: the model decides alone (see size_class)
-    int calls = 0;                         // in the current window
-    double fastest = 0;                    // this rank's smallest measured / predicted in it
     std::string_view pending;              // the algorithm of the timed call under way
     std::size_t last_bytes = 0;            // the prediction of last_name for last_bytes
     std::string_view last_name;
@@ -385,9 +383,9 @@ class AutoState : public Attachment {
   Corrections corrections;
   int groups = 1;
   int group_size = 1;
-  bool measuring = false;      // Config::auto_measure, and the model decides
-  std::string_view last;       // the latest choice, made for last_bytes
-  std::size_t last_bytes = 0;  // (in the measured path: 0)
+  bool measuring = false;  // Config::auto_measure, and the model decides
+  std::string_view last;   // the model's or table's latest choice, made for last_bytes
+  std::size_t last_bytes = 0;
   std::unordered_map<std::size_t, std::string_view> decisions;  // bytes -> registry name (table)
   std::array<SizeClass, 65> classes;                            // by bit_width(bytes) (model)
   std::vector<std::pair<std::string_view, double>> test_scale;
@@ -734,8 +732,7 @@ std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, 
                                  bool outermost) {
   timed = false;
   AutoState& state = comm.attachment<AutoState>();
-  if (state.measuring && !outermost) return select_allreduce_algorithm(args, comm);
-  if (state.measuring) {
+  if (state.measuring && outermost) {
     const std::size_t bytes = args.count * args.element_bytes();
     AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
     if (!c.set_up) select_allreduce_algorithm(args, comm);  // sets it up
