@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "collectives/allreduce.h"
+#include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
@@ -82,17 +83,21 @@ class Deadline {
   std::chrono::steady_clock::time_point end_;
 };
 
-// Polls briefly, then sleeps between polls, so waiting ranks leave the cores to the others.
+// Polls briefly, then sleeps between polls, so waiting ranks leave the cores to the others. Lets
+// MPI progress now and then: a peer may still wait in MPI for this rank (a host ring before).
 class Backoff {
  public:
+  explicit Backoff(Communicator& comm) : mpi_(comm.mpi_comm()) {}
   void pause() {
     if (++polls_ < 1000)
       std::this_thread::yield();
     else
       std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (polls_ % 16 == 0) drive_mpi_progress(mpi_);
   }
 
  private:
+  MPI_Comm mpi_;
   int polls_ = 0;
 };
 
@@ -106,7 +111,7 @@ std::string timeout_message(const Communicator& comm, std::string_view what) {
 void wait_ready(NcclState& state, Communicator& comm, std::string_view call,
                 std::string_view what) {
   const Deadline deadline(comm.config().timeout_seconds);
-  Backoff backoff;
+  Backoff backoff(comm);
   for (;;) {
     std::string error;
     switch (state.runtime->comm_state(state.comm, &error)) {
@@ -126,7 +131,7 @@ void wait_ready(NcclState& state, Communicator& comm, std::string_view call,
 void wait_stream(gpu::Runtime& runtime, void* stream, std::initializer_list<NcclState*> states,
                  Communicator& comm, std::string_view call) {
   const Deadline deadline(comm.config().timeout_seconds);
-  Backoff backoff;
+  Backoff backoff(comm);
   while (!runtime.stream_done(stream)) {
     for (NcclState* state : states) {
       std::string error;

@@ -33,6 +33,7 @@
 
 #include "collectives/consistency.h"
 #include "collectives/owner_exchange.h"
+#include "collectives/p2p.h"
 #include "core/error.h"
 #include "core/reduce_kernels.h"
 #include "core/shared_memory.h"
@@ -123,7 +124,8 @@ class MachineRanks : public Attachment {
 // The segment of one communicator and this rank's view of it, built on first use.
 class ShmState : public Attachment {
  public:
-  explicit ShmState(Communicator& comm) : rank(comm.rank()), size(comm.size()) {
+  explicit ShmState(Communicator& comm)
+      : rank(comm.rank()), size(comm.size()), mpi(comm.mpi_comm()) {
     const HostCheck& host = comm.attachment<HostCheck>();
     if (host.on_host != size) {
       unavailable = "only " + std::to_string(host.on_host) + " of the " + std::to_string(size) +
@@ -187,6 +189,8 @@ class ShmState : public Attachment {
           continue;
         }
         sched_yield();
+        // A peer still in MPI (finishing a ring) may need this rank's progress to get here.
+        if (polls % 16 == 0) drive_mpi_progress(mpi);
         if (polls % 64 == 0) poll_check();  // a peer that made another call never arrives
         if (polls % 4096 != 0) continue;
         const auto now = std::chrono::steady_clock::now();
@@ -204,6 +208,7 @@ class ShmState : public Attachment {
   }
 
   int rank, size;
+  MPI_Comm mpi;             // the communicator's (progress only)
   std::string unavailable;  // why shm cannot run here; empty when it can
   bool unavailable_is_message = false;
   SharedSegment segment;

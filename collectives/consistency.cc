@@ -16,6 +16,7 @@
 
 #include "collectives/allreduce_hierarchical.h"
 #include "collectives/allreduce_shm.h"
+#include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "core/shared_memory.h"
@@ -202,8 +203,10 @@ void board_poll(CheckState& state, Communicator& comm, std::string_view call, bo
         std::vector<CallInfo> calls;
         for (int r = 0; r < state.size; ++r) {
           const BoardSlot& other = state.slot(r, state.board_sequence);
-          while (other.posted.load(std::memory_order_acquire) < want)
+          for (long spins = 1; other.posted.load(std::memory_order_acquire) < want; ++spins) {
             sched_yield();
+            if (spins % 16 == 0) drive_mpi_progress(comm.mpi_comm());
+          }
           Fields f;
           std::memcpy(f.data(), other.fields, sizeof other.fields);
           calls.push_back(from_fields(f));
@@ -217,6 +220,8 @@ void board_poll(CheckState& state, Communicator& comm, std::string_view call, bo
     if (state.uncompared == 0) state.board_pending = false;
     if (!wait || !state.board_pending) return;
     if (++polls > 100) sched_yield();
+    // A peer still in MPI (the previous call's ring) may need this rank's progress to post.
+    if (polls % 16 == 0) drive_mpi_progress(comm.mpi_comm());
   }
 }
 

@@ -58,6 +58,13 @@ MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Commu
 void wait(MPI_Request& request, std::string_view call);
 void wait_all(std::size_t n, MPI_Request* requests, std::string_view call);
 
+// Lets MPI move transfers along. Open MPI progresses only inside MPI calls, and a rank that has
+// finished its part of an exchange may still owe a peer the acknowledgement that completes the
+// peer's send (a large message's receiver tells the sender it has pulled the data). So every
+// wait outside MPI (shm's, the check board's, NCCL's) calls this now and then: otherwise a rank
+// waiting there for a peer that waits in MPI for it never wakes either (a ring, then shm).
+void drive_mpi_progress(MPI_Comm comm);
+
 // Blocking exchange of any size (split into pieces when large).
 void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* recv,
                      std::size_t recv_bytes, int source, int tag, Communicator& comm,
