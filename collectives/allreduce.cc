@@ -164,8 +164,7 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   if (requested == "auto") scope.before_first_use("auto");  // may calibrate (collectively)
   bool timed = false;
   const std::string_view name =
-      requested == "auto" ? collectives::begin_auto_call(args, comm, timed, scope.outermost())
-                          : requested;
+      requested == "auto" ? collectives::begin_auto_call(args, comm, timed) : requested;
   collectives::AllreduceAlgorithm* algorithm =
       comm.attachment<collectives::AlgorithmCache>().find(name);
   if (!algorithm->supports(args, comm)) {

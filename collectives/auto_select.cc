@@ -728,11 +728,10 @@ std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communica
   return choice;
 }
 
-std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed,
-                                 bool outermost) {
+std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed) {
   timed = false;
   AutoState& state = comm.attachment<AutoState>();
-  if (state.measuring && outermost) {
+  if (state.measuring) {
     const std::size_t bytes = args.count * args.element_bytes();
     AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
     if (!c.set_up) select_allreduce_algorithm(args, comm);  // sets it up

@@ -28,10 +28,8 @@ std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communica
 // The front door's: the algorithm of this auto call (select_allreduce_algorithm's, or a
 // challenger that auto is measuring against it), counted as one call of its size class. When it
 // sets `timed`, the caller times the algorithm's run and passes the seconds to end_auto_call.
-// Calls made inside another call (grouped_allreduce's buckets: `outermost` false) run the
-// current choice and are not counted or timed.
-std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed,
-                                 bool outermost = true);
+// grouped_allreduce's buckets are calls like any other.
+std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed);
 // After a timed call. At the end of a measuring window it completes the call's comparison
 // (GRADCOMM_CHECK) and agrees the window's figures across ranks with one MPI_Allreduce of 16
 // bytes, then decides the next window (collective; the same decision on every rank).
