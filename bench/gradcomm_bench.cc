@@ -9,7 +9,11 @@
 // ~100 us (small messages would otherwise measure the timer); the order of the algorithms
 // rotates from round to round. The time of a round is the
 // slowest rank's per-call average; statistics are over rounds. vs_mpi is MPI_Allreduce's median
-// time divided by the algorithm's median time (> 1: faster than MPI_Allreduce).
+// time divided by the algorithm's median time (> 1: faster than MPI_Allreduce). vs_best pairs
+// the rounds: the median over rounds of (the best fixed algorithm's time in that round / this
+// algorithm's time in that round), the best fixed one being the gradcomm algorithm other than
+// auto with the lowest median (1: as fast; below 1: slower). Pairing cancels the drift between
+// rounds, which a ratio of two medians keeps; both are reported for auto after the sweep.
 
 #include <mpi.h>
 
@@ -68,6 +72,7 @@ struct Options {
   ReduceOp op = ReduceOp::sum;
   int iters = 20;
   int warmup = 5;
+  double explore_seconds = 2;  // auto's exploration of a size before it is timed, at most
   bool check = true;
   bool in_place = false;
   enum class Format { table, csv, json } format = Format::table;
@@ -80,6 +85,13 @@ struct Options {
   bool algorithms_given = false;
 };
 
+// auto's exploration of one size before its timed rounds (see measure_size).
+struct Exploration {
+  int calls = 0;
+  double seconds = 0;
+  bool settled = true;
+};
+
 struct Row {
   std::string algorithm;
   std::size_t bytes = 0;
@@ -88,6 +100,9 @@ struct Row {
   double algbw = 0, busbw = 0;
   long long wrong = -1;  // -1: not checked
   double vs_mpi = 0;
+  double vs_best = 0;  // paired against the best fixed gradcomm algorithm (see above); 0: none
+  std::string best;    // that algorithm
+  double best_p50_us = 0;
   double of_bound = 0;  // busbw / the memory-traffic bound (--stream), 0 when not measured
   // Bytes one call sent inside / across hierarchical groups, largest over ranks (gradcomm's own
   // algorithms; 0 for mpi, whose internals are not visible).
@@ -96,6 +111,7 @@ struct Row {
   // none (mpi, nccl); and what auto picks at this size (auto's row only).
   double model_us = 0;
   std::string picks;
+  Exploration explored;  // auto's row only
 };
 
 const char kUsage[] =
@@ -111,6 +127,9 @@ const char kUsage[] =
     "  -o, --op OP           sum avg min max prod (default sum)\n"
     "  -n, --iters N         timed rounds per size and algorithm (default 20)\n"
     "  -w, --warmup N        untimed calls first (default 5)\n"
+    "  --explore S           auto: after the warm-up, untimed calls until it has settled at\n"
+    "                        the size (no duel between algorithms under way), at most S\n"
+    "                        seconds (default 2; 0 times auto's exploration too)\n"
     "  -c, --check 0|1       check results against an MPI float64 reference (default 1)\n"
     "      --inplace         in-place calls (send == recv)\n"
     "      --csv | --json    machine-readable output on rank 0's stdout\n"
@@ -164,6 +183,14 @@ int parse_int(const std::string& text, int lo) {
   return static_cast<int>(value);
 }
 
+double parse_double(const std::string& text, double lo) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (*end != '\0' || end == text.c_str() || !(value >= lo))
+    usage_error("bad number '" + text + "'");
+  return value;
+}
+
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> parts;
   std::stringstream stream(text);
@@ -199,6 +226,8 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       o.iters = parse_int(value(), 1);
     else if (arg == "-w" || arg == "--warmup")
       o.warmup = parse_int(value(), 0);
+    else if (arg == "--explore")
+      o.explore_seconds = parse_double(value(), 0);
     else if (arg == "-c" || arg == "--check")
       o.check = parse_int(value(), 0) != 0;
     else if (arg == "--inplace")
@@ -424,6 +453,30 @@ Stream measure_stream(Communicator& comm) {
   return s;
 }
 
+// Calls auto until it has settled at this size (gradcomm::collectives::auto_settled: the same on
+// every rank), for at most Options::explore_seconds (the slowest rank's clock decides, so every
+// rank stops at the same call).
+template <class Call>
+Exploration explore_auto(Communicator& comm, const Options& o, std::size_t count, Call call) {
+  const gradcomm::collectives::AllreduceArgs args{nullptr, nullptr, count, o.dtype, o.op};
+  const MPI_Comm mpi = comm.mpi_comm();
+  Exploration e;
+  MPI_Barrier(mpi);
+  const double t0 = MPI_Wtime();
+  while (!gradcomm::collectives::auto_settled(args, comm)) {
+    for (int i = 0; i < 8; ++i, ++e.calls)
+      call();
+    double elapsed = MPI_Wtime() - t0;
+    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
+    e.seconds = elapsed;
+    if (elapsed > o.explore_seconds) {
+      e.settled = gradcomm::collectives::auto_settled(args, comm);
+      break;
+    }
+  }
+  return e;
+}
+
 std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
                               std::size_t count, std::byte* send, std::byte* recv,
                               std::vector<double>& ref_in, std::vector<double>& ref_out) {
@@ -448,11 +501,18 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   };
 
   // Warm up and size each algorithm's batch so a round lasts >= ~100 us on the slowest rank.
+  // auto first explores each size (it times its pick, and duels other algorithms that might be
+  // faster: see auto_select.h); the rounds time its steady state, what a training job's repeated
+  // buckets see, and the exploration is reported apart (calls, time).
   std::vector<int> batch(o.algorithms.size(), 1);
+  Exploration explored;
   for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
     for (int w = 0; w < o.warmup; ++w)
       call(o.algorithms[a]);
     sync();
+    if (base_algorithm(o.algorithms[a]) == "auto" && !o.gpu && o.explore_seconds > 0) {
+      explored = explore_auto(comm_for(o.algorithms[a]), o, count, [&] { call(o.algorithms[a]); });
+    }
     MPI_Barrier(mpi);
     const double t0 = MPI_Wtime();
     call(o.algorithms[a]);
@@ -506,6 +566,7 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     MPI_Allreduce(MPI_IN_PLACE, sent, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi);
     row.intra_bytes = sent[0];
     row.inter_bytes = sent[1];
+    if (base_algorithm(row.algorithm) == "auto") row.explored = explored;
     if (o.check)
       row.wrong = count_wrong(comm_for(row.algorithm), o, base_algorithm(row.algorithm), count,
                               send, recv, ref_in, ref_out);
@@ -514,6 +575,23 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   const double mpi_p50 = rows.back().p50_us;
   for (Row& row : rows)
     row.vs_mpi = row.p50_us > 0 ? mpi_p50 / row.p50_us : 0;
+  // The best fixed algorithm: gradcomm's own, auto and the baseline aside.
+  std::size_t best = algorithms;
+  for (std::size_t a = 0; a < algorithms; ++a) {
+    const std::string base = base_algorithm(o.algorithms[a]);
+    if (base == "auto" || base == "mpi" || a + 1 == algorithms) continue;
+    if (best == algorithms || rows[a].p50_us < rows[best].p50_us) best = a;
+  }
+  if (best < algorithms) {
+    for (std::size_t a = 0; a < algorithms; ++a) {
+      std::vector<double> paired(static_cast<std::size_t>(o.iters));
+      for (std::size_t it = 0; it < paired.size(); ++it)
+        paired[it] = times[a][it] > 0 ? times[best][it] / times[a][it] : 0;
+      rows[a].vs_best = percentile(paired, 0.5);
+      rows[a].best = o.algorithms[best];
+      rows[a].best_p50_us = rows[best].p50_us;
+    }
+  }
   return rows;
 }
 
@@ -533,7 +611,8 @@ void print_header(const Options& o, int n) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
-        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound,model_us,picks\n");
+        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound,model_us,picks,vs_best,"
+        "explore_calls,explore_ms,settled\n");
   } else if (o.format == Options::Format::table) {
     std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
                 std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
@@ -546,13 +625,16 @@ void print_header(const Options& o, int n) {
         "# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
         "faster)\n");
     std::printf(
+        "# vs_best: median over rounds of (best fixed algorithm's time / this time), same "
+        "round\n");
+    std::printf(
         "# xgroup_MB: bytes one call sends across hierarchical groups (nodes), largest "
         "rank\n");
     std::printf(
         "# model_us: auto's cost model (calibrated) for this algorithm, or for auto's pick\n#\n");
-    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %10s", "size",
-                "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us", "p50_us",
-                "p99_us", "algbw", "busbw", "#wrong", "vs_mpi", "xgroup_MB");
+    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %7s %10s",
+                "size", "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us",
+                "p50_us", "p99_us", "algbw", "busbw", "#wrong", "vs_mpi", "vs_best", "xgroup_MB");
     if (o.stream) std::printf(" %8s", "of_bound");
     std::printf(" %10s  %s\n", "model_us", "picks");
   }
@@ -564,30 +646,40 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu,%.3f,%.2f,"
-        "%s\n",
+        "%s,%.3f,%d,%.3f,%d\n",
         r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0, n,
         r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi,
-        r.intra_bytes, r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str());
+        r.intra_bytes, r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best,
+        r.explored.calls, r.explored.seconds * 1e3, r.explored.settled ? 1 : 0);
   } else if (o.format == Options::Format::json) {
     std::printf(
         "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
         "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
         "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f, "
         "\"intra_bytes\": %llu, \"inter_bytes\": %llu, \"of_bound\": %.3f, "
-        "\"model_us\": %.2f, \"picks\": \"%s\"}",
+        "\"model_us\": %.2f, \"picks\": \"%s\", \"vs_best\": %.3f, \"explore_calls\": %d, "
+        "\"explore_ms\": %.3f, \"settled\": %s}",
         first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi, r.intra_bytes,
-        r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str());
+        r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best, r.explored.calls,
+        r.explored.seconds * 1e3, r.explored.settled ? "true" : "false");
   } else {
     const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
     std::printf(
         "  %10zu %11zu %8s %5s %-16s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %6s "
-        "%6.2f %10.3f",
+        "%6.2f %7.2f %10.3f",
         r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us, r.min_us,
-        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi,
+        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi, r.vs_best,
         static_cast<double>(r.inter_bytes) / 1e6);
     if (o.stream) std::printf(" %8.2f", r.of_bound);
-    std::printf(" %10.2f  %s\n", r.model_us, r.picks.c_str());
+    std::string picks = r.picks;
+    if (r.explored.calls > 0) {
+      char text[96];
+      std::snprintf(text, sizeof text, " (explored %d calls, %.1f ms%s)", r.explored.calls,
+                    r.explored.seconds * 1e3, r.explored.settled ? "" : ", not settled");
+      picks.append(text);
+    }
+    std::printf(" %10.2f  %s\n", r.model_us, picks.c_str());
   }
   std::fflush(stdout);
 }
@@ -831,6 +923,10 @@ int run(int argc, char** argv) {
   bool first = true;
   long long total_wrong = 0;
   std::vector<std::pair<std::size_t, std::string>> winners;  // for --tune: size, fastest
+  struct {
+    double paired = 0, of_medians = 0;  // auto's lowest vs_best, highest p50 / best p50
+    std::size_t paired_bytes = 0, of_medians_bytes = 0;
+  } auto_worst;
   for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
        size *= o.factor) {
     const std::size_t count = static_cast<std::size_t>(size) / es;
@@ -840,6 +936,17 @@ int run(int argc, char** argv) {
         rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.p50_us < b.p50_us; });
     if (fastest != rows.end()) winners.emplace_back(count * es, fastest->algorithm);
     for (Row row : rows) {
+      if (row.algorithm == "auto" && row.vs_best > 0) {
+        const double of_medians = row.best_p50_us > 0 ? row.p50_us / row.best_p50_us : 0;
+        if (auto_worst.paired == 0 || row.vs_best < auto_worst.paired) {
+          auto_worst.paired = row.vs_best;
+          auto_worst.paired_bytes = row.bytes;
+        }
+        if (of_medians > auto_worst.of_medians) {
+          auto_worst.of_medians = of_medians;
+          auto_worst.of_medians_bytes = row.bytes;
+        }
+      }
       if (o.stream) row.of_bound = row.busbw * 1e9 / stream.bound_busbw(comm.size());
       if (!o.gpu) model_row(comm, o, row);
       if (rank == 0) print_row(o, row, comm.size(), first);
@@ -878,6 +985,14 @@ int run(int argc, char** argv) {
   }
   if (rank == 0) {
     if (o.format == Options::Format::json) std::printf("\n]}\n");
+    if (o.format == Options::Format::table && auto_worst.paired > 0) {
+      std::printf(
+          "# auto against the best fixed algorithm of each size: worst vs_best %.2f (%zu bytes: "
+          "auto takes %.2fx its time, paired per round); worst ratio of medians %.2f (%zu "
+          "bytes)\n",
+          auto_worst.paired, auto_worst.paired_bytes, 1 / auto_worst.paired, auto_worst.of_medians,
+          auto_worst.of_medians_bytes);
+    }
     if (o.format == Options::Format::table) {
       std::printf("# Out of bounds values : %lld %s\n", total_wrong, total_wrong ? "FAILED" : "OK");
     }

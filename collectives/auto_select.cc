@@ -376,6 +376,7 @@ class AutoState : public Attachment {
     std::size_t last_bytes = 0;            // the prediction of last_name for last_bytes
     std::string_view last_name;
     double last_predicted = 0;
+    double decision = 0;  // the model's seconds for a window's end (its two 8-byte calls)
   };
 
   std::optional<TuningTable> table;
@@ -562,9 +563,32 @@ std::string explain(const AutoState& state, std::size_t bytes, int ranks,
   return why;
 }
 
-// Calls predicted to take less than this are timed one in several (two clock reads are ~40 ns).
+// Calls shorter than this are timed one in several (two clock reads are ~40 ns).
 constexpr double kTimedFromSeconds = 5e-6;
 constexpr double kWindowSeconds = 1e-3;  // the shortest measuring window
+constexpr int kMaxTimed = 64;            // timed calls a window needs at most
+
+struct WindowShape {
+  int stride, window, duel, challenger_calls;
+};
+
+// The windows of a size class whose choice takes `call` seconds (the model's prediction until
+// measured, then the measurement) where a window's end costs about `decision` seconds. A window
+// ends in a decision that costs a few small collectives (the call check, the agreement: 3-5 us on
+// 2 ranks here): windows of at least 1 ms and 200 times the decision keep it below ~0.5%. Calls
+// shorter than kTimedFromSeconds are timed one in `stride`, and so are calls of which a window
+// would time more than kMaxTimed (a median of 64 is as good, and the clock reads cost less); a
+// window has at least 4 timed calls, a duel 4 - 8 of the challenger.
+WindowShape window_shape(double call, double decision) {
+  const double seconds = std::max(kWindowSeconds, 200 * decision);
+  const int calls = static_cast<int>(std::clamp(std::ceil(seconds / call), 4.0, 8192.0));
+  const double by_time = std::ceil(kTimedFromSeconds / call);
+  const double by_count = std::ceil(static_cast<double>(calls) / kMaxTimed);
+  const int stride = static_cast<int>(std::clamp(std::max(by_time, by_count), 1.0, 256.0));
+  const int window = std::max(4, (calls + stride - 1) / stride);  // timed calls
+  const int challenger_calls = std::clamp(window / 4, 4, 8);
+  return {stride, window, std::max(window, 2 * challenger_calls), challenger_calls};
+}
 
 // The size class of `bytes`, set up on its first call: measured when more than one algorithm is
 // modelled.
@@ -576,23 +600,14 @@ AutoState::SizeClass& size_class(AutoState& state, Communicator& comm, std::size
   std::vector<double> predicted;
   state.predictions(bytes, comm.size(), names, predicted);
   if (names.size() < 2) return c;
-  const double best = *std::min_element(predicted.begin(), predicted.end());
-  // A window ends in a decision that costs a few small collectives (the call check, the
-  // agreement: 3-5 us on 2 ranks here, where the model's 8-byte call says ~1 us): windows of at
-  // least 1 ms, and 200 times the model's two 8-byte calls, keep it below ~0.5%. Calls shorter
-  // than kTimedFromSeconds are timed one in `stride`; a window has at least 4 timed calls, a duel
-  // 4 - 8 of the challenger.
   std::vector<std::string_view> unused;
   std::vector<double> small;
   state.predictions(8, comm.size(), unused, small);
-  const double decision = 2 * *std::min_element(small.begin(), small.end());
-  const double seconds = std::max(kWindowSeconds, 200 * decision);
-  const int stride = static_cast<int>(std::clamp(std::ceil(kTimedFromSeconds / best), 1.0, 64.0));
-  const int calls = static_cast<int>(std::clamp(std::ceil(seconds / best), 4.0, 8192.0));
-  const int window = std::max(4, (calls + stride - 1) / stride);  // timed calls
-  const int challenger_calls = std::clamp(window / 4, 4, 8);
-  const int duel = std::max(window, 2 * challenger_calls);
-  c.choice.emplace(std::move(names), predicted, stride, window, duel, challenger_calls);
+  c.decision = 2 * *std::min_element(small.begin(), small.end());
+  const WindowShape shape =
+      window_shape(*std::min_element(predicted.begin(), predicted.end()), c.decision);
+  c.choice.emplace(std::move(names), predicted, shape.stride, shape.window, shape.duel,
+                   shape.challenger_calls);
   return c;
 }
 
@@ -634,6 +649,7 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
                             const std::vector<double>& predicted) {
   const std::size_t before = choice_;
   const bool was_duel = dueling();
+  ++windows_;
   ratio_[choice_] = std::max(agreed[0], 1e-12);
   if (was_duel) {
     const bool recheck = rechecking_;
@@ -775,6 +791,10 @@ void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds
         all[static_cast<std::size_t>(std::find(names.begin(), names.end(), name) - names.begin())]);
   }
   const bool changed = c.choice->decide(agreed, predicted);
+  // The next windows are shaped by what the choice measured, not by the model's prediction
+  // (which is off by up to 4x for short calls here).
+  const WindowShape shape = window_shape(c.choice->expected_choice(predicted), c.decision);
+  c.choice->reshape(shape.stride, shape.window, shape.duel, shape.challenger_calls);
   if ((changed || c.choice->dueling()) && comm.log_enabled(LogLevel::debug)) {
     const std::string what = changed ? std::string(c.choice->choice()) + " now"
                                      : "measuring " + std::string(c.choice->challenger()) +
@@ -783,6 +803,14 @@ void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds
                                   std::to_string(comm.size()) + " ranks (" +
                                   explain(state, bytes, comm.size(), &*c.choice) + ")");
   }
+}
+
+bool auto_settled(const AllreduceArgs& args, Communicator& comm) {
+  AutoState& state = comm.attachment<AutoState>();
+  if (!state.measuring) return true;
+  const AutoState::SizeClass& c = state.classes[std::bit_width(args.count * args.element_bytes())];
+  if (!c.set_up) return false;
+  return !c.choice || (c.choice->windows() > 0 && !c.choice->dueling());
 }
 
 void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor) {

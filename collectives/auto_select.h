@@ -35,6 +35,12 @@ std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, 
 // bytes, then decides the next window (collective; the same decision on every rank).
 void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
 
+// True when auto has finished exploring calls like `args`: its choice for their size class has
+// been measured (at least one window decided) and no duel is under way, or auto does not measure
+// them (one candidate, GRADCOMM_AUTO_MEASURE=0, a tuning table). The same on every rank. For
+// gradcomm-bench, which times auto in its steady state (and reports what exploring cost).
+bool auto_settled(const AllreduceArgs& args, Communicator& comm);
+
 // Tests only: auto's measured times of `algorithm` on this rank are multiplied by `factor` (a
 // model that is wrong about it, on demand). Call on every rank alike.
 void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor);
@@ -92,16 +98,28 @@ class MeasuredChoice {
   // The window ended with these agreed figures; `predicted` holds every candidate's prediction
   // at the size of the window's last call. Picks the next window; true when the choice changed.
   bool decide(const std::array<double, 2>& agreed, const std::vector<double>& predicted);
+  // The windows from the next one on: as in the constructor (the caller sizes them by what the
+  // choice measured).
+  void reshape(int stride, int window, int duel, int challenger_calls) {
+    stride_ = stride;
+    window_ = window;
+    duel_ = duel;
+    challenger_calls_ = challenger_calls;
+  }
 
   // The best measured so far (the model's pick before any measurement).
   std::string_view choice() const { return names_[choice_]; }
   bool dueling() const { return challenger_ != choice_; }
+  int windows() const { return windows_; }  // decided so far
   std::string_view challenger() const { return names_[challenger_]; }
   const std::vector<std::string_view>& names() const { return names_; }
   bool measured(std::size_t i) const { return ratio_[i] > 0; }
   // The expected seconds of candidate i, given the model's `predicted` for it at some size.
   double expected(std::size_t i, double predicted) const {
     return measured(i) ? predicted * ratio_[i] : predicted;
+  }
+  double expected_choice(const std::vector<double>& predicted) const {
+    return expected(choice_, predicted[choice_]);
   }
 
  private:
@@ -117,6 +135,7 @@ class MeasuredChoice {
   int stride_, window_, duel_, challenger_calls_;
   int until_timed_ = 0;                         // calls before the next timed one
   int timed_ = 0;                               // timed calls in the current window
+  int windows_ = 0;                             // windows decided
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
   bool rechecking_ = false;                     // the duel re-checks the runner-up
   int since_recheck_ = 0;

@@ -961,6 +961,16 @@ TEST_F(AutoSelection, ShortCallsAreTimedOneInStride) {
   EXPECT_EQ(challenger, 4);
   m.decide(m.figures(), predicted);
   EXPECT_EQ(m.choice(), "b");
+  // Reshaped (by what "b" measured): one call in 3 timed, windows of 5 timed calls.
+  m.reshape(3, 5, 8, 4);
+  for (int i = 0; i < 15; ++i) {
+    const collectives::MeasuredChoice::Pick pick = m.pick();
+    EXPECT_EQ(pick.algorithm, "b");
+    EXPECT_EQ(pick.timed, i % 3 == 0) << i;
+    if (pick.timed) {
+      EXPECT_EQ(m.record(1.0), i == 12) << i;
+    }
+  }
 }
 
 // End to end: an algorithm that auto picks but that is slow here (its measured times scaled by
@@ -1002,6 +1012,42 @@ TEST_F(AutoSelection, MeasuredPickThatIsSlowIsReplaced) {
     MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
     EXPECT_EQ(lo, hi) << "rank " << world().rank() << " picked " << picks;
+  }
+}
+
+// auto_settled (gradcomm-bench times auto once it holds): false before a size's first window
+// ends and while a duel is under way, then true, at the same call on every rank; true at once
+// when auto does not measure.
+TEST_F(AutoSelection, SettlesAfterExploringAtTheSameCallOnEveryRank) {
+  if (world().size() < 2) GTEST_SKIP() << "auto runs only with 2 or more ranks";
+  constexpr std::size_t kCount = (1 << 16) / 4 + 1;  // ~64 KiB of float32
+  for (const bool measure : {true, false}) {
+    SCOPED_TRACE(measure ? "GRADCOMM_AUTO_MEASURE=1" : "GRADCOMM_AUTO_MEASURE=0");
+    Config config;
+    config.auto_measure = measure;
+    Communicator comm(MPI_COMM_WORLD, config);
+    const collectives::AllreduceArgs args = args_of(kCount * 4);
+    const std::string first(collectives::select_allreduce_algorithm(args, comm));
+    if (!measure) {
+      EXPECT_TRUE(collectives::auto_settled(args, comm));
+      continue;
+    }
+    EXPECT_FALSE(collectives::auto_settled(args, comm)) << "before any window";
+    // The first pick measures 20 times slower than it is: auto must duel and replace it.
+    collectives::scale_auto_timing_for_testing(comm, first, 20.0);
+    std::vector<float> data(kCount);
+    int calls = 0;
+    for (; calls < 20000 && !collectives::auto_settled(args, comm); ++calls) {
+      std::fill(data.begin(), data.end(), 1.0f);
+      allreduce(comm, data.data(), data.data(), kCount, DataType::float32, ReduceOp::sum,
+                {.algorithm = "auto"});
+    }
+    EXPECT_TRUE(collectives::auto_settled(args, comm)) << "after " << calls << " calls";
+    EXPECT_NE(collectives::select_allreduce_algorithm(args, comm), first);
+    EXPECT_THAT(data, ::testing::Each(static_cast<float>(world().size())));
+    int range[2] = {calls, -calls};
+    MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    EXPECT_EQ(range[0], -range[1]) << "rank " << world().rank() << " settled after " << calls;
   }
 }
 
