@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -376,7 +377,11 @@ class AutoState : public Attachment {
     std::size_t last_bytes = 0;            // the prediction of last_name for last_bytes
     std::string_view last_name;
     double last_predicted = 0;
-    double decision = 0;  // the model's seconds for a window's end (its two 8-byte calls)
+    // What a window's end costs: the model's two 8-byte calls at first, then what the ends
+    // measured (the slowest rank's, averaged: on oversubscribed cores the agreement waits for
+    // every rank to be scheduled, 10x the model's figure)
+    double decision = 0;
+    double last_end = 0;  // this rank's seconds in the previous window's end
   };
 
   std::optional<TuningTable> table;
@@ -778,10 +783,18 @@ void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds
   // The window's figures: every rank's median of each algorithm's timed calls, the slowest
   // rank's (every rank then holds the same numbers). A rank whose peers made another call must
   // not wait here for them: the call's comparison first.
+  // The previous end's cost travels with the figures, so every rank sizes the next windows
+  // alike.
+  const auto end_started = std::chrono::steady_clock::now();
   require_check();
-  std::array<double, 2> agreed = c.choice->figures();
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed.data(), 2, MPI_DOUBLE, MPI_MAX, comm.mpi_comm()),
+  const std::array<double, 2> mine = c.choice->figures();
+  std::array<double, 3> figures = {mine[0], mine[1], c.last_end};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, figures.data(), 3, MPI_DOUBLE, MPI_MAX, comm.mpi_comm()),
             "auto: MPI_Allreduce", comm.rank());
+  c.last_end =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - end_started).count();
+  if (figures[2] > 0) c.decision = (c.decision + figures[2]) / 2;
+  const std::array<double, 2> agreed = {figures[0], figures[1]};
   std::vector<std::string_view> names;
   std::vector<double> all;
   state.predictions(bytes, comm.size(), names, all);

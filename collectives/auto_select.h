@@ -31,7 +31,7 @@ std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communica
 // grouped_allreduce's buckets are calls like any other.
 std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed);
 // After a timed call. At the end of a measuring window it completes the call's comparison
-// (GRADCOMM_CHECK) and agrees the window's figures across ranks with one MPI_Allreduce of 16
+// (GRADCOMM_CHECK) and agrees the window's figures across ranks with one MPI_Allreduce of 24
 // bytes, then decides the next window (collective; the same decision on every rank).
 void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
 

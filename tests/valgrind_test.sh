@@ -38,7 +38,7 @@ done
 ALGORITHMS=ring,halving_doubling,flat,hierarchical,shm,auto
 for np in 2 3; do
   run "bench_np$np" "${RUN[@]}" -np "$np" "${VG[@]}" "$BUILD/bench/gradcomm-bench" \
-    -b 8 -e 256K -f 32 -n 2 -w 1 -c 1 -a "$ALGORITHMS"
+    -b 8 -e 256K -f 32 -n 2 -w 1 -c 1 --explore 0.2 -a "$ALGORITHMS"
 done
 run train_np2 "${RUN[@]}" -np 2 "${VG[@]}" "$BUILD/trainer/gradcomm-train" --steps 30 \
   --hidden 16 --samples 512 --batch 32 --optimizer adam --checkpoint-dir "$WORK/ckpt" \
