@@ -6,14 +6,17 @@
 // Method: for each size, every algorithm is warmed up, then timed in rounds that alternate the
 // algorithms (this machine's speed drifts, so only interleaved measurements are compared). A
 // round is a barrier followed by a batch of back-to-back calls, sized so a batch lasts at least
-// ~100 us (small messages would otherwise measure the timer); the order of the algorithms
-// rotates from round to round. The time of a round is the
-// slowest rank's per-call average; statistics are over rounds. vs_mpi is MPI_Allreduce's median
-// time divided by the algorithm's median time (> 1: faster than MPI_Allreduce). vs_best pairs
-// the rounds: the median over rounds of (the best fixed algorithm's time in that round / this
-// algorithm's time in that round), the best fixed one being the gradcomm algorithm other than
-// auto with the lowest median (1: as fast; below 1: slower). Pairing cancels the drift between
-// rounds, which a ratio of two medians keeps; both are reported for auto after the sweep.
+// ~100 us (small messages would otherwise measure the timer); each round runs the algorithms in
+// a fresh random order (the same on every rank), since what ran just before changes the caches
+// and the scheduler's state: rotating one order would leave every algorithm after the same one
+// (on 4 ranks sharing 2 cores, that alone moved one algorithm against another by up to 18%).
+// The time of a round is the slowest rank's per-call average; statistics are over rounds. vs_mpi is
+// MPI_Allreduce's median time divided by the algorithm's median time (> 1: faster than
+// MPI_Allreduce). vs_best pairs the rounds: the median over rounds of (the best fixed algorithm's
+// time in that round / this algorithm's time in that round), the best fixed one being the gradcomm
+// algorithm other than auto with the lowest median (1: as fast; below 1: slower). Pairing cancels
+// the drift between rounds, which a ratio of two medians keeps; both are reported for auto after
+// the sweep.
 
 #include <mpi.h>
 
@@ -29,7 +32,9 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -298,7 +303,7 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       usage_error("--device gpu does not combine with --tune, --registered, --stream, --workload");
     if (!o.algorithms_given) o.algorithms = {"hierarchical", "auto"};
   }
-  // The baseline is always measured, last in each round: MPI_Allreduce for host buffers, NCCL
+  // The baseline is always measured, listed last: MPI_Allreduce for host buffers, NCCL
   // for device buffers (MPI here is not CUDA-aware).
   const std::string baseline = o.gpu ? "nccl" : "mpi";
   o.algorithms.erase(std::remove(o.algorithms.begin(), o.algorithms.end(), baseline),
@@ -453,6 +458,15 @@ Stream measure_stream(Communicator& comm) {
   return s;
 }
 
+// A round's order of n items: a random permutation, the same on every rank (every rank seeds
+// `generator` alike and draws from it in the same sequence).
+std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::shuffle(order.begin(), order.end(), generator);
+  return order;
+}
+
 // Calls auto until it has settled at this size (gradcomm::collectives::auto_settled: the same on
 // every rank), for at most Options::explore_seconds (the slowest rank's clock decides, so every
 // rank stops at the same call).
@@ -523,13 +537,12 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
         static_cast<int>(std::clamp(std::ceil(100e-6 / std::max(elapsed, 1e-9)), 1.0, 1000.0));
   }
 
-  // Interleaved rounds; the order rotates every round so no algorithm always follows the same one
-  // (what ran just before changes cache and scheduler state).
+  // Interleaved rounds, each in a fresh random order (see the top of the file).
   const std::size_t algorithms = o.algorithms.size();
   std::vector<std::vector<double>> times(algorithms, std::vector<double>(o.iters));
+  std::mt19937_64 shuffle(bytes);
   for (int it = 0; it < o.iters; ++it) {
-    for (std::size_t k = 0; k < algorithms; ++k) {
-      const std::size_t a = (k + static_cast<std::size_t>(it)) % algorithms;
+    for (const std::size_t a : round_order(algorithms, shuffle)) {
       MPI_Barrier(mpi);
       const double t0 = MPI_Wtime();
       for (int b = 0; b < batch[a]; ++b)
@@ -770,9 +783,9 @@ int run_workload(Communicator& comm, const Options& o) {
       m.step();
   }
   std::vector<std::vector<double>> times(modes.size(), std::vector<double>(o.iters));
+  std::mt19937_64 shuffle(modes.size());
   for (int it = 0; it < o.iters; ++it) {
-    for (std::size_t k = 0; k < modes.size(); ++k) {
-      const std::size_t m = (k + static_cast<std::size_t>(it)) % modes.size();
+    for (const std::size_t m : round_order(modes.size(), shuffle)) {
       MPI_Barrier(mpi);
       const double t0 = MPI_Wtime();
       modes[m].step();
