@@ -939,6 +939,7 @@ int run(int argc, char** argv) {
   struct {
     double paired = 0, of_medians = 0;  // auto's lowest vs_best, highest p50 / best p50
     std::size_t paired_bytes = 0, of_medians_bytes = 0;
+    std::string best;  // the best fixed algorithm at paired_bytes
   } auto_worst;
   for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
        size *= o.factor) {
@@ -954,6 +955,7 @@ int run(int argc, char** argv) {
         if (auto_worst.paired == 0 || row.vs_best < auto_worst.paired) {
           auto_worst.paired = row.vs_best;
           auto_worst.paired_bytes = row.bytes;
+          auto_worst.best = row.best;
         }
         if (of_medians > auto_worst.of_medians) {
           auto_worst.of_medians = of_medians;
@@ -1001,10 +1003,10 @@ int run(int argc, char** argv) {
     if (o.format == Options::Format::table && auto_worst.paired > 0) {
       std::printf(
           "# auto against the best fixed algorithm of each size: worst vs_best %.2f (%zu bytes: "
-          "auto takes %.2fx its time, paired per round); worst ratio of medians %.2f (%zu "
+          "auto takes %.2fx the time of %s, paired per round); worst ratio of medians %.2f (%zu "
           "bytes)\n",
-          auto_worst.paired, auto_worst.paired_bytes, 1 / auto_worst.paired, auto_worst.of_medians,
-          auto_worst.of_medians_bytes);
+          auto_worst.paired, auto_worst.paired_bytes, 1 / auto_worst.paired,
+          auto_worst.best.c_str(), auto_worst.of_medians, auto_worst.of_medians_bytes);
     }
     if (o.format == Options::Format::table) {
       std::printf("# Out of bounds values : %lld %s\n", total_wrong, total_wrong ? "FAILED" : "OK");

@@ -37,7 +37,8 @@ void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds
 
 // True when auto has finished exploring calls like `args`: its choice for their size class has
 // been measured (at least one window decided) and no duel is under way, or auto does not measure
-// them (one candidate, GRADCOMM_AUTO_MEASURE=0, a tuning table). The same on every rank. For
+// them (one rank, one candidate, GRADCOMM_AUTO_MEASURE=0, a tuning table, reproducible mode).
+// The same on every rank. For
 // gradcomm-bench, which times auto in its steady state (and reports what exploring cost).
 bool auto_settled(const AllreduceArgs& args, Communicator& comm);
 
@@ -59,11 +60,13 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 // says, a measured one what the model says times its measured ratio. When some other algorithm is
 // expected to beat the choice (never measured and predicted faster than the choice measured, or
 // measured faster earlier), the next window is a duel with it, and the winner by more than 2%
-// stays. So a model that is right costs one solo window, and one that is wrong about its pick (the
-// machine's state changed: both ranks moved onto one core, a cache domain split) is corrected
-// after a duel per algorithm that could beat it. The runner-up is challenged again now and then
-// (after 8 solo windows, doubling up to 64 while it keeps losing), so that a choice that became
-// wrong later is found.
+// stays. An algorithm never measured whose prediction is within 2x of the choice's expectation
+// is tried once in a duel as well (the model can be that wrong about one algorithm). So a model
+// that is right costs one solo window and a duel per close runner-up, and one that is wrong about
+// its pick (the machine's state changed: both ranks moved onto one core, a cache domain split) is
+// corrected after a duel per algorithm that could beat it. The runner-up is challenged again now
+// and then (after 8 solo windows, doubling up to 64 while it keeps losing), so that a choice that
+// became wrong later is found.
 class MeasuredChoice {
  public:
   static constexpr double kMargin = 0.98;        // a challenger must be this much faster
