@@ -5,8 +5,9 @@
 //
 // Method: for each size, every algorithm is warmed up, then timed in rounds that alternate the
 // algorithms (this machine's speed drifts, so only interleaved measurements are compared). A
-// round is a barrier followed by a batch of back-to-back calls, sized so a batch lasts at least
-// ~100 us (small messages would otherwise measure the timer); each round runs the algorithms in
+// round is, for each algorithm, a barrier followed by a batch of back-to-back calls, the same
+// count for every algorithm at a size, sized so the fastest one's batch lasts at least ~200 us
+// (small messages would otherwise measure the timer and the barrier); each round runs them in
 // a fresh random order (the same on every rank), since what ran just before changes the caches
 // and the scheduler's state: rotating one order would leave every algorithm after the same one
 // (on 4 ranks sharing 2 cores, that alone moved one algorithm against another by up to 18%).
@@ -117,6 +118,7 @@ struct Row {
   double model_us = 0;
   std::string picks;
   Exploration explored;  // auto's row only
+  int round_calls = 1;   // calls per round, the same for every algorithm at a size
 };
 
 const char kUsage[] =
@@ -491,6 +493,16 @@ Exploration explore_auto(Communicator& comm, const Options& o, std::size_t count
   return e;
 }
 
+// A round lasts at least kRoundSeconds for the fastest algorithm; the estimate of each
+// algorithm's time per call comes from calls that last at least kEstimateSeconds.
+constexpr double kRoundSeconds = 200e-6;
+constexpr double kEstimateSeconds = 50e-6;
+
+// Calls of `per_call` seconds each that last at least `seconds`.
+int calls_for(double seconds, double per_call) {
+  return static_cast<int>(std::clamp(std::ceil(seconds / std::max(per_call, 1e-9)), 1.0, 4096.0));
+}
+
 std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
                               std::size_t count, std::byte* send, std::byte* recv,
                               std::vector<double>& ref_in, std::vector<double>& ref_out) {
@@ -514,12 +526,22 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     if (o.gpu) gradcomm::gpu::runtime()->stream_synchronize(nullptr);
   };
 
-  // Warm up and size each algorithm's batch so a round lasts >= ~100 us on the slowest rank.
+  // Warm up, and estimate each algorithm's time per call (slowest rank) from a batch of calls.
   // auto first explores each size (it times its pick, and duels other algorithms that might be
   // faster: see auto_select.h); the rounds time its steady state, what a training job's repeated
   // buckets see, and the exploration is reported apart (calls, time).
-  std::vector<int> batch(o.algorithms.size(), 1);
+  std::vector<double> per_call(o.algorithms.size(), 0.0);
   Exploration explored;
+  auto time_calls = [&](const std::string& algorithm, int calls) {
+    MPI_Barrier(mpi);
+    const double t0 = MPI_Wtime();
+    for (int i = 0; i < calls; ++i)
+      call(algorithm);
+    sync();
+    double elapsed = MPI_Wtime() - t0;
+    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
+    return elapsed / calls;
+  };
   for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
     for (int w = 0; w < o.warmup; ++w)
       call(o.algorithms[a]);
@@ -527,15 +549,15 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     if (base_algorithm(o.algorithms[a]) == "auto" && !o.gpu && o.explore_seconds > 0) {
       explored = explore_auto(comm_for(o.algorithms[a]), o, count, [&] { call(o.algorithms[a]); });
     }
-    MPI_Barrier(mpi);
-    const double t0 = MPI_Wtime();
-    call(o.algorithms[a]);
-    sync();
-    double elapsed = MPI_Wtime() - t0;
-    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
-    batch[a] =
-        static_cast<int>(std::clamp(std::ceil(100e-6 / std::max(elapsed, 1e-9)), 1.0, 1000.0));
+    const double one = time_calls(o.algorithms[a], 1);  // includes the barrier's exit skew
+    per_call[a] = time_calls(o.algorithms[a], calls_for(kEstimateSeconds, one));
   }
+  // Every algorithm runs the same number of calls per round: a round's fixed costs (the barrier's
+  // exit skew, the first call's wake-up: several us on this machine) are then shared out over the
+  // same count. Per-algorithm batches sized from one call each ranged from 2 to 63 calls at 512 B
+  // on 2 ranks: a batch of 2 charged each call half a round's fixed cost, one of 63 a 63rd.
+  const int round_calls =
+      calls_for(kRoundSeconds, *std::min_element(per_call.begin(), per_call.end()));
 
   // Interleaved rounds, each in a fresh random order (see the top of the file).
   const std::size_t algorithms = o.algorithms.size();
@@ -545,10 +567,10 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     for (const std::size_t a : round_order(algorithms, shuffle)) {
       MPI_Barrier(mpi);
       const double t0 = MPI_Wtime();
-      for (int b = 0; b < batch[a]; ++b)
+      for (int b = 0; b < round_calls; ++b)
         call(o.algorithms[a]);
       sync();
-      times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / batch[a];
+      times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / round_calls;
     }
   }
 
@@ -559,6 +581,7 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     MPI_Allreduce(MPI_IN_PLACE, t.data(), o.iters, MPI_DOUBLE, MPI_MAX, mpi);
     Row row;
     row.algorithm = o.algorithms[a];
+    row.round_calls = round_calls;
     row.bytes = bytes;
     row.count = count;
     double sum = 0;
@@ -625,15 +648,16 @@ void print_header(const Options& o, int n) {
     std::printf(
         "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
         "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound,model_us,picks,vs_best,"
-        "explore_calls,explore_ms,settled\n");
+        "explore_calls,explore_ms,settled,round_calls\n");
   } else if (o.format == Options::Format::table) {
     std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
                 std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
                 o.in_place ? "in-place" : "out-of-place", o.iters, o.warmup,
                 o.check ? "on" : "off");
     std::printf(
-        "# time: per call, slowest rank, over rounds; algbw = size / mean time (GB/s);"
-        " busbw = algbw * 2(n-1)/n\n");
+        "# time: per call, slowest rank, over rounds (a round: the same number of calls of "
+        "each\n#   algorithm, >= 200 us for the fastest); algbw = size / mean time (GB/s); "
+        "busbw = algbw * 2(n-1)/n\n");
     std::printf(
         "# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
         "faster)\n");
@@ -659,11 +683,11 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu,%.3f,%.2f,"
-        "%s,%.3f,%d,%.3f,%d\n",
+        "%s,%.3f,%d,%.3f,%d,%d\n",
         r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0, n,
         r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi,
         r.intra_bytes, r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best,
-        r.explored.calls, r.explored.seconds * 1e3, r.explored.settled ? 1 : 0);
+        r.explored.calls, r.explored.seconds * 1e3, r.explored.settled ? 1 : 0, r.round_calls);
   } else if (o.format == Options::Format::json) {
     std::printf(
         "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
@@ -671,11 +695,11 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
         "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f, "
         "\"intra_bytes\": %llu, \"inter_bytes\": %llu, \"of_bound\": %.3f, "
         "\"model_us\": %.2f, \"picks\": \"%s\", \"vs_best\": %.3f, \"explore_calls\": %d, "
-        "\"explore_ms\": %.3f, \"settled\": %s}",
+        "\"explore_ms\": %.3f, \"settled\": %s, \"round_calls\": %d}",
         first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi, r.intra_bytes,
         r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best, r.explored.calls,
-        r.explored.seconds * 1e3, r.explored.settled ? "true" : "false");
+        r.explored.seconds * 1e3, r.explored.settled ? "true" : "false", r.round_calls);
   } else {
     const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
     std::printf(
