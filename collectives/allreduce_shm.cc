@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -125,7 +126,10 @@ class MachineRanks : public Attachment {
 class ShmState : public Attachment {
  public:
   explicit ShmState(Communicator& comm)
-      : rank(comm.rank()), size(comm.size()), mpi(comm.mpi_comm()) {
+      : rank(comm.rank()),
+        size(comm.size()),
+        mpi(comm.mpi_comm()),
+        stores(comm.config().shm_stores) {
     const HostCheck& host = comm.attachment<HostCheck>();
     if (host.on_host != size) {
       unavailable = "only " + std::to_string(host.on_host) + " of the " + std::to_string(size) +
@@ -216,6 +220,8 @@ class ShmState : public Attachment {
   std::vector<pid_t> pids;
   long spin = 0;
   std::uint64_t round = 0;  // the last round this rank started
+  ShmStores stores;
+  std::vector<std::byte> scratch;  // a streamed result's part, reduced here first
 };
 
 // The communicator's shm state; throws Unsupported (why) where shm cannot run.
@@ -248,6 +254,12 @@ void stream_copy(std::byte* dst, const std::byte* src, std::size_t bytes) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
   }
   std::memcpy(dst + body, src + body, bytes - body);
+}
+
+std::string microseconds_per_mib(double seconds_per_byte) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f us", seconds_per_byte * 1048576.0 * 1e6);
+  return text;
 }
 
 std::string describe(const Descriptor& d) {
@@ -341,6 +353,67 @@ std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first) {
 
 }  // namespace
 
+ShmStores::ShmStores(const std::string& mode)
+    : fixed_(mode == "cached"     ? 0
+             : mode == "streamed" ? 1
+                                  : -1) {}
+
+std::size_t ShmStores::size_class(std::size_t bytes) {
+  return static_cast<std::size_t>(std::bit_width(bytes));
+}
+
+bool ShmStores::next_call_streams(std::size_t bytes) {
+  if (fixed_ >= 0) return fixed_ == 1;
+  Class& c = classes_[size_class(bytes)];
+  // Three calls each way first, alternating (the first pays for the segment's fresh pages).
+  if (c.counts[0] < 3 || c.counts[1] < 3) return c.counts[1] < c.counts[0];
+  if (++c.since_probe >= c.probe_after) {
+    c.since_probe = 0;
+    return !c.streaming;
+  }
+  return c.streaming;
+}
+
+bool ShmStores::streaming(std::size_t bytes) const {
+  return fixed_ >= 0 ? fixed_ == 1 : classes_[size_class(bytes)].streaming;
+}
+
+double ShmStores::cost(std::size_t bytes, bool streamed) const {
+  return classes_[size_class(bytes)].cost(streamed);
+}
+
+double ShmStores::Class::cost(bool streamed) const {
+  const long count = counts[streamed ? 1 : 0];
+  const std::array<double, 3>& v = samples[streamed ? 1 : 0];
+  if (count == 0) return 0;
+  if (count == 1) return v[0];
+  if (count == 2) return (v[0] + v[1]) / 2;
+  return std::max(std::min(v[0], v[1]), std::min(std::max(v[0], v[1]), v[2]));
+}
+
+bool ShmStores::record(std::size_t bytes, bool streamed, double seconds) {
+  if (fixed_ >= 0 || bytes == 0) return false;
+  Class& c = classes_[size_class(bytes)];
+  const int way = streamed ? 1 : 0;
+  c.samples[way][static_cast<std::size_t>(c.counts[way]++ % 3)] =
+      seconds / static_cast<double>(bytes);
+  if (c.counts[0] < 3 || c.counts[1] < 3) return false;
+  if (c.cost(!c.streaming) * kMargin < c.cost(c.streaming)) {
+    c.streaming = !c.streaming;
+    c.since_probe = 0;
+    c.probe_after = kFirstProbe;
+    return true;
+  }
+  if (streamed != c.streaming) {
+    if (seconds / static_cast<double>(bytes) * kMargin < c.cost(c.streaming)) {
+      c.since_probe = c.probe_after;  // promising, but one call: the next call confirms
+    } else {
+      c.probe_after = std::min(2 * c.probe_after, kLastProbe);
+    }
+  }
+  return false;
+}
+
 bool shm_available(Communicator& comm) {
   return comm.size() > 1 && comm.attachment<ShmState>().unavailable.empty();
 }
@@ -384,15 +457,26 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   auto* recv = static_cast<std::byte*>(args.recv);
   RankControl& mine = s.control(me);
 
+  const auto started = std::chrono::steady_clock::now();
   // Round `first`: gate, descriptor, first input.
   const std::uint64_t first = s.round + 1;
   s.wait_all(&RankControl::drained, first < 2 ? 0 : first - 2, "drain");
   mine.descriptor[first % 2] = descriptor_of(args, path, registered);
+  // From kStreamFromBytes on, the segment's stores follow Config::shm_stores (ShmStores); below,
+  // where a round's data is still in cache when peers read it, streamed stores cost 2-2.5x
+  // (1 MiB on 2 ranks) and plain ones are kept.
+  const bool large = bytes >= kStreamFromBytes;
+  const bool streams = large && !registered && s.stores.next_call_streams(bytes);
   auto copy_in = [&](std::uint64_t k) {  // the k-th round of this call
     if (registered) return;
     const std::size_t e0 = k * round_elements;
     const std::size_t m = std::min(round_elements, args.count - e0);
-    std::memcpy(s.stage(me, first + k), send + e0 * es, m * es);
+    if (streams) {
+      stream_copy(s.stage(me, first + k), send + e0 * es, m * es);
+      _mm_sfence();  // before the release that publishes the slot
+    } else {
+      std::memcpy(s.stage(me, first + k), send + e0 * es, m * es);
+    }
   };
   if (path == Path::small) {
     std::memcpy(s.small_slot(me, first), send, bytes);
@@ -414,7 +498,6 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     return;
   }
 
-  const bool streaming = bytes >= kStreamFromBytes;
   // Staged rounds: my part of every round is [p0, p1) of the round's elements, 64-byte aligned.
   for (std::uint64_t k = 0; k < rounds; ++k) {
     const std::uint64_t r = first + k;
@@ -428,7 +511,14 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
       const std::byte* input = inputs[static_cast<std::size_t>(j)];
       sources[static_cast<std::size_t>(j)] = (input ? input + e0 * es : s.stage(j, r)) + p0 * es;
     }
-    reduce_sources(s.result(r) + p0 * es, sources, p1 - p0, args, n);
+    if (streams && p1 > p0) {
+      if (s.scratch.size() < kChunkBytes) s.scratch.resize(kChunkBytes);
+      reduce_sources(s.scratch.data(), sources, p1 - p0, args, n);
+      stream_copy(s.result(r) + p0 * es, s.scratch.data(), (p1 - p0) * es);
+      _mm_sfence();
+    } else {
+      reduce_sources(s.result(r) + p0 * es, sources, p1 - p0, args, n);
+    }
     mine.reduced.store(r, std::memory_order_release);
     if (k + 1 < rounds) {  // the next round's copy-in overlaps the peers' reductions
       s.wait_all(&RankControl::drained, r - 1, "drain");
@@ -436,7 +526,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
       mine.copied.store(r + 1, std::memory_order_release);
     }
     s.wait_all(&RankControl::reduced, r, "reduce");
-    if (streaming) {
+    if (large) {
       stream_copy(recv + e0 * es, s.result(r), m * es);
       _mm_sfence();  // non-temporal stores are not ordered by the release below
     } else {
@@ -445,6 +535,20 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + rounds - 1;
+  if (!large || registered) return;
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+  if (s.stores.record(bytes, streams, took.count()) && comm.log_enabled(LogLevel::debug)) {
+    comm.log(LogLevel::debug,
+             std::string(kCall)
+                     .append(": rank ")
+                     .append(std::to_string(me))
+                     .append(s.stores.streaming(bytes)
+                                 ? " now writes the segment with non-temporal stores"
+                                 : " now writes the segment with plain stores") +
+                 " (median per MiB of the last three calls: plain " +
+                 microseconds_per_mib(s.stores.cost(bytes, false)) + ", streamed " +
+                 microseconds_per_mib(s.stores.cost(bytes, true)) + ")");
+  }
 }
 
 // Hierarchical's intra-group phases. Rounds carry one sub-piece of every column: `q` elements

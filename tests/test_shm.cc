@@ -12,9 +12,12 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/allreduce_shm.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "packing/gradient_packer.h"
@@ -144,6 +147,96 @@ TEST_F(Shm, BitsOfTheSerialRankOrderReduction) {
       wrong += std::memcmp(&serial, &data[i], sizeof serial) != 0;
     }
     EXPECT_EQ(wrong, 0u) << "count " << count;
+  }
+}
+
+// From 4 MiB on, shm writes its segment with plain or non-temporal stores (Config::shm_stores;
+// "auto" alternates, then probes the other way now and then). Every way gives the bits of the
+// serial rank-order sum, out of place and in place, on every call.
+TEST_F(Shm, EveryStoreWayGivesTheSerialSum) {
+  const int n = world().size(), me = world().rank();
+  auto value = [](int r, std::size_t i) {
+    return static_cast<float>(
+        1.0 / (1.0 + static_cast<double>(r) * 2.3 + static_cast<double>(i % 997) * 0.41));
+  };
+  for (const std::string way : {"cached", "streamed", "auto"}) {
+    Config config = world().config();
+    config.shm_stores = way;
+    Communicator comm(MPI_COMM_WORLD, config);
+    for (const std::size_t count :
+         {std::size_t{1} << 20, (std::size_t{1} << 20) + 13, std::size_t{2500009}}) {
+      std::vector<float> in(count), out(count), serial(count);
+      for (std::size_t i = 0; i < count; ++i) {
+        in[i] = value(me, i);
+        serial[i] = value(0, i);
+        for (int r = 1; r < n; ++r)
+          serial[i] += value(r, i);
+      }
+      // auto: past its three calls each way and its first probe.
+      const int calls = way == "auto" && count == std::size_t{1} << 20 ? 14 : 2;
+      for (int call = 0; call < calls; ++call) {
+        const bool in_place = call % 2 == 1;
+        if (in_place) out = in;
+        allreduce(comm, in_place ? out.data() : in.data(), out.data(), count, DataType::float32,
+                  ReduceOp::sum, {.algorithm = "shm"});
+        EXPECT_EQ(std::memcmp(out.data(), serial.data(), count * sizeof(float)), 0)
+            << way << " stores, count " << count << ", call " << call
+            << (in_place ? " (in place)" : "");
+        std::fill(out.begin(), out.end(), -1.0f);
+      }
+    }
+  }
+}
+
+// auto's choice of stores, fed with call times: it keeps the cheaper way, follows a change of
+// the machine's state within a few calls each way, and keeps size classes apart; fixed ways
+// never change.
+TEST(ShmStoresChoice, KeepsTheCheaperWayAndFollowsAChange) {
+  using collectives::ShmStores;
+  const std::size_t bytes = std::size_t{8} << 20;
+  ShmStores stores("auto");
+  // Runs `calls` calls where a call costs `cached` or `streamed` seconds; returns how many
+  // streamed, and the call at which the choice last changed (-1: never).
+  auto run = [&](double cached, double streamed, int calls) {
+    int streamed_calls = 0, changed = -1;
+    for (int c = 0; c < calls; ++c) {
+      const bool streams = stores.next_call_streams(bytes);
+      streamed_calls += streams ? 1 : 0;
+      if (stores.record(bytes, streams, streams ? streamed : cached)) changed = c;
+    }
+    return std::pair{streamed_calls, changed};
+  };
+  // Cores behind one cache: plain stores are cheaper.
+  auto [streamed_calls, changed] = run(1.0, 1.4, 100);
+  EXPECT_FALSE(stores.streaming(bytes));
+  EXPECT_EQ(changed, -1);
+  EXPECT_LE(streamed_calls, 3 + 100 / ShmStores::kFirstProbe);  // three to start, then probes
+  EXPECT_EQ(stores.probe_after(bytes), ShmStores::kLastProbe);  // probes that lose grow rarer
+  // Cores apart: plain stores cost 3.5x; two calls move the median.
+  std::tie(streamed_calls, changed) = run(3.5, 1.4, 20);
+  EXPECT_TRUE(stores.streaming(bytes));
+  EXPECT_EQ(changed, 1);
+  // Back: the next probe of plain stores, at most probe_after() calls away, is confirmed by the
+  // call after it.
+  const int probe_after = stores.probe_after(bytes);
+  std::tie(streamed_calls, changed) = run(1.0, 1.4, 40);
+  EXPECT_FALSE(stores.streaming(bytes));
+  EXPECT_GE(changed, 1);
+  EXPECT_LE(changed, probe_after);
+  // Another size class starts afresh, alternating.
+  const std::size_t other = std::size_t{64} << 20;
+  EXPECT_FALSE(stores.next_call_streams(other));
+  stores.record(other, false, 1.0);
+  EXPECT_TRUE(stores.next_call_streams(other));
+  EXPECT_DOUBLE_EQ(stores.cost(other, false), 1.0 / static_cast<double>(other));
+  // Fixed ways never change and never probe.
+  for (const char* way : {"cached", "streamed"}) {
+    ShmStores fixed(way);
+    for (int c = 0; c < 50; ++c) {
+      const bool streams = fixed.next_call_streams(bytes);
+      EXPECT_EQ(streams, std::string(way) == "streamed");
+      EXPECT_FALSE(fixed.record(bytes, streams, streams ? 9.0 : 9.0 * (c % 3)));
+    }
   }
 }
 
