@@ -657,15 +657,17 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   ++windows_;
   ratio_[choice_] = std::max(agreed[0], 1e-12);
   if (was_duel) {
-    const bool recheck = rechecking_;
+    const bool recheck = rechecking_, trial = trying_;
     ratio_[challenger_] = std::max(agreed[1], 1e-12);
     if (expected(challenger_, predicted[challenger_]) <
         kMargin * expected(choice_, predicted[choice_])) {
       choice_ = challenger_;
       since_recheck_ = 0;
-      recheck_after_ = kFirstRecheck;
-    } else if (recheck) {  // the runner-up lost again: look less often
-      recheck_after_ = std::min(2 * recheck_after_, kLastRecheck);
+      recheck_after_ = kConfirmAfter;  // one duel decided it: confirm it soon
+      confirmed_ = false;
+    } else {
+      if (!trial) confirmed_ = true;  // a trial duel says nothing about the runner-up
+      if (recheck) recheck_after_ = std::min(2 * recheck_after_, kLastRecheck);  // lost again
     }
   }
   timed_ = 0;
@@ -695,17 +697,23 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   if (other != choice_) {
     const double theirs = expected(other, predicted[other]);
     rechecking_ = false;
+    trying_ = false;
     if (theirs < kMargin * mine) {
       challenger_ = other;  // expected to win: find out
     } else if (untried != choice_) {
       challenger_ = untried;  // not expected to win, but never measured: try it once
+      trying_ = true;
     } else if (!was_duel && ++since_recheck_ >= recheck_after_) {
       since_recheck_ = 0;
       if (theirs <= kRecheckFactor * mine) {
         challenger_ = other;
         rechecking_ = true;
+      } else {
+        confirmed_ = true;  // nothing close enough to doubt it
       }
     }
+  } else {
+    confirmed_ = true;
   }
   return choice_ != before;
 }
@@ -837,7 +845,7 @@ bool auto_settled(const AllreduceArgs& args, Communicator& comm) {
   if (!state.measuring) return true;
   const AutoState::SizeClass& c = state.classes[std::bit_width(args.count * args.element_bytes())];
   if (!c.set_up) return false;
-  return !c.choice || (c.choice->windows() > 0 && !c.choice->dueling());
+  return !c.choice || c.choice->settled();
 }
 
 void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor) {

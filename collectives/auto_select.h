@@ -36,9 +36,9 @@ std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, 
 void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
 
 // True when auto has finished exploring calls like `args`: its choice for their size class has
-// been measured (at least one window decided) and no duel is under way, or auto does not measure
-// them (one rank, one candidate, GRADCOMM_AUTO_MEASURE=0, a tuning table, reproducible mode).
-// The same on every rank. For
+// been measured (at least one window decided), no duel is under way and a switch has been
+// confirmed (MeasuredChoice::settled), or auto does not measure them (one rank, one candidate,
+// GRADCOMM_AUTO_MEASURE=0, a tuning table, reproducible mode). The same on every rank. For
 // gradcomm-bench, which times auto in its steady state (and reports what exploring cost).
 bool auto_settled(const AllreduceArgs& args, Communicator& comm);
 
@@ -66,12 +66,15 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 // its pick (the machine's state changed: both ranks moved onto one core, a cache domain split) is
 // corrected after a duel per algorithm that could beat it. The runner-up is challenged again now
 // and then (after 8 solo windows, doubling up to 64 while it keeps losing), so that a choice that
-// became wrong later is found.
+// became wrong later is found; a switch, decided by 4 - 8 calls of the challenger, is confirmed
+// by a duel 2 solo windows later (then 4, 8, ...): a transient (the host moving a virtual CPU)
+// that made one duel lie is undone within a few windows.
 class MeasuredChoice {
  public:
   static constexpr double kMargin = 0.98;        // a challenger must be this much faster
   static constexpr double kRecheckFactor = 2.0;  // runner-ups expected slower are not challenged
   static constexpr int kFirstRecheck = 8, kLastRecheck = 64;  // solo windows between re-checks
+  static constexpr int kConfirmAfter = 2;  // solo windows from a switch to its confirming duel
 
   // `names` in the registry's order, `predicted` seconds for each at the first call's size. One
   // call in `stride` is timed; a solo window has `window` timed calls, a duel `duel`, of which
@@ -114,6 +117,9 @@ class MeasuredChoice {
   std::string_view choice() const { return names_[choice_]; }
   bool dueling() const { return challenger_ != choice_; }
   int windows() const { return windows_; }  // decided so far
+  // A window has decided, no duel is under way, and the choice has won a duel since it last
+  // changed (or nothing is close enough to challenge it): what a steady state looks like.
+  bool settled() const { return windows_ > 0 && !dueling() && confirmed_; }
   std::string_view challenger() const { return names_[challenger_]; }
   const std::vector<std::string_view>& names() const { return names_; }
   bool measured(std::size_t i) const { return ratio_[i] > 0; }
@@ -141,6 +147,8 @@ class MeasuredChoice {
   int windows_ = 0;                             // windows decided
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
   bool rechecking_ = false;                     // the duel re-checks the runner-up
+  bool trying_ = false;                         // the duel tries an algorithm never measured
+  bool confirmed_ = true;  // the choice beat the runner-up in a duel since it last changed
   int since_recheck_ = 0;
   int recheck_after_ = kFirstRecheck;
 };

@@ -924,9 +924,40 @@ TEST_F(AutoSelection, MeasuringFollowsAMachineThatChanges) {
   a_time = 3;  // the next solo window sees it; "b" (measured at 2 in a re-check) wins the duel
   simulate(m, predicted, truth, 12);
   EXPECT_EQ(m.choice(), "b");
-  a_time = 1;  // found by the next re-check of the runner-up (3 <= 2 x 2), 8 windows later
+  a_time = 1;  // found by the switch's confirming duel with the runner-up, 2 windows later
   simulate(m, predicted, truth, 4 * 8 + 8 + 8);
   EXPECT_EQ(m.choice(), "a");
+}
+
+// A switch decided by one duel is confirmed by a duel with the old choice 2 solo windows later:
+// when the duel that decided it measured a transient, the old choice comes back then; settled()
+// holds only once a duel with the runner-up has confirmed the choice.
+TEST_F(AutoSelection, ASwitchIsConfirmedByASecondDuel) {
+  const std::vector<double> predicted = {1, 2, 3};
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
+  double a_time = 1;
+  auto truth = [&](std::size_t i) { return i == 0 ? a_time : predicted[i]; };
+  // Calls until the choice is `name`, at most `limit`.
+  auto calls_until = [&](std::string_view name, int limit) {
+    int calls = 0;
+    for (; m.choice() != name && calls < limit; ++calls)
+      simulate(m, predicted, truth, 1);
+    return calls;
+  };
+  simulate(m, predicted, truth, 200);
+  ASSERT_EQ(m.choice(), "a");
+  EXPECT_TRUE(m.settled() || m.dueling());
+  a_time = 3;  // a transient: a solo window sees "a" slow, and the duel that follows picks "b"
+  EXPECT_LE(calls_until("b", 100), 4 + 4 + 8);  // (the rest of a window, one window, the duel)
+  EXPECT_FALSE(m.settled()) << "switched on the strength of one duel";
+  a_time = 1;  // over: "c" (never measured, within 2x of "b") is tried once, then after 2 solo
+               // windows of "b" the confirming duel with "a" brings it back
+  EXPECT_LE(calls_until("a", 100), 8 + 2 * 4 + 8);
+  // A switch that holds: "a" slows for good; "b" wins, and wins the confirming duel too.
+  a_time = 3;
+  simulate(m, predicted, truth, 400);
+  EXPECT_EQ(m.choice(), "b");
+  EXPECT_TRUE(m.settled() || m.dueling());
 }
 
 TEST_F(AutoSelection, ShortCallsAreTimedOneInStride) {
