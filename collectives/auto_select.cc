@@ -655,10 +655,26 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   const std::size_t before = choice_;
   const bool was_duel = dueling();
   ++windows_;
-  ratio_[choice_] = std::max(agreed[0], 1e-12);
-  if (was_duel) {
+  timed_ = 0;
+  samples_[0].clear();
+  samples_[1].clear();
+  if (!was_duel) {
+    ratio_[choice_] = std::max(agreed[0], 1e-12);
+  } else {
+    // A contest is judged on the mean of its duel windows' figures.
+    pooled_[0] += agreed[0];
+    pooled_[1] += agreed[1];
+    ++duel_windows_;
+    ratio_[choice_] = std::max(pooled_[0] / duel_windows_, 1e-12);
+    ratio_[challenger_] = std::max(pooled_[1] / duel_windows_, 1e-12);
+    const double mine = expected(choice_, predicted[choice_]);
+    const double theirs = expected(challenger_, predicted[challenger_]);
+    if (duel_windows_ < kMaxDuelWindows && theirs < kClose * mine && mine < kClose * theirs) {
+      return false;  // too close to call from 4 - 8 calls: another duel window, pooled
+    }
+    pooled_ = {0, 0};
+    duel_windows_ = 0;
     const bool recheck = rechecking_, trial = trying_;
-    ratio_[challenger_] = std::max(agreed[1], 1e-12);
     if (expected(challenger_, predicted[challenger_]) <
         kMargin * expected(choice_, predicted[choice_])) {
       choice_ = challenger_;
@@ -670,9 +686,6 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       if (recheck) recheck_after_ = std::min(2 * recheck_after_, kLastRecheck);  // lost again
     }
   }
-  timed_ = 0;
-  samples_[0].clear();
-  samples_[1].clear();
   challenger_ = choice_;
   // The strongest other: the lowest expectation (never measured: the model's prediction).
   const double mine = expected(choice_, predicted[choice_]);

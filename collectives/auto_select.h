@@ -68,13 +68,18 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 // and then (after 8 solo windows, doubling up to 64 while it keeps losing), so that a choice that
 // became wrong later is found; a switch, decided by 4 - 8 calls of the challenger, is confirmed
 // by a duel 2 solo windows later (then 4, 8, ...): a transient (the host moving a virtual CPU)
-// that made one duel lie is undone within a few windows.
+// that made one duel lie is undone within a few windows. A duel too close to call (within 15%)
+// from its 4 - 8 challenger calls runs another window, up to three, judged on their mean.
 class MeasuredChoice {
  public:
   static constexpr double kMargin = 0.98;        // a challenger must be this much faster
   static constexpr double kRecheckFactor = 2.0;  // runner-ups expected slower are not challenged
   static constexpr int kFirstRecheck = 8, kLastRecheck = 64;  // solo windows between re-checks
   static constexpr int kConfirmAfter = 2;  // solo windows from a switch to its confirming duel
+  // A duel whose two expectations lie within kClose of each other goes on for another window, up
+  // to kMaxDuelWindows, and is decided on the mean of its windows' figures.
+  static constexpr double kClose = 1.15;
+  static constexpr int kMaxDuelWindows = 3;
 
   // `names` in the registry's order, `predicted` seconds for each at the first call's size. One
   // call in `stride` is timed; a solo window has `window` timed calls, a duel `duel`, of which
@@ -148,6 +153,8 @@ class MeasuredChoice {
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
   bool rechecking_ = false;                     // the duel re-checks the runner-up
   bool trying_ = false;                         // the duel tries an algorithm never measured
+  std::array<double, 2> pooled_{};              // the current contest's figures, summed
+  int duel_windows_ = 0;                        // its duel windows so far
   bool confirmed_ = true;  // the choice beat the runner-up in a duel since it last changed
   int since_recheck_ = 0;
   int recheck_after_ = kFirstRecheck;

@@ -960,6 +960,30 @@ TEST_F(AutoSelection, ASwitchIsConfirmedByASecondDuel) {
   EXPECT_TRUE(m.settled() || m.dueling());
 }
 
+// A duel too close to call (expectations within 15%) runs up to three windows and is decided on
+// their mean: here one window sees the challenger 10% slower (a noisy moment), the next two 20%
+// faster; the mean, 10% faster, wins.
+TEST_F(AutoSelection, ACloseDuelRunsMoreWindows) {
+  const std::vector<double> predicted = {1, 1.1};
+  collectives::MeasuredChoice m({"a", "b"}, predicted, 1, 4, 8, 4);
+  int duel_window = 0;
+  auto truth = [&](std::size_t i) {
+    if (i == 0) return 1.0;
+    return duel_window == 0 ? 1.1 : 0.8;
+  };
+  simulate(m, predicted, truth, 4);  // the first window: "b" (within 2x) is tried next
+  ASSERT_TRUE(m.dueling());
+  simulate(m, predicted, truth, 8);
+  EXPECT_EQ(m.choice(), "a");
+  EXPECT_TRUE(m.dueling()) << "1.1 against 1.0 is too close to call: another window";
+  duel_window = 1;
+  simulate(m, predicted, truth, 8);
+  EXPECT_TRUE(m.dueling()) << "the mean so far, 0.95 against 1.0, is still close";
+  simulate(m, predicted, truth, 8);
+  EXPECT_EQ(m.choice(), "b") << "three windows: 0.9 against 1.0";
+  EXPECT_FALSE(m.dueling());
+}
+
 TEST_F(AutoSelection, ShortCallsAreTimedOneInStride) {
   const std::vector<double> predicted = {1, 2};
   // One call in 12 timed; solo windows of 10 timed calls; duels of 12, the challenger's the
