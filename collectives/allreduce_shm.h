@@ -36,7 +36,8 @@ inline constexpr std::size_t kShmChunkBytes = std::size_t{256} << 10;
 // 22 ms, switching within a run. Non-temporal stores never read the line but leave the data in
 // memory, where peers read it more slowly than from a shared cache: 8.5 ms in both periods.
 // "auto" times its calls (per byte, per size class: sizes within a factor of 2) both ways and
-// keeps the cheaper: after three calls each way, alternating, one call in probe_after() goes the
+// keeps the cheaper: after three calls each way, alternating (a new size class starts from the
+// nearest class measured both ways instead), one call in probe_after() goes the
 // other way (8 calls after a switch, doubling to 64 while the choice holds; at once again when a
 // probe came out kMargin times cheaper), and the choice switches when the other way's median of
 // its last three calls is kMargin times cheaper. Each

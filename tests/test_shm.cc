@@ -223,12 +223,18 @@ TEST(ShmStoresChoice, KeepsTheCheaperWayAndFollowsAChange) {
   EXPECT_FALSE(stores.streaming(bytes));
   EXPECT_GE(changed, 1);
   EXPECT_LE(changed, probe_after);
-  // Another size class starts afresh, alternating.
+  // Another size class starts from the nearest one measured both ways (its choice, its costs);
+  // with none measured, it alternates.
   const std::size_t other = std::size_t{64} << 20;
-  EXPECT_FALSE(stores.next_call_streams(other));
-  stores.record(other, false, 1.0);
+  std::tie(streamed_calls, changed) = run(3.5, 1.4, 20);  // streamed here now
+  ASSERT_TRUE(stores.streaming(bytes));
   EXPECT_TRUE(stores.next_call_streams(other));
-  EXPECT_DOUBLE_EQ(stores.cost(other, false), 1.0 / static_cast<double>(other));
+  EXPECT_DOUBLE_EQ(stores.cost(other, true), stores.cost(bytes, true));
+  ShmStores fresh("auto");
+  EXPECT_FALSE(fresh.next_call_streams(other));
+  fresh.record(other, false, 1.0);
+  EXPECT_TRUE(fresh.next_call_streams(other));
+  EXPECT_DOUBLE_EQ(fresh.cost(other, false), 1.0 / static_cast<double>(other));
   // Fixed ways never change and never probe.
   for (const char* way : {"cached", "streamed"}) {
     ShmStores fixed(way);
