@@ -974,7 +974,8 @@ int run(int argc, char** argv) {
   struct {
     double paired = 0, of_medians = 0;  // auto's lowest vs_best, highest p50 / best p50
     std::size_t paired_bytes = 0, of_medians_bytes = 0;
-    std::string best;  // the best fixed algorithm at paired_bytes
+    std::string best;             // the best fixed algorithm at paired_bytes
+    std::vector<double> vs_best;  // every size's
   } auto_worst;
   for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
        size *= o.factor) {
@@ -987,6 +988,7 @@ int run(int argc, char** argv) {
     for (Row row : rows) {
       if (row.algorithm == "auto" && row.vs_best > 0) {
         const double of_medians = row.best_p50_us > 0 ? row.p50_us / row.best_p50_us : 0;
+        auto_worst.vs_best.push_back(row.vs_best);
         if (auto_worst.paired == 0 || row.vs_best < auto_worst.paired) {
           auto_worst.paired = row.vs_best;
           auto_worst.paired_bytes = row.bytes;
@@ -1036,12 +1038,15 @@ int run(int argc, char** argv) {
   if (rank == 0) {
     if (o.format == Options::Format::json) std::printf("\n]}\n");
     if (o.format == Options::Format::table && auto_worst.paired > 0) {
+      const std::vector<double>& v = auto_worst.vs_best;
+      const auto within = std::count_if(v.begin(), v.end(), [](double x) { return x >= 1 / 1.1; });
       std::printf(
-          "# auto against the best fixed algorithm of each size: worst vs_best %.2f (%zu bytes: "
-          "auto takes %.2fx the time of %s, paired per round); worst ratio of medians %.2f (%zu "
-          "bytes)\n",
-          auto_worst.paired, auto_worst.paired_bytes, 1 / auto_worst.paired,
-          auto_worst.best.c_str(), auto_worst.of_medians, auto_worst.of_medians_bytes);
+          "# auto against the best fixed algorithm of each size: %td of %zu sizes within 1.1x "
+          "(vs_best >= 0.91), median vs_best %.2f; worst vs_best %.2f (%zu bytes: auto takes "
+          "%.2fx the time of %s, paired per round); worst ratio of medians %.2f (%zu bytes)\n",
+          within, v.size(), percentile(v, 0.5), auto_worst.paired, auto_worst.paired_bytes,
+          1 / auto_worst.paired, auto_worst.best.c_str(), auto_worst.of_medians,
+          auto_worst.of_medians_bytes);
     }
     if (o.format == Options::Format::table) {
       std::printf("# Out of bounds values : %lld %s\n", total_wrong, total_wrong ? "FAILED" : "OK");

@@ -679,11 +679,11 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
         kMargin * expected(choice_, predicted[choice_])) {
       choice_ = challenger_;
       since_recheck_ = 0;
-      recheck_after_ = kConfirmAfter;  // one duel decided it: confirm it soon
-      confirmed_ = false;
+      solo_seconds_ = 0;
+      confirmed_ = false;  // one duel decided it: confirmed by another kConfirmAfter windows on
     } else {
       if (!trial) confirmed_ = true;  // a trial duel says nothing about the runner-up
-      if (recheck) recheck_after_ = std::min(2 * recheck_after_, kLastRecheck);  // lost again
+      if (recheck) solo_seconds_ = 0;
     }
   }
   challenger_ = choice_;
@@ -716,13 +716,25 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     } else if (untried != choice_) {
       challenger_ = untried;  // not expected to win, but never measured: try it once
       trying_ = true;
-    } else if (!was_duel && ++since_recheck_ >= recheck_after_) {
-      since_recheck_ = 0;
-      if (theirs <= kRecheckFactor * mine) {
-        challenger_ = other;
-        rechecking_ = true;
-      } else {
-        confirmed_ = true;  // nothing close enough to doubt it
+    } else if (!was_duel) {
+      // Re-check the runner-up once what the duel would cost beyond the choice (its calls times
+      // the expected difference) is within kRecheckBudget of the solo time since the last one: a
+      // near tie is re-checked every few windows, so a change of the machine's state that turns
+      // it is found soon; one expected twice as slow rarely.
+      ++since_recheck_;
+      solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
+      const bool confirm = !confirmed_ && since_recheck_ >= kConfirmAfter;
+      const bool paid = since_recheck_ >= kMinRecheck &&
+                        solo_seconds_ * kRecheckBudget >= challenger_calls_ * (theirs - mine);
+      if (confirm || paid) {
+        since_recheck_ = 0;
+        solo_seconds_ = 0;
+        if (theirs <= kRecheckFactor * mine) {
+          challenger_ = other;
+          rechecking_ = true;
+        } else {
+          confirmed_ = true;  // nothing close enough to doubt it
+        }
       }
     }
   } else {

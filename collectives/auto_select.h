@@ -65,8 +65,11 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 // that is right costs one solo window and a duel per close runner-up, and one that is wrong about
 // its pick (the machine's state changed: both ranks moved onto one core, a cache domain split) is
 // corrected after a duel per algorithm that could beat it. The runner-up is challenged again now
-// and then (after 8 solo windows, doubling up to 64 while it keeps losing), so that a choice that
-// became wrong later is found; a switch, decided by 4 - 8 calls of the challenger, is confirmed
+// and then, so that a choice that became wrong later is found: once the re-check's expected cost
+// (its calls times how much slower it is expected to be) is 3% of the solo time since the last
+// one, so a near tie is re-checked every few windows and an algorithm expected 2x slower once
+// the choice ran 33 times the re-check's 4 - 8 calls; a switch, decided by 4 - 8 calls of the
+// challenger, is confirmed
 // by a duel 2 solo windows later (then 4, 8, ...): a transient (the host moving a virtual CPU)
 // that made one duel lie is undone within a few windows. A duel too close to call (within 15%)
 // from its 4 - 8 challenger calls runs another window, up to three, judged on their mean.
@@ -74,7 +77,10 @@ class MeasuredChoice {
  public:
   static constexpr double kMargin = 0.98;        // a challenger must be this much faster
   static constexpr double kRecheckFactor = 2.0;  // runner-ups expected slower are not challenged
-  static constexpr int kFirstRecheck = 8, kLastRecheck = 64;  // solo windows between re-checks
+  // The runner-up is re-checked once the duel's expected cost beyond the choice is at most
+  // kRecheckBudget of the solo time since the last re-check, and kMinRecheck solo windows apart.
+  static constexpr double kRecheckBudget = 0.03;
+  static constexpr int kMinRecheck = 2;
   static constexpr int kConfirmAfter = 2;  // solo windows from a switch to its confirming duel
   // A duel whose two expectations lie within kClose of each other goes on for another window, up
   // to kMaxDuelWindows, and is decided on the mean of its windows' figures.
@@ -155,9 +161,9 @@ class MeasuredChoice {
   bool trying_ = false;                         // the duel tries an algorithm never measured
   std::array<double, 2> pooled_{};              // the current contest's figures, summed
   int duel_windows_ = 0;                        // its duel windows so far
-  bool confirmed_ = true;  // the choice beat the runner-up in a duel since it last changed
-  int since_recheck_ = 0;
-  int recheck_after_ = kFirstRecheck;
+  bool confirmed_ = true;    // the choice beat the runner-up in a duel since it last changed
+  int since_recheck_ = 0;    // solo windows since the last re-check (or switch)
+  double solo_seconds_ = 0;  // and about how long they ran
 };
 
 // The cost model's predicted seconds for `algorithm` on `bytes` (as auto sees it: calibrated,

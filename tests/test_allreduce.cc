@@ -883,15 +883,21 @@ TEST_F(AutoSelection, MeasuringARightModelCostsOnlyRechecks) {
   collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
   EXPECT_EQ(m.choice(), "a");
   // Each algorithm as fast as the model says: "a" stays; "b" (within 2x) is tried once after
-  // the first window, then re-checked after 8 solo windows, then after 16, 32, 64 (4 of its calls
-  // each time); "c" never runs.
+  // the first window, then re-checked (4 of its calls, 1 s each beyond a's) once a has run 4 / 3%
+  // = 133 s since the last, every 34 solo windows; "c" never runs.
   const std::vector<int> ran = simulate(
       m, predicted, [&](std::size_t a) { return predicted[a]; }, 4 * 400);
   EXPECT_EQ(m.choice(), "a");
   EXPECT_EQ(ran[2], 0);
-  EXPECT_GT(ran[1], 0);
-  EXPECT_LE(ran[1], 4 + 4 * 8);  // re-checks back off: 8, 16, 32, 64, 64, ... solo windows apart
-  EXPECT_GE(ran[0], 4 * 400 - 4 - 4 * 8);
+  EXPECT_GT(ran[1], 4);
+  // What the re-checks cost beyond "a" stays within the budget of a's time (plus the trial).
+  EXPECT_LE((ran[1] - 4) * (2 - 1), collectives::MeasuredChoice::kRecheckBudget * ran[0] + 4);
+  // A near tie ("b" 1% slower than "a") is re-checked every few windows instead.
+  collectives::MeasuredChoice tie({"a", "b"}, {1, 1.01}, 1, 4, 8, 4);
+  const std::vector<int> tie_ran = simulate(
+      tie, {1, 1.01}, [&](std::size_t a) { return a == 0 ? 1.0 : 1.01; }, 4 * 400);
+  EXPECT_EQ(tie.choice(), "a");
+  EXPECT_GE(tie_ran[1], 4 * 400 / 20) << "re-checked about every 3 windows";
 }
 
 TEST_F(AutoSelection, MeasuringAWrongModelSwitchesAfterADuel) {
