@@ -68,11 +68,11 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 // and then, so that a choice that became wrong later is found: once the re-check's expected cost
 // (its calls times how much slower it is expected to be) is 3% of the solo time since the last
 // one, so a near tie is re-checked every few windows and an algorithm expected 2x slower once
-// the choice ran 33 times the re-check's 4 - 8 calls; a switch, decided by 4 - 8 calls of the
-// challenger, is confirmed
-// by a duel 2 solo windows later (then 4, 8, ...): a transient (the host moving a virtual CPU)
-// that made one duel lie is undone within a few windows. A duel too close to call (within 15%)
-// from its 4 - 8 challenger calls runs another window, up to three, judged on their mean.
+// the choice ran 33 times the re-check's 4 - 8 calls. A switch, decided by 4 - 8 calls of the
+// challenger, is confirmed by a duel with the old choice 2 solo windows later: a transient (the
+// host moving a virtual CPU) that made one duel lie is undone within a few windows. A duel too
+// close to call (within 15%) from its 4 - 8 challenger calls runs another window, up to three,
+// judged on their mean.
 class MeasuredChoice {
  public:
   static constexpr double kMargin = 0.98;        // a challenger must be this much faster
