@@ -129,7 +129,9 @@ class ShmState : public Attachment {
       : rank(comm.rank()),
         size(comm.size()),
         mpi(comm.mpi_comm()),
-        stores(comm.config().shm_stores) {
+        stores(comm.config().shm_stores),
+        scatter_stores(comm.config().shm_stores),
+        gather_stores(comm.config().shm_stores) {
     const HostCheck& host = comm.attachment<HostCheck>();
     if (host.on_host != size) {
       unavailable = "only " + std::to_string(host.on_host) + " of the " + std::to_string(size) +
@@ -220,7 +222,9 @@ class ShmState : public Attachment {
   std::vector<pid_t> pids;
   long spin = 0;
   std::uint64_t round = 0;  // the last round this rank started
-  ShmStores stores;
+  // The stores of the all-reduce and of hierarchical's two intra-group phases, chosen apart (their
+  // mixes of segment writes differ).
+  ShmStores stores, scatter_stores, gather_stores;
   std::vector<std::byte> scratch;  // a streamed result's part, reduced here first
 };
 
@@ -434,6 +438,29 @@ bool ShmStores::record(std::size_t bytes, bool streamed, double seconds) {
   return false;
 }
 
+namespace {
+
+// Records a large call's time with `stores` and logs a change of their choice (debug level).
+void record_stores(ShmStores& stores, const char* phase, std::size_t bytes, bool streamed,
+                   std::chrono::steady_clock::time_point started, Communicator& comm) {
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+  if (stores.record(bytes, streamed, took.count()) && comm.log_enabled(LogLevel::debug)) {
+    comm.log(
+        LogLevel::debug,
+        std::string(kCall)
+                .append(phase)
+                .append(": rank ")
+                .append(std::to_string(comm.rank()))
+                .append(stores.streaming(bytes) ? " now writes the segment with non-temporal stores"
+                                                : " now writes the segment with plain stores") +
+            " (median per MiB of the last three calls: plain " +
+            microseconds_per_mib(stores.cost(bytes, false)) + ", streamed " +
+            microseconds_per_mib(stores.cost(bytes, true)) + ")");
+  }
+}
+
+}  // namespace
+
 bool shm_available(Communicator& comm) {
   return comm.size() > 1 && comm.attachment<ShmState>().unavailable.empty();
 }
@@ -555,20 +582,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + rounds - 1;
-  if (!large || registered) return;
-  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-  if (s.stores.record(bytes, streams, took.count()) && comm.log_enabled(LogLevel::debug)) {
-    comm.log(LogLevel::debug,
-             std::string(kCall)
-                     .append(": rank ")
-                     .append(std::to_string(me))
-                     .append(s.stores.streaming(bytes)
-                                 ? " now writes the segment with non-temporal stores"
-                                 : " now writes the segment with plain stores") +
-                 " (median per MiB of the last three calls: plain " +
-                 microseconds_per_mib(s.stores.cost(bytes, false)) + ", streamed " +
-                 microseconds_per_mib(s.stores.cost(bytes, true)) + ")");
-  }
+  if (large && !registered) record_stores(s.stores, "", bytes, streams, started, comm);
 }
 
 // Hierarchical's intra-group phases. Rounds carry one sub-piece of every column: `q` elements
@@ -617,6 +631,10 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
   // The owner reads its own contribution from its input, not a copy, unless the output overwrites
   // it before it is read: in place, as the third or later operand of the chain.
   const bool own_from_input = !args.in_place() || me < 2;
+  // Stores into the slots as in the all-reduce (ShmStores), from 4 MiB.
+  const std::size_t bytes = args.count * es;
+  const auto started = std::chrono::steady_clock::now();
+  const bool streams = bytes >= kStreamFromBytes && s.scatter_stores.next_call_streams(bytes);
   const std::uint64_t first = s.round + 1;
   for (std::uint64_t k = 0; k < plan.rounds; ++k) {
     const std::uint64_t r = first + k;
@@ -628,8 +646,13 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
       if (layout.owner(c) == me && own_from_input) continue;  // read where it lies
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
-      std::memcpy(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es);
+      if (streams) {
+        stream_copy(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es);
+      } else {
+        std::memcpy(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es);
+      }
     }
+    if (streams) _mm_sfence();  // before the release that publishes the slot
     mine.copied.store(r, std::memory_order_release);
     s.wait_all(&RankControl::copied, r, "copy-in");
     if (k == 0) agree_on_call(s, first);
@@ -652,6 +675,9 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + plan.rounds - 1;
+  if (bytes >= kStreamFromBytes) {
+    record_stores(s.scatter_stores, " reduce-scatter", bytes, streams, started, group);
+  }
 }
 
 void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
@@ -662,6 +688,10 @@ void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& la
   const ColumnRounds plan(layout, es);
   auto* recv = static_cast<std::byte*>(args.recv);
   RankControl& mine = s.control(me);
+  // Stores into the published result as in the all-reduce (ShmStores), from 4 MiB.
+  const std::size_t bytes = args.count * es;
+  const auto started = std::chrono::steady_clock::now();
+  const bool streams = bytes >= kStreamFromBytes && s.gather_stores.next_call_streams(bytes);
   const std::uint64_t first = s.round + 1;
   for (std::uint64_t k = 0; k < plan.rounds; ++k) {
     const std::uint64_t r = first + k;
@@ -670,9 +700,14 @@ void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& la
     std::byte* result = s.result(r);
     for (std::size_t c : layout.owned) {
       const auto col = layout.column(c);
-      std::memcpy(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es,
-                  plan.length(col.length, k) * es);
+      const std::size_t m = plan.length(col.length, k);
+      if (streams) {
+        stream_copy(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es, m * es);
+      } else {
+        std::memcpy(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es, m * es);
+      }
     }
+    if (streams) _mm_sfence();  // before the releases that publish the result
     mine.copied.store(r, std::memory_order_release);
     mine.reduced.store(r, std::memory_order_release);
     s.wait_all(&RankControl::reduced, r, "publish");
@@ -685,6 +720,9 @@ void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& la
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + plan.rounds - 1;
+  if (bytes >= kStreamFromBytes) {
+    record_stores(s.gather_stores, " all-gather", bytes, streams, started, group);
+  }
 }
 
 }  // namespace gradcomm::collectives

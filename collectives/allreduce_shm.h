@@ -29,14 +29,15 @@ inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
 inline constexpr std::size_t kShmChunkBytes = std::size_t{256} << 10;
 
 // How one rank writes the segment in calls of 4 MiB and more (Config::shm_stores; smaller ones
-// keep plain stores, their data still cached when peers read it). A plain store first reads its
-// line, and a line that a peer's core read a round ago must then come from that core. On this
-// 2-core VM that costs little in some periods and 4-6x the copy in others, as the host moves the
-// two virtual CPUs between shared and separate caches: a 32 MiB call on 2 ranks takes 6 ms or
-// 22 ms, switching within a run. Non-temporal stores never read the line but leave the data in
-// memory, where peers read it more slowly than from a shared cache: 8.5 ms in both periods.
-// "auto" times its calls (per byte, per size class: sizes within a factor of 2) both ways and
-// keeps the cheaper: after three calls each way, alternating (a new size class starts from the
+// keep plain stores, their data still cached when peers read it): the all-reduce's slots and
+// results, and the slots and published columns of hierarchical's phases, each chosen apart. A plain
+// store first reads its line, and a line that a peer's core read a round ago must then come from
+// that core. On this 2-core VM that costs little in some periods and 4-6x the copy in others, as
+// the host moves the two virtual CPUs between shared and separate caches: a 32 MiB call on 2 ranks
+// takes 6 ms or 22 ms, switching within a run. Non-temporal stores never read the line but leave
+// the data in memory, where peers read it more slowly than from a shared cache: 8.5 ms in both
+// periods. "auto" times its calls (per byte, per size class: sizes within a factor of 2) both ways
+// and keeps the cheaper: after three calls each way, alternating (a new size class starts from the
 // nearest class measured both ways instead), one call in probe_after() goes the
 // other way (8 calls after a switch, doubling to 64 while the choice holds; at once again when a
 // probe came out kMargin times cheaper), and the choice switches when the other way's median of

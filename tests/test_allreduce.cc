@@ -451,7 +451,8 @@ constexpr const char* kIntraForms[] = {"direct", "ring", "shm"};
 // Runs `body` on a communicator of `layout.ranks` ranks with the layout's config, on the ranks
 // that take part; returns false (nothing run) when the world is too small.
 template <class Body>
-bool with_layout(const Layout& layout, Body body, const char* intra = "auto") {
+bool with_layout(const Layout& layout, Body body, const char* intra = "auto",
+                 const char* shm_stores = "auto") {
   const int ranks = layout.ranks > 0 ? layout.ranks : world().size();
   if (world().size() < ranks) return false;
   MPI_Comm split = MPI_COMM_NULL;
@@ -462,6 +463,7 @@ bool with_layout(const Layout& layout, Body body, const char* intra = "auto") {
     config.ranks_per_node = layout.ranks_per_node;
     config.topology_preset = layout.preset;
     config.hierarchical_intra = intra;
+    config.shm_stores = shm_stores;
     config.segment_bytes = std::size_t{1} << 30;  // one segment per step: messages == steps
     Communicator comm(split, config);
     body(comm);
@@ -493,6 +495,32 @@ TEST_P(HierarchicalLayouts, EveryDtypeOpCountAndPlacement) {
           }
         },
         intra);
+  }
+  if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
+}
+
+// From 4 MiB, hierarchical's shm phases store into the segment plainly or non-temporally
+// (Config::shm_stores; auto alternates, then probes): every way is exact, in and out of place.
+TEST_P(HierarchicalLayouts, ShmPhasesExactWithEveryStoreWay) {
+  const Layout& layout = GetParam();
+  if (layout.label != std::string("8=2x4") && layout.label != std::string("5=3+2") &&
+      layout.label != std::string("4=1x4")) {
+    GTEST_SKIP() << "three layouts cover it";
+  }
+  bool ran = false;
+  for (const char* stores : {"cached", "streamed", "auto"}) {
+    SCOPED_TRACE(std::string("shm stores ") + stores);
+    ran = with_layout(
+        layout,
+        [&](Communicator& comm) {
+          std::vector<std::byte> send, recv;
+          const int calls = std::string(stores) == "auto" ? 8 : 2;
+          for (int call = 0; call < calls; ++call) {
+            check_exact(comm, "hierarchical", DataType::float32, ReduceOp::sum, (1 << 20) + 7,
+                        call % 2 == 1, send, recv);
+          }
+        },
+        "shm", stores);
   }
   if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
 }
