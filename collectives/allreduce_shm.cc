@@ -260,6 +260,16 @@ void stream_copy(std::byte* dst, const std::byte* src, std::size_t bytes) {
   std::memcpy(dst + body, src + body, bytes - body);
 }
 
+// A copy into the segment, streamed or plain (ShmStores); the caller fences streamed copies
+// before the release that publishes them.
+void copy_to_segment(std::byte* dst, const std::byte* src, std::size_t bytes, bool streamed) {
+  if (streamed) {
+    stream_copy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
 std::string microseconds_per_mib(double seconds_per_byte) {
   char text[32];
   std::snprintf(text, sizeof text, "%.1f us", seconds_per_byte * 1048576.0 * 1e6);
@@ -518,12 +528,8 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     if (registered) return;
     const std::size_t e0 = k * round_elements;
     const std::size_t m = std::min(round_elements, args.count - e0);
-    if (streams) {
-      stream_copy(s.stage(me, first + k), send + e0 * es, m * es);
-      _mm_sfence();  // before the release that publishes the slot
-    } else {
-      std::memcpy(s.stage(me, first + k), send + e0 * es, m * es);
-    }
+    copy_to_segment(s.stage(me, first + k), send + e0 * es, m * es, streams);
+    if (streams) _mm_sfence();  // before the release that publishes the slot
   };
   if (path == Path::small) {
     std::memcpy(s.small_slot(me, first), send, bytes);
@@ -646,11 +652,8 @@ void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
       if (layout.owner(c) == me && own_from_input) continue;  // read where it lies
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
-      if (streams) {
-        stream_copy(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es);
-      } else {
-        std::memcpy(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es);
-      }
+      copy_to_segment(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es,
+                      streams);
     }
     if (streams) _mm_sfence();  // before the release that publishes the slot
     mine.copied.store(r, std::memory_order_release);
@@ -701,11 +704,8 @@ void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& la
     for (std::size_t c : layout.owned) {
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
-      if (streams) {
-        stream_copy(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es, m * es);
-      } else {
-        std::memcpy(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es, m * es);
-      }
+      copy_to_segment(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es, m * es,
+                      streams);
     }
     if (streams) _mm_sfence();  // before the releases that publish the result
     mine.copied.store(r, std::memory_order_release);
