@@ -674,16 +674,14 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     }
     pooled_ = {0, 0};
     duel_windows_ = 0;
-    const bool recheck = rechecking_, trial = trying_;
-    if (expected(challenger_, predicted[challenger_]) <
-        kMargin * expected(choice_, predicted[choice_])) {
+    if (theirs < kMargin * mine) {
       choice_ = challenger_;
       since_recheck_ = 0;
       solo_seconds_ = 0;
       confirmed_ = false;  // one duel decided it: confirmed by another kConfirmAfter windows on
     } else {
-      if (!trial) confirmed_ = true;  // a trial duel says nothing about the runner-up
-      if (recheck) solo_seconds_ = 0;
+      if (!trying_) confirmed_ = true;  // a trial duel says nothing about the runner-up
+      if (rechecking_) solo_seconds_ = 0;
     }
   }
   challenger_ = choice_;
