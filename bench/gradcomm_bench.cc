@@ -42,8 +42,9 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_nccl.h"
-#include "collectives/auto_select.h"
 #include "collectives/registry.h"
+#include "collectives/select/auto_select.h"
+#include "collectives/select/tuning_table.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 #include "core/half.h"
@@ -303,7 +304,7 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
   if (!o.tune_file.empty()) {  // every registered algorithm competes
     o.algorithms.clear();
     for (const auto& entry : gradcomm::collectives::registered_algorithms()) {
-      if (entry.host_buffers) o.algorithms.emplace_back(entry.name);
+      if (entry.prototype->capabilities().host_buffers) o.algorithms.emplace_back(entry.name);
     }
   }
   if (o.gpu) {
@@ -534,8 +535,8 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
 
   // Warm up, and estimate each algorithm's time per call (slowest rank) from a batch of calls.
   // auto first explores each size (it times its pick, and duels other algorithms that might be
-  // faster: see auto_select.h); the rounds time its steady state, what a training job's repeated
-  // buckets see, and the exploration is reported apart (calls, time).
+  // faster: see collectives/select/auto_select.h); the rounds time its steady state, what a
+  // training job's repeated buckets see, and the exploration is reported apart (calls, time).
   std::vector<double> per_call(o.algorithms.size(), 0.0);
   Exploration explored;
   auto time_calls = [&](const std::string& algorithm, int calls) {

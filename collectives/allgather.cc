@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "collectives/consistency.h"
+#include "collectives/check/consistency.h"
 #include "core/error.h"
 
 namespace gradcomm {
@@ -47,9 +47,9 @@ void allgatherv(Communicator& comm, const void* send, std::size_t send_count, vo
     invalid("send is null with count " + std::to_string(send_count));
   if (total > 0 && recv == nullptr)
     invalid("recv is null with " + std::to_string(total) + " bytes to gather");
-  watchdog::CallInfo info;
+  collectives::CallInfo info;
   info.sequence = comm.next_sequence();
-  info.kind = watchdog::CallKind::allgatherv;
+  info.kind = collectives::CallKind::allgatherv;
   info.count = total / es;
   info.dtype = static_cast<int>(dtype);
   for (std::size_t c : counts)  // the counts every rank passes must agree

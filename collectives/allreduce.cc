@@ -6,11 +6,11 @@
 #include <limits>
 #include <string>
 
-#include "collectives/auto_select.h"
-#include "collectives/consistency.h"
+#include "collectives/check/consistency.h"
 #include "collectives/owner_exchange.h"
 #include "collectives/p2p.h"
 #include "collectives/registry.h"
+#include "collectives/select/auto_select.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 
@@ -37,8 +37,12 @@ void reset_traffic(Communicator& comm) {
   comm.attachment<collectives::Traffic>().counters() = collectives::TrafficCounters{};
 }
 
-void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
-               DataType dtype, ReduceOp op, const AllreduceOptions& options) {
+namespace {
+
+// Both front doors: `outer` is null for a user's call, the enclosing call's context otherwise.
+void run_allreduce(const collectives::CallContext* outer, Communicator& comm, const void* sendbuf,
+                   void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
+                   const AllreduceOptions& options) {
   using collectives::AllreduceArgs;
   const std::string_view requested =
       options.algorithm.empty() ? std::string_view(comm.config().algorithm) : options.algorithm;
@@ -76,16 +80,21 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     }
   }
 
-  // Where the buffers live. Asked only when CUDA is live in the process (or nccl is named), so
-  // a CPU-only program never loads the GPU module.
-  const bool wants_nccl = requested == "nccl";
+  // Where the buffers live. Asked only when CUDA is live in the process (or a device-only
+  // algorithm is named), so a CPU-only program never loads the GPU module.
+  const collectives::AllreduceAlgorithm* named = collectives::find_prototype(requested);
+  const collectives::AllreduceCapabilities caps =
+      named ? named->capabilities()
+            : collectives::AllreduceCapabilities{.host_buffers = true, .device_buffers = true};
+  const bool device_only = !caps.host_buffers;
   bool device = false;
   int gpu_index = -1;
   if (count > 0) {
     std::string why_not;
-    gpu::Runtime* runtime = wants_nccl ? gpu::runtime(&why_not) : gpu::active_runtime();
-    if (wants_nccl && !runtime) {
-      throw Unsupported(error_message(call(), comm.rank(), "nccl is unavailable: " + why_not));
+    gpu::Runtime* runtime = device_only ? gpu::runtime(&why_not) : gpu::active_runtime();
+    if (device_only && !runtime) {
+      throw Unsupported(error_message(call(), comm.rank(),
+                                      std::string(requested) + " is unavailable: " + why_not));
     }
     if (runtime) {
       const gpu::PointerInfo send_info = runtime->classify(sendbuf);
@@ -101,33 +110,34 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
         invalid("sendbuf is " + where(send_info) + " but recvbuf is " + where(recv_info) +
                 ": both must be on the same GPU, or both in host memory");
       }
-      const bool host_only = !wants_nccl && requested != "auto" && requested != "hierarchical";
+      const bool host_only = !caps.device_buffers;
       if (host_only && send_info.kind == gpu::MemoryKind::device) {
         invalid("algorithm '" + std::string(requested) +
-                "' reads buffers on the CPU but sendbuf is " + where(send_info) +
-                "; use nccl, hierarchical or auto for GPU buffers");
+                "' reads buffers on the CPU but sendbuf is " + where(send_info) + "; use " +
+                collectives::device_algorithm_names_joined() + " or auto for GPU buffers");
       }
       device = send_gpu && !host_only;
       gpu_index = send_info.device;
     }
-    if (wants_nccl && !device) {
-      invalid(
-          "nccl reduces GPU buffers but sendbuf is host memory; use a host algorithm "
-          "(auto, shm, ring, ...) or cudaMalloc the buffers");
+    if (device_only && !device) {
+      invalid(std::string(requested) +
+              " reduces GPU buffers but sendbuf is host memory; use a host algorithm "
+              "(auto, shm, ring, ...) or cudaMalloc the buffers");
     }
   }
 
   AllreduceArgs args{sendbuf, recvbuf, count, dtype, op, comm.next_sequence()};
-  watchdog::CallInfo info;
+  collectives::CallInfo info;
   info.sequence = args.sequence;
-  info.kind = watchdog::CallKind::allreduce;
+  info.kind = collectives::CallKind::allreduce;
   info.count = count;
   info.dtype = static_cast<int>(dtype);
   info.op = static_cast<int>(op);
   info.algorithm = collectives::algorithm_index(requested);
   info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
   info.device = device;
-  collectives::CallScope scope(comm, info, "allreduce");
+  collectives::CallScope scope(comm, info, "allreduce", outer);
+  args.call = scope.context();
   if (count == 0) {
     scope.check_now();  // an empty call still takes part in the comparison
     return scope.finish();
@@ -142,7 +152,17 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
     args.gpu = gpu_index;
     args.stream = options.stream;
     args.asynchronous = options.asynchronous;
-    const std::string_view name = requested == "auto" ? std::string_view("nccl") : requested;
+    // auto: the first registered algorithm that takes only device buffers (nccl).
+    std::string_view name = requested;
+    if (requested == "auto") {
+      for (const collectives::AlgorithmEntry& entry : collectives::registered_algorithms()) {
+        const collectives::AllreduceCapabilities c = entry.prototype->capabilities();
+        if (c.device_buffers && !c.host_buffers) {
+          name = entry.name;
+          break;
+        }
+      }
+    }
     if (comm.log_enabled(LogLevel::trace)) {
       comm.log(LogLevel::trace, "allreduce(auto): " + std::string(name) + " for GPU buffers");
     }
@@ -172,7 +192,7 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
                                     "algorithm '" + std::string(name) + "' cannot reduce " +
                                         std::string(to_string(dtype)) + " buffers here"));
   }
-  scope.start(name);
+  scope.start(name, algorithm->capabilities().polls_check);
   if (timed) {
     const auto started = std::chrono::steady_clock::now();
     algorithm->run(args, comm);
@@ -183,5 +203,22 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
   }
   scope.finish(recvbuf, bytes);
 }
+
+}  // namespace
+
+void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
+               DataType dtype, ReduceOp op, const AllreduceOptions& options) {
+  run_allreduce(nullptr, comm, sendbuf, recvbuf, count, dtype, op, options);
+}
+
+namespace collectives {
+
+void allreduce_within(const CallContext& outer, Communicator& comm, const void* sendbuf,
+                      void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
+                      const AllreduceOptions& options) {
+  run_allreduce(&outer, comm, sendbuf, recvbuf, count, dtype, op, options);
+}
+
+}  // namespace collectives
 
 }  // namespace gradcomm

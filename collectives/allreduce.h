@@ -47,6 +47,17 @@ struct TrafficReport {
 TrafficReport traffic(Communicator& comm);
 void reset_traffic(Communicator& comm);
 
+namespace collectives {
+class CallContext;
+// The front door for an all-reduce that gradcomm makes inside another call (grouped_allreduce's
+// buckets, hierarchical's GPU form across groups): validated and run like gradcomm::allreduce,
+// but part of `outer` (its comparison of fingerprints, its message tags and its flight-recorder
+// entry; collectives/check/consistency.h).
+void allreduce_within(const CallContext& outer, Communicator& comm, const void* sendbuf,
+                      void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
+                      const AllreduceOptions& options = {});
+}  // namespace collectives
+
 namespace detail {
 [[noreturn]] void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,
                                            std::size_t recv_size);

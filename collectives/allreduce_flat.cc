@@ -19,8 +19,16 @@
 
 namespace gradcomm::collectives {
 
+std::optional<double> AllreduceFlat::predicted_seconds(const CostModel& model,
+                                                       const CostQuery& q) const {
+  const double S = static_cast<double>(q.bytes);
+  const int n = q.ranks;
+  const CostModel::Link link = model.worst_link(q.groups);
+  return 2 * link.alpha + 2.0 * (n - 1) * S * link.beta + (n - 1.0) * S * model.gamma;
+}
+
 void AllreduceFlat::run(const AllreduceArgs& args, Communicator& comm) {
-  constexpr std::string_view kCall = "allreduce(flat)";
+  const Caller kCall{"allreduce(flat)", args.call};
   const int n = comm.size();
   const int r = comm.rank();
   const int root = static_cast<int>(args.sequence % static_cast<std::uint64_t>(n));

@@ -26,25 +26,38 @@
 #include "collectives/allreduce_hierarchical.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "collectives/allreduce.h"
+#include "collectives/allreduce_halving_doubling.h"
 #include "collectives/allreduce_nccl.h"
-#include "collectives/allreduce_shm.h"
+#include "collectives/allreduce_ring.h"
 #include "collectives/owner_exchange.h"
+#include "collectives/owner_exchange_shm.h"
 #include "collectives/p2p.h"
-#include "collectives/registry.h"
+#include "collectives/shm/segment.h"
 #include "core/error.h"
 #include "core/reduce_kernels.h"
+#include "topology/host.h"
 #include "topology/topology.h"
 
 namespace gradcomm::collectives {
 namespace {
 
 constexpr std::string_view kCall = "allreduce(hierarchical)";
+
+// auto's intra-group form switches from shm to direct above this size in crowded groups.
+constexpr std::size_t kShmCrowdedBytes = std::size_t{4} << 20;
+
+// The cross-group phase all-reduces each shard with halving_doubling below this size, with the
+// ring from it (the crossover measured on 2 and 4 ranks).
+constexpr std::size_t kRingFromBytes = std::size_t{4} << 20;
+
+const AllreduceRing kRing;
+const AllreduceHalvingDoubling kHalvingDoubling;
 
 std::unique_ptr<Communicator> split(Communicator& comm, int color) {
   MPI_Comm part = MPI_COMM_NULL;
@@ -148,13 +161,20 @@ class Level {
     for (std::size_t c : layout.owned) {  // phase 2
       const auto col = layout.column(c);
       std::byte* data = static_cast<std::byte*>(args.recv) + col.offset * es;
+      Communicator& column = *column_comms[c];
+      AllreduceArgs shard = args;  // the same call (AllreduceArgs::call)
+      shard.send = shard.recv = data;
+      shard.count = col.length;
+      shard.op = op;
+      shard.sequence = column.next_sequence();
       if (Level* inner = next[c].get()) {
-        inner->run({data, data, col.length, args.dtype, op}, op, 1, *column_comms[c]);
-      } else {
-        const std::string_view algorithm =
-            col.length * es < kHierarchicalRingFromBytes ? "halving_doubling" : "ring";
-        allreduce(*column_comms[c], data, data, col.length, args.dtype, op,
-                  {.algorithm = algorithm});
+        inner->run(shard, op, 1, column);
+      } else if (column.size() > 1 && shard.count > 0) {
+        if (col.length * es < kRingFromBytes) {
+          AllreduceHalvingDoubling().run(shard, column);
+        } else {
+          AllreduceRing().run(shard, column);
+        }
       }
       if (divisor > 1) divide_by(data, col.length, args.dtype, divisor);
     }
@@ -192,6 +212,8 @@ class Level {
 // The root level of a communicator, from its topology.
 class Hierarchy : public Attachment {
  public:
+  // Sub-communicators may hold messages of a call abandoned by a mismatch: built afresh then.
+  bool survives_mismatch() const override { return false; }
   explicit Hierarchy(Communicator& comm) {
     const topology::Topology& topo = topology::topology_of(comm);
     // The intra-group form must agree inside each group; require it everywhere.
@@ -209,8 +231,8 @@ class Hierarchy : public Attachment {
               comm.config().hierarchical_intra + "'); set it identically for every rank"));
     }
     root = std::make_unique<Level>(comm, topo.levels, comm.attachment<Traffic>().shared_counters(),
-                                   topo.group(), ranks_on_this_machine(comm),
-                                   machine_oversubscribed(comm));
+                                   topo.group(), topology::ranks_on_this_machine(comm),
+                                   topology::machine_oversubscribed(comm));
   }
   std::unique_ptr<Level> root;
 };
@@ -219,18 +241,40 @@ class Hierarchy : public Attachment {
 
 Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok, bool crowded) {
   if (!shm_ok) return Intra::direct;
-  if (crowded && group_size > 2 && bytes > kHierarchicalShmCrowdedBytes) return Intra::direct;
+  if (crowded && group_size > 2 && bytes > kShmCrowdedBytes) return Intra::direct;
   return Intra::shm;
 }
 
-void forget_hierarchy(Communicator& comm) {
-  comm.detach<Hierarchy>();
+std::optional<double> AllreduceHierarchical::predicted_seconds(const CostModel& model,
+                                                               const CostQuery& q) const {
+  if (q.groups <= 1 || q.group_size <= 1) return std::nullopt;  // runs the ring
+  const double S = static_cast<double>(q.bytes);
+  const double g = q.group_size;
+  const double shard = S / g;
+  const bool shm_phases = model.group_shm && hierarchical_intra_auto(q.bytes, q.group_size, true,
+                                                                     model.crowded) == Intra::shm;
+  // direct: one round of messages each way; shm: 4 flag waits per staged round, copies in of the
+  // others' columns, out of the owner's, and out of the others'.
+  const double rounds = std::max(1.0, std::ceil(S / static_cast<double>(kShmRoundBytes)));
+  const double intra_phases =
+      shm_phases ? 4 * rounds * model.flag_alpha + (2 * (g - 1) / g + 1 / g) * S * model.copy_beta +
+                       (g - 1) / g * S * model.gamma
+                 : 2 * (g - 1) * model.intra.alpha + 2 * (g - 1) / g * S * model.intra.beta +
+                       (g - 1) / g * S * model.gamma;
+  CostModel across = model;
+  across.intra = model.shared_inter(q.group_size);  // every rank of a group crosses at once
+  const CostQuery cross{static_cast<std::size_t>(shard), q.groups, 1, q.groups};
+  const AllreduceAlgorithm& algorithm =
+      shard < static_cast<double>(kRingFromBytes)
+          ? static_cast<const AllreduceAlgorithm&>(kHalvingDoubling)
+          : kRing;
+  return intra_phases + *algorithm.predicted_seconds(across, cross);
 }
 
 void AllreduceHierarchical::run(const AllreduceArgs& args, Communicator& comm) {
   if (args.device) return gpu_hierarchical_allreduce(args, comm);
   Level& root = *comm.attachment<Hierarchy>().root;
-  if (root.flat) return comm.attachment<AlgorithmCache>().find("ring")->run(args, comm);
+  if (root.flat) return AllreduceRing().run(args, comm);
   const bool avg = args.op == ReduceOp::avg;
   root.run(args, avg ? ReduceOp::sum : args.op, avg ? comm.size() : 1, comm);
 }

@@ -6,13 +6,6 @@
 
 namespace gradcomm::collectives {
 
-// auto's intra-group form switches from shm to direct above this size in crowded groups (below).
-inline constexpr std::size_t kHierarchicalShmCrowdedBytes = std::size_t{4} << 20;
-
-// The cross-group phase all-reduces each shard with halving_doubling below this size, with the
-// ring from it (the crossover measured on 2 and 4 ranks).
-inline constexpr std::size_t kHierarchicalRingFromBytes = std::size_t{4} << 20;
-
 // How hierarchical reduce-scatters and all-gathers inside a group (Config::hierarchical_intra).
 enum class Intra { direct, ring, shm };
 
@@ -25,14 +18,15 @@ enum class Intra { direct, ring, shm };
 // is there for groups whose links form a ring. Same inputs on every member: same pick.
 Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok, bool crowded);
 
-// Drops the communicator's hierarchy (sub-communicators and their shm segments). Called on every
-// rank together after a mismatch ended a call, possibly inside a phase: the next call builds
-// fresh ones, so no message or counter of the abandoned call is seen again.
-void forget_hierarchy(Communicator& comm);
-
 class AllreduceHierarchical : public AllreduceAlgorithm {
  public:
   std::string_view name() const override { return "hierarchical"; }
+  AllreduceCapabilities capabilities() const override {
+    return {.host_buffers = true, .device_buffers = true, .polls_check = false};
+  }
+  // Over one group hierarchical runs the ring: no candidate of its own then (nullopt).
+  std::optional<double> predicted_seconds(const CostModel& model,
+                                          const CostQuery& q) const override;
   // Device buffers take the GPU form (gpu_hierarchical_allreduce in allreduce_nccl.h).
   void run(const AllreduceArgs& args, Communicator& comm) override;
 };

@@ -9,7 +9,6 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/p2p.h"
-#include "collectives/registry.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 #include "topology/topology.h"
@@ -306,7 +305,7 @@ void gpu_hierarchical_allreduce(const AllreduceArgs& args, Communicator& comm) {
                                                    : "integer avg needs one division") +
                                     ")");
     }
-    return comm.attachment<AlgorithmCache>().find("nccl")->run(args, comm);
+    return AllreduceNccl().run(args, comm);
   }
   const std::size_t es = args.element_bytes();
   const std::size_t bytes = args.count * es;
@@ -336,7 +335,7 @@ void gpu_hierarchical_allreduce(const AllreduceArgs& args, Communicator& comm) {
     void* host = h.staging->get(shard_bytes);
     runtime.copy_async(host, offset(work, mine), shard_bytes, stream);
     wait_stream(runtime, stream, {&group}, comm, call);
-    allreduce(*h.column_comm, host, host, shard, args.dtype, args.op);
+    allreduce_within(args.call, *h.column_comm, host, host, shard, args.dtype, args.op);
     runtime.copy_async(offset(work, mine), host, shard_bytes, stream);
   }
 

@@ -14,6 +14,9 @@ namespace gradcomm::collectives {
 class AllreduceNccl : public AllreduceAlgorithm {
  public:
   std::string_view name() const override { return "nccl"; }
+  AllreduceCapabilities capabilities() const override {
+    return {.host_buffers = false, .device_buffers = true, .polls_check = false};
+  }
   bool supports(const AllreduceArgs& args, const Communicator&) const override {
     return args.device;
   }

@@ -45,8 +45,18 @@ Range split(std::size_t total, std::size_t parts, std::size_t index) {
 
 }  // namespace
 
+std::optional<double> AllreduceRing::predicted_seconds(const CostModel& model,
+                                                       const CostQuery& q) const {
+  // One rank per group sends across (to the next group's first rank) in each step; every step
+  // waits for its slowest link.
+  const double S = static_cast<double>(q.bytes);
+  const int n = q.ranks;
+  const CostModel::Link link = model.worst_link(q.groups);
+  return 2.0 * (n - 1) * (link.alpha + S / n * link.beta) + (n - 1.0) / n * S * model.gamma;
+}
+
 void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
-  constexpr std::string_view kCall = "allreduce(ring)";
+  const Caller kCall{"allreduce(ring)", args.call};
   const int n = comm.size();
   const int r = comm.rank();
   const int right = (r + 1) % n;

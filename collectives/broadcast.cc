@@ -6,7 +6,7 @@
 #include <limits>
 #include <string>
 
-#include "collectives/consistency.h"
+#include "collectives/check/consistency.h"
 #include "core/error.h"
 
 namespace gradcomm {
@@ -47,9 +47,9 @@ void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int ro
     throw InvalidArgument(error_message(call, comm.rank(),
                                         "buffer is null with " + std::to_string(bytes) + " bytes"));
   }
-  watchdog::CallInfo info;
+  collectives::CallInfo info;
   info.sequence = comm.next_sequence();
-  info.kind = watchdog::CallKind::broadcast;
+  info.kind = collectives::CallKind::broadcast;
   info.count = bytes;
   info.root = root;
   collectives::CallScope scope(comm, info, call);

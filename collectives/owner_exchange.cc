@@ -10,7 +10,7 @@
 namespace gradcomm::collectives {
 namespace {
 
-constexpr std::string_view kCall = "allreduce(owner exchange)";
+constexpr std::string_view kName = "allreduce(owner exchange)";
 constexpr int kTag = kTagHierarchical;
 
 }  // namespace
@@ -33,6 +33,7 @@ ColumnLayout::Range ColumnLayout::column(std::size_t c) const {
 
 void reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op, const ColumnLayout& layout,
                               Communicator& group, Communicator& scratch_owner) {
+  const Caller kCall{kName, args.call};
   const std::size_t es = args.element_bytes();
   const int g = layout.members;
   const auto* send = static_cast<const std::byte*>(args.send);
@@ -84,6 +85,7 @@ void reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op, const Colu
 
 void allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
                            Communicator& group) {
+  const Caller kCall{kName, args.call};
   const std::size_t es = args.element_bytes();
   auto* recv = static_cast<std::byte*>(args.recv);
   std::vector<MPI_Request> requests;
@@ -130,6 +132,7 @@ int modulo(int value, int n) {
 void ring_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
                                    const ColumnLayout& layout, Communicator& group,
                                    Communicator& scratch_owner) {
+  const Caller kCall{kName, args.call};
   const std::size_t es = args.element_bytes();
   const int g = layout.members, m = layout.member;
   const auto* send = static_cast<const std::byte*>(args.send);
@@ -178,6 +181,7 @@ void ring_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
 
 void ring_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
                                 Communicator& group) {
+  const Caller kCall{kName, args.call};
   const std::size_t es = args.element_bytes();
   const int g = layout.members, m = layout.member;
   auto* recv = static_cast<std::byte*>(args.recv);

@@ -3,21 +3,20 @@
 #include <algorithm>
 #include <string>
 
-#include "collectives/consistency.h"
 #include "core/error.h"
 #include "topology/topology.h"
 
 namespace gradcomm::collectives {
 namespace {
 
-std::string what(std::string_view call, const char* mpi_call) {
-  return std::string(call) + ": " + mpi_call;
+std::string what(const Caller& call, const char* mpi_call) {
+  return std::string(call.name) + ": " + mpi_call;
 }
 
-int checked_count(std::size_t bytes, std::string_view call, const Communicator& comm) {
+int checked_count(std::size_t bytes, const Caller& call, const Communicator& comm) {
   if (bytes > kMaxMessageBytes) {
     throw Error(ErrorCode::internal,
-                error_message(call, comm.rank(),
+                error_message(call.name, comm.rank(),
                               "message of " + std::to_string(bytes) + " bytes exceeds the " +
                                   std::to_string(kMaxMessageBytes) + "-byte piece limit"));
   }
@@ -57,9 +56,9 @@ void Traffic::count(int self, int dest, std::size_t bytes) {
 }
 
 MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
-                        std::string_view call) {
+                        const Caller& call) {
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, call_tag(tag),
+  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, call.context.tag(tag),
                       comm.mpi_comm(), &request),
             what(call, "MPI_Isend"), comm.rank());
   count(comm, dest, bytes);
@@ -67,16 +66,16 @@ MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, C
 }
 
 MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
-                        std::string_view call) {
+                        const Caller& call) {
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source, call_tag(tag),
-                      comm.mpi_comm(), &request),
+  check_mpi(MPI_Irecv(buf, checked_count(bytes, call, comm), MPI_BYTE, source,
+                      call.context.tag(tag), comm.mpi_comm(), &request),
             what(call, "MPI_Irecv"), comm.rank());
   return request;
 }
 
 void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
-                  std::string_view call, std::vector<MPI_Request>& requests) {
+                  const Caller& call, std::vector<MPI_Request>& requests) {
   const auto* p = static_cast<const std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
     requests.push_back(isend_bytes(p + offset, n, dest, tag, comm, call));
@@ -84,41 +83,34 @@ void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communi
 }
 
 void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
-                  std::string_view call, std::vector<MPI_Request>& requests) {
+                  const Caller& call, std::vector<MPI_Request>& requests) {
   auto* p = static_cast<std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
     requests.push_back(irecv_bytes(p + offset, n, source, tag, comm, call));
   });
 }
 
-void wait(MPI_Request& request, std::string_view call) {
+void wait(MPI_Request& request, const Caller& call) {
   wait_all(1, &request, call);
 }
 
-void wait_all(std::size_t n, MPI_Request* requests, std::string_view call) {
+void wait_all(std::size_t n, MPI_Request* requests, const Caller& call) {
   // While the call's consistency check is in flight, poll it with the transfers: a peer that
   // made a different call will never send what is awaited, and the check says so.
-  while (check_pending()) {
+  while (call.context.check_pending()) {
     int done = 0;
     check_mpi(MPI_Testall(static_cast<int>(n), requests, &done, MPI_STATUSES_IGNORE),
               what(call, "MPI_Testall"));
     if (done) return;
-    poll_check();
+    call.context.poll_check();
   }
   check_mpi(MPI_Waitall(static_cast<int>(n), requests, MPI_STATUSES_IGNORE),
             what(call, "MPI_Waitall"));
 }
 
-void drive_mpi_progress(MPI_Comm comm) {
-  // An unmatched probe runs Open MPI's progress engine once (errors are left to the next real
-  // call: this one only helps).
-  int flag = 0;
-  MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &flag, MPI_STATUS_IGNORE);
-}
-
 void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* recv,
                      std::size_t recv_bytes, int source, int tag, Communicator& comm,
-                     std::string_view call) {
+                     const Caller& call) {
   const auto* s = static_cast<const std::byte*>(send);
   auto* r = static_cast<std::byte*>(recv);
   std::size_t offset = 0;
@@ -128,15 +120,16 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
         send_bytes > offset ? std::min(kMaxMessageBytes, send_bytes - offset) : 0;
     const std::size_t nr =
         recv_bytes > offset ? std::min(kMaxMessageBytes, recv_bytes - offset) : 0;
-    if (check_pending()) {
+    if (call.context.check_pending()) {
       MPI_Request pair[2] = {irecv_bytes(r + (nr ? offset : 0), nr, source, tag, comm, call),
                              isend_bytes(s + (ns ? offset : 0), ns, dest, tag, comm, call)};
       wait_all(2, pair, call);
     } else {
-      check_mpi(MPI_Sendrecv(s + (ns ? offset : 0), static_cast<int>(ns), MPI_BYTE, dest,
-                             call_tag(tag), r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE,
-                             source, call_tag(tag), comm.mpi_comm(), MPI_STATUS_IGNORE),
-                what(call, "MPI_Sendrecv"), comm.rank());
+      check_mpi(
+          MPI_Sendrecv(s + (ns ? offset : 0), static_cast<int>(ns), MPI_BYTE, dest,
+                       call.context.tag(tag), r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE,
+                       source, call.context.tag(tag), comm.mpi_comm(), MPI_STATUS_IGNORE),
+          what(call, "MPI_Sendrecv"), comm.rank());
       count(comm, dest, ns);
     }
     offset += kMaxMessageBytes;
@@ -144,29 +137,29 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
 }
 
 void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
-                std::string_view call) {
+                const Caller& call) {
   const auto* p = static_cast<const std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
-    if (check_pending()) {
+    if (call.context.check_pending()) {
       MPI_Request request = isend_bytes(p + offset, n, dest, tag, comm, call);
       return wait(request, call);
     }
-    check_mpi(
-        MPI_Send(p + offset, static_cast<int>(n), MPI_BYTE, dest, call_tag(tag), comm.mpi_comm()),
-        what(call, "MPI_Send"), comm.rank());
+    check_mpi(MPI_Send(p + offset, static_cast<int>(n), MPI_BYTE, dest, call.context.tag(tag),
+                       comm.mpi_comm()),
+              what(call, "MPI_Send"), comm.rank());
     count(comm, dest, n);
   });
 }
 
 void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
-                std::string_view call) {
+                const Caller& call) {
   auto* p = static_cast<std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
-    if (check_pending()) {
+    if (call.context.check_pending()) {
       MPI_Request request = irecv_bytes(p + offset, n, source, tag, comm, call);
       return wait(request, call);
     }
-    check_mpi(MPI_Recv(p + offset, static_cast<int>(n), MPI_BYTE, source, call_tag(tag),
+    check_mpi(MPI_Recv(p + offset, static_cast<int>(n), MPI_BYTE, source, call.context.tag(tag),
                        comm.mpi_comm(), MPI_STATUS_IGNORE),
               what(call, "MPI_Recv"), comm.rank());
   });

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "collectives/check/call_context.h"
 #include "core/communicator.h"
 
 namespace gradcomm::collectives {
@@ -50,35 +51,36 @@ class Traffic : public Attachment {
   std::vector<int> group_of_rank_;
 };
 
-// Non-blocking send/receive of at most kMaxMessageBytes. `call` names the caller in errors.
-MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
-                        std::string_view call);
-MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
-                        std::string_view call);
-void wait(MPI_Request& request, std::string_view call);
-void wait_all(std::size_t n, MPI_Request* requests, std::string_view call);
+// Who sends or waits: `name` names the caller in errors ("allreduce(ring)"); `context` is the
+// call's (its tags' salt, and the comparison of fingerprints that waits poll: a peer that made
+// a different call never sends what is awaited, and the comparison says so).
+struct Caller {
+  std::string_view name;
+  const CallContext& context;
+};
 
-// Lets MPI move transfers along. Open MPI progresses only inside MPI calls, and a rank that has
-// finished its part of an exchange may still owe a peer the acknowledgement that completes the
-// peer's send (a large message's receiver tells the sender it has pulled the data). So every
-// wait outside MPI (shm's, the check board's, NCCL's) calls this now and then: otherwise a rank
-// waiting there for a peer that waits in MPI for it never wakes either (a ring, then shm).
-void drive_mpi_progress(MPI_Comm comm);
+// Non-blocking send/receive of at most kMaxMessageBytes.
+MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
+                        const Caller& call);
+MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
+                        const Caller& call);
+void wait(MPI_Request& request, const Caller& call);
+void wait_all(std::size_t n, MPI_Request* requests, const Caller& call);
 
 // Blocking exchange of any size (split into pieces when large).
 void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* recv,
                      std::size_t recv_bytes, int source, int tag, Communicator& comm,
-                     std::string_view call);
+                     const Caller& call);
 void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
-                std::string_view call);
+                const Caller& call);
 void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
-                std::string_view call);
+                const Caller& call);
 
 // Non-blocking transfers of any size, split into pieces of at most kMaxMessageBytes (both sides
 // split identically); the requests are appended to `requests`.
 void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
-                  std::string_view call, std::vector<MPI_Request>& requests);
+                  const Caller& call, std::vector<MPI_Request>& requests);
 void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
-                  std::string_view call, std::vector<MPI_Request>& requests);
+                  const Caller& call, std::vector<MPI_Request>& requests);
 
 }  // namespace gradcomm::collectives

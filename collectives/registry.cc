@@ -15,20 +15,27 @@ std::unique_ptr<AllreduceAlgorithm> make() {
   return std::make_unique<T>();
 }
 
+std::vector<AlgorithmEntry> with_prototypes(std::vector<AlgorithmEntry> entries) {
+  for (AlgorithmEntry& entry : entries)
+    entry.prototype = entry.create();
+  return entries;
+}
+
 const std::vector<AlgorithmEntry>& registered_algorithms() {
-  static const std::vector<AlgorithmEntry> entries = {
-      {"flat", "reduce to a rotating root, then broadcast from it", make<AllreduceFlat>},
-      {"ring", "pipelined ring reduce-scatter + all-gather", make<AllreduceRing>},
+  // Adding an algorithm: its files, and one line here.
+  static const std::vector<AlgorithmEntry> entries = with_prototypes({
+      {"flat", "reduce to a rotating root, then broadcast from it", make<AllreduceFlat>, nullptr},
+      {"ring", "pipelined ring reduce-scatter + all-gather", make<AllreduceRing>, nullptr},
       {"halving_doubling", "Rabenseifner recursive halving + doubling",
-       make<AllreduceHalvingDoubling>},
+       make<AllreduceHalvingDoubling>, nullptr},
       {"hierarchical", "reduce-scatter in groups (nodes), all-reduce across, all-gather in groups",
-       make<AllreduceHierarchical>},
+       make<AllreduceHierarchical>, nullptr},
       {"shm", "shared memory inside one node: reduce slices from peers' slots, copy out",
-       make<AllreduceShm>},
-      {"mpi", "MPI_Allreduce of the MPI library", make<AllreduceMpi>},
+       make<AllreduceShm>, nullptr},
+      {"mpi", "MPI_Allreduce of the MPI library", make<AllreduceMpi>, nullptr},
       {"nccl", "ncclAllReduce on device buffers (GPU module libgradcomm_nccl.so)",
-       make<AllreduceNccl>, /*host_buffers=*/false},
-  };
+       make<AllreduceNccl>, nullptr},
+  });
   return entries;
 }
 
@@ -42,9 +49,26 @@ std::vector<std::string> algorithm_names() {
 std::vector<std::string> host_algorithm_names() {
   std::vector<std::string> names = {"auto"};
   for (const AlgorithmEntry& entry : registered_algorithms()) {
-    if (entry.host_buffers) names.emplace_back(entry.name);
+    if (entry.prototype->capabilities().host_buffers) names.emplace_back(entry.name);
   }
   return names;
+}
+
+std::string device_algorithm_names_joined() {
+  std::string joined;
+  for (const AlgorithmEntry& entry : registered_algorithms()) {
+    if (!entry.prototype->capabilities().device_buffers) continue;
+    if (!joined.empty()) joined += ", ";
+    joined.append(entry.name);
+  }
+  return joined;
+}
+
+const AllreduceAlgorithm* find_prototype(std::string_view name) {
+  for (const AlgorithmEntry& entry : registered_algorithms()) {
+    if (entry.name == name) return entry.prototype.get();
+  }
+  return nullptr;
 }
 
 std::string algorithm_names_joined() {

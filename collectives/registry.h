@@ -15,7 +15,9 @@ struct AlgorithmEntry {
   std::string_view name;
   std::string_view summary;  // one line, for --list and error messages
   std::function<std::unique_ptr<AllreduceAlgorithm>()> create;
-  bool host_buffers = true;  // false: device buffers only (nccl)
+  // One instance made at start-up, for what does not need a communicator: capabilities() and
+  // predicted_seconds().
+  std::shared_ptr<const AllreduceAlgorithm> prototype;
 };
 
 // Every algorithm this build has, in registry order (the order is for display only: `auto`
@@ -24,9 +26,14 @@ const std::vector<AlgorithmEntry>& registered_algorithms();
 
 // The names a user may pass: the registered ones plus "auto".
 std::vector<std::string> algorithm_names();
-// "auto" and the algorithms that reduce host buffers (all but nccl): what tests and sweeps over
-// host memory iterate.
+// "auto" and the algorithms that reduce host buffers (capabilities().host_buffers): what tests and
+// sweeps over host memory iterate.
 std::vector<std::string> host_algorithm_names();
+// The registered algorithms that take GPU buffers (capabilities().device_buffers), joined by
+// ", ": for error messages.
+std::string device_algorithm_names_joined();
+// The registered algorithm called `name` (its prototype); null for "auto" and unknown names.
+const AllreduceAlgorithm* find_prototype(std::string_view name);
 // "auto, flat, ring, ..." for error messages.
 std::string algorithm_names_joined();
 // The error detail for an unknown algorithm name: "unknown algorithm 'x' (from

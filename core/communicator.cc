@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/node_comm.h"
 
 namespace gradcomm {
 namespace {
@@ -139,6 +140,19 @@ void Communicator::renew_after_mismatch() {
   comm_ = fresh;
 }
 
+void Communicator::drop_after_mismatch() {
+  for (std::unique_ptr<Attachment>& attachment : attachments_) {
+    if (attachment && !attachment->survives_mismatch()) attachment.reset();
+  }
+}
+
+void drive_mpi_progress(MPI_Comm comm) {
+  // An unmatched probe runs Open MPI's progress engine once (errors are left to the next real
+  // call: this one only helps).
+  int flag = 0;
+  MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &flag, MPI_STATUS_IGNORE);
+}
+
 std::size_t Communicator::next_attachment_slot() {
   static std::atomic<std::size_t> next{0};
   return next.fetch_add(1);
@@ -170,14 +184,8 @@ RegisteredBuffer Communicator::allocate(std::size_t bytes) {
                           "); every rank must allocate the same size"));
   }
   if (bytes == 0) return {};
-  MPI_Comm node = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
-            "allocate: MPI_Comm_split_type", rank_);
-  struct Free {
-    MPI_Comm& c;
-    ~Free() { MPI_Comm_free(&c); }
-  } free_node{node};
-  return detail::allocate_registered(node, bytes, "allocate");
+  const NodeComm node(comm_, rank_, "allocate");
+  return detail::allocate_registered(node.get(), bytes, "allocate");
 }
 
 void Communicator::log(LogLevel level, std::string_view message) const {

@@ -37,7 +37,18 @@ void require_mpi_alive(std::string_view call, int rank);
 class Attachment {
  public:
   virtual ~Attachment() = default;
+  // False for state that cannot outlive a call abandoned half-way when ranks disagreed (shared-
+  // memory counters, sub-communicators with messages in flight): Communicator::
+  // drop_after_mismatch destroys it, and the next use builds it afresh.
+  virtual bool survives_mismatch() const { return true; }
 };
+
+// Lets MPI move transfers along. Open MPI progresses only inside MPI calls, and a rank that has
+// finished its part of an exchange may still owe a peer the acknowledgement that completes the
+// peer's send (a large message's receiver tells the sender it has pulled the data). So every
+// wait outside MPI (shm's, the check board's, NCCL's) calls this now and then: otherwise a rank
+// waiting there for a peer that waits in MPI for it never wakes either (a ring, then shm).
+void drive_mpi_progress(MPI_Comm comm);
 
 // A group of ranks gradcomm communicates over. Owns a duplicate of the MPI communicator it was
 // built from, so gradcomm's messages never mix with the user's.
@@ -80,6 +91,13 @@ class Communicator {
     return attach(std::make_unique<T>(*this));
   }
 
+  // The attachment of type T, or null when none was made yet.
+  template <class T>
+  T* find_attachment() {
+    const std::size_t slot = attachment_slot<T>();
+    return slot < attachments_.size() ? static_cast<T*>(attachments_[slot].get()) : nullptr;
+  }
+
   // Installs a prepared attachment (replacing any of the same type); for state a parent
   // communicator hands to a sub-communicator it created.
   template <class T>
@@ -103,6 +121,8 @@ class Communicator {
   // replaces the MPI communicator by a fresh duplicate, so messages of the abandoned call that
   // are still posted can never match a later call's.
   void renew_after_mismatch();
+  // Then, once no call is under way: destroys the attachments that do not survive a mismatch.
+  void drop_after_mismatch();
 
   // The flight recorder the stall watchdog reads (null for gradcomm's own sub-communicators and
   // when GRADCOMM_TIMEOUT is 0).

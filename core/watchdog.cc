@@ -19,14 +19,10 @@
 #include <sstream>
 #include <thread>
 
-#include "core/data_type.h"
-#include "core/reduce_op.h"
-
 namespace gradcomm::watchdog {
 namespace {
 
 constexpr int kAbortCode = 70;                  // the job's exit status after a watchdog abort
-constexpr double kDeviceGraceSeconds = 5;       // the NCCL path times out first
 constexpr double kCoordinatorWaitSeconds = 15;  // a non-zero rank's wait for rank 0's report
 constexpr int kConnectMillis = 2000, kReplyMillis = 3000;
 
@@ -235,7 +231,7 @@ class Service {
           if (auto r = w.lock()) live.push_back(std::move(r));
       }
       for (const auto& recorder : live) {
-        CallInfo call;
+        std::string call;
         double seconds = 0;
         const auto notice = notices_.find(recorder->id());
         if (recorder->rank() == 0 && notice != notices_.end()) {
@@ -244,8 +240,8 @@ class Service {
         }
         if (!recorder->overdue(&call, &seconds)) continue;
         const std::string what =
-            watchdog::describe(call) + " has not completed on rank " +
-            std::to_string(recorder->rank()) + " after " + seconds_text(seconds) +
+            call + " has not completed on rank " + std::to_string(recorder->rank()) + " after " +
+            seconds_text(seconds) +
             " (GRADCOMM_TIMEOUT=" + std::to_string(recorder->timeout_seconds()) + " s)";
         if (recorder->rank() == 0) coordinate(*recorder, what);
         std::fprintf(stderr, "[gradcomm rank %d] watchdog: %s; asking rank 0 for the report\n",
@@ -387,51 +383,11 @@ class Service {
 
 }  // namespace
 
-std::string_view to_string(CallKind kind) {
-  switch (kind) {
-    case CallKind::allreduce:
-      return "allreduce";
-    case CallKind::broadcast:
-      return "broadcast";
-    case CallKind::allgatherv:
-      return "allgatherv";
-    case CallKind::grouped_allreduce:
-      return "grouped_allreduce";
-  }
-  return "collective";
-}
-
-std::string describe(const CallInfo& call) {
-  // Built with append: GCC 12's -Wrestrict misfires on chains of operator+ here.
-  std::string text(to_string(call.kind));
-  text.append(" #").append(std::to_string(call.sequence));
-  text.append(": ").append(std::to_string(call.count));
-  if (call.kind == CallKind::broadcast) {
-    text.append(" bytes");
-  } else if (call.dtype >= 0) {
-    text.append(" x ").append(to_string(static_cast<DataType>(call.dtype)));
-  } else {
-    text.append(" elements");
-  }
-  if (call.op >= 0) text.append(" ").append(to_string(static_cast<ReduceOp>(call.op)));
-  if (call.root >= 0) text.append(", root ").append(std::to_string(call.root));
-  if (call.algorithm_name) text.append(", algorithm ").append(call.algorithm_name);
-  if (call.kind == CallKind::grouped_allreduce || call.kind == CallKind::allgatherv) {
-    char hash[24];
-    std::snprintf(hash, sizeof hash, "%08llx",
-                  static_cast<unsigned long long>(call.detail & 0xffffffffu));
-    text.append(call.kind == CallKind::grouped_allreduce ? ", tensor list " : ", counts ");
-    text.append(hash);
-  }
-  if (call.device) text.append(", GPU buffers");
-  return text;
-}
-
 Recorder::Recorder(int rank, int size, int timeout_seconds, std::uint64_t id,
                    std::vector<Endpoint> peers)
     : rank_(rank), size_(size), timeout_(timeout_seconds), id_(id), peers_(std::move(peers)) {}
 
-void Recorder::begin(const CallInfo& call) {
+void Recorder::begin(const Record& call) {
   const double t = now_seconds();
   std::lock_guard lock(mutex_);
   Entry& e = entries_[calls_ % kDepth];
@@ -462,7 +418,8 @@ std::string Recorder::dump() const {
   const std::uint64_t shown = std::min<std::uint64_t>(calls_, kDepth);
   for (std::uint64_t i = 0; i < shown; ++i) {
     const Entry& e = entries_[(calls_ - 1 - i) % kDepth];
-    const std::string call = describe(e.call);
+    const std::string call =
+        e.call.describe ? e.call.describe(e.call) : "call #" + std::to_string(e.call.sequence);
     switch (e.state) {
       case State::running:
         text += "    running   " + call + " (for " + seconds_text(t - e.started) + ")\n";
@@ -478,15 +435,15 @@ std::string Recorder::dump() const {
   return text;
 }
 
-bool Recorder::overdue(CallInfo* call, double* seconds) const {
+bool Recorder::overdue(std::string* call, double* seconds) const {
   if (timeout_ <= 0) return false;
   const double t = now_seconds();
   std::lock_guard lock(mutex_);
   if (!running_) return false;
   const Entry& e = entries_[(calls_ - 1) % kDepth];
-  const double limit = timeout_ + (e.call.device ? kDeviceGraceSeconds : 0);
+  const double limit = timeout_ + e.call.grace_seconds;
   if (t - e.started < limit) return false;
-  *call = e.call;
+  *call = e.call.describe ? e.call.describe(e.call) : "call #" + std::to_string(e.call.sequence);
   *seconds = t - e.started;
   return true;
 }

@@ -10,6 +10,7 @@
 // bounded: a process still alive 10 s after MPI_Abort exits with _exit.
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -18,31 +19,16 @@
 
 namespace gradcomm::watchdog {
 
-enum class CallKind : std::uint8_t {
-  allreduce = 1,
-  broadcast = 2,
-  allgatherv = 3,
-  grouped_allreduce = 4,
-};
-std::string_view to_string(CallKind kind);
-
-// What a collective call is, as every rank should agree on it (the consistency check compares
-// these across ranks; the recorder keeps them for the report).
-struct CallInfo {
+// What the recorder keeps of one call. Opaque to core: the layer that records calls (the call
+// check, collectives/check) stores its own fingerprint in `payload` and gives `describe`, which
+// turns a record into one line ("allreduce #41: 1000 x float32 sum, algorithm ring").
+struct Record {
+  static constexpr std::size_t kPayloadBytes = 64;
   std::uint64_t sequence = 0;
-  CallKind kind = CallKind::allreduce;
-  std::uint64_t count = 0;               // elements (grouped: all tensors; allgatherv: all ranks)
-  int dtype = -1;                        // DataType, -1 when mixed or not applicable
-  int op = -1;                           // ReduceOp, -1 when not applicable
-  int root = -1;                         // broadcast only
-  int algorithm = -1;                    // index into collectives::algorithm_names(), -1 when none
-  const char* algorithm_name = nullptr;  // the same name, in static storage
-  std::uint64_t detail = 0;  // hash of the tensor list (grouped) or of the counts (allgatherv)
-  bool device = false;       // GPU buffers: the NCCL path bounds its own waits first
+  double grace_seconds = 0;  // added to the timeout (GPU calls: the NCCL path times out first)
+  std::string (*describe)(const Record&) = nullptr;
+  alignas(8) std::array<std::byte, kPayloadBytes> payload{};
 };
-
-// "allreduce #41: 1000 x float32 sum, algorithm ring".
-std::string describe(const CallInfo& call);
 
 // How to reach one rank's watchdog thread.
 struct Endpoint {
@@ -60,14 +46,13 @@ class Recorder {
 
   Recorder(int rank, int size, int timeout_seconds, std::uint64_t id, std::vector<Endpoint> peers);
 
-  void begin(const CallInfo& call);
+  void begin(const Record& call);
   void end(bool ok);
 
   // This rank's lines for the merged report (newest call first).
   std::string dump() const;
-  // The running call when it has run past the timeout (device calls get 5 s more: the NCCL path
-  // aborts its communicator first).
-  bool overdue(CallInfo* call, double* seconds) const;
+  // The running call's description when it has run past the timeout (plus its grace).
+  bool overdue(std::string* call, double* seconds) const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -78,7 +63,7 @@ class Recorder {
  private:
   enum class State : std::uint8_t { running, completed, failed };
   struct Entry {
-    CallInfo call;
+    Record call;
     State state = State::completed;
     double started = 0, finished = 0;  // steady-clock seconds
   };

@@ -1,15 +1,15 @@
-// Fuzz target: the tuning-table parser behind GRADCOMM_TUNING_FILE (collectives/auto_select.h).
-// Properties: TuningTable::parse either returns a table or throws InvalidArgument; a table it
-// returns names only registered algorithms, has rows and positive rank and group counts, and
-// survives to_json() -> parse() unchanged.
+// Fuzz target: the tuning-table parser behind GRADCOMM_TUNING_FILE
+// (collectives/select/tuning_table.h). Properties: TuningTable::parse either returns a table or
+// throws InvalidArgument; a table it returns names only registered algorithms, has rows and
+// positive rank and group counts, and survives to_json() -> parse() unchanged.
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
-#include "collectives/auto_select.h"
 #include "collectives/registry.h"
+#include "collectives/select/tuning_table.h"
 #include "core/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

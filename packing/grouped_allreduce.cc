@@ -6,12 +6,12 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
-#include "collectives/allreduce_shm.h"
-#include "collectives/consistency.h"
+#include "collectives/check/consistency.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 #include "core/reduce_kernels.h"
+#include "topology/host.h"
 
 namespace gradcomm {
 namespace {
@@ -32,7 +32,7 @@ std::uint64_t compression_tag(Compression c) {
 // already the copy-in of `shm` (it reads peers' fused buffers in place).
 class PlanCache : public Attachment {
  public:
-  explicit PlanCache(Communicator& comm) : use_registered(collectives::shares_one_host(comm)) {}
+  explicit PlanCache(Communicator& comm) : use_registered(topology::shares_one_host(comm)) {}
 
   // Collective when it grows the registered buffer: every rank holds the same plan (checked).
   std::byte* fused_buffer(Communicator& comm, std::size_t bytes) {
@@ -175,8 +175,8 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
                       collectives::unknown_algorithm(requested, options.algorithm.empty())));
   }
   // The call's fingerprint; its sequence number is taken right before its scope opens.
-  watchdog::CallInfo info;
-  info.kind = watchdog::CallKind::grouped_allreduce;
+  collectives::CallInfo info;
+  info.kind = collectives::CallKind::grouped_allreduce;
   info.op = static_cast<int>(op);
   info.algorithm = collectives::algorithm_index(requested);
   info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
@@ -244,7 +244,8 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
     const DataType wire = wire_dtype(bucket.dtype, options.compression);
     if (bucket.in_place() && wire == bucket.dtype) {
       const TensorDesc& t = tensors[bucket.tensors.front()];
-      allreduce(comm, t.data, t.data, t.count, t.dtype, op, call);
+      collectives::allreduce_within(scope.context(), comm, t.data, t.data, t.count, t.dtype, op,
+                                    call);
       continue;
     }
     const std::size_t wire_es = element_size(wire);
@@ -254,7 +255,8 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
       convert(fused + offset * wire_es, wire, t.data, t.dtype, t.count);
       offset += t.count;
     }
-    allreduce(comm, fused, fused, bucket.count, wire, op, call);
+    collectives::allreduce_within(scope.context(), comm, fused, fused, bucket.count, wire, op,
+                                  call);
     offset = 0;
     for (std::size_t index : bucket.tensors) {
       const TensorDesc& t = tensors[index];

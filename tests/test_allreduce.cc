@@ -21,12 +21,13 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
-#include "collectives/allreduce_shm.h"
-#include "collectives/auto_select.h"
 #include "collectives/registry.h"
+#include "collectives/select/auto_select.h"
+#include "collectives/select/tuning_table.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "tests/mpi_test.h"
+#include "topology/host.h"
 #include "topology/topology.h"
 
 namespace gradcomm::testing {
@@ -176,7 +177,7 @@ std::string param_name(const std::string& algorithm) {
 // shm runs only when every rank shares one host (not across the emulated hosts of the multihost
 // tests); elsewhere every rank must refuse the call, before any communication, saying why.
 bool runs_here(Communicator& comm, const std::string& algorithm) {
-  if (algorithm != "shm" || collectives::shares_one_host(comm)) return true;
+  if (algorithm != "shm" || topology::shares_one_host(comm)) return true;
   std::vector<float> data(3, 1.0f);
   EXPECT_THAT(
       [&] {
@@ -823,244 +824,6 @@ TEST_F(AutoSelection, TuningTableDecidesWhenItMatches) {
   Communicator other(MPI_COMM_WORLD, config);
   EXPECT_NE(collectives::select_allreduce_algorithm(args_of(4096), other), "mpi");
   if (world().rank() == 0) std::remove(path.c_str());
-}
-
-TEST_F(AutoSelection, MalformedTablesAreErrors) {
-  auto error_of = [](const std::string& text) -> std::string {
-    try {
-      collectives::TuningTable::parse(text, "t.json");
-    } catch (const InvalidArgument& e) {
-      return e.what();
-    }
-    return "no error";
-  };
-  using ::testing::HasSubstr;
-  EXPECT_THAT(error_of("{"), HasSubstr("t.json: invalid JSON"));
-  EXPECT_THAT(error_of("[]"), HasSubstr("the top level must be an object"));
-  EXPECT_THAT(error_of(R"({"version": 2})"), HasSubstr("expected \"version\": 1"));
-  const std::string rows = R"(, "rows": [{"max_bytes": 8, "algorithm": "ring"}]})";
-  EXPECT_THAT(error_of(R"({"version": 1, "groups": 1)" + rows), HasSubstr("missing field 'ranks'"));
-  // Out of range or not an integer: an error, never silently converted.
-  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 4294967298, "groups": 1)" + rows),
-              HasSubstr("field 'ranks' must be an integer from 1 to 2147483647"));
-  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2.5, "groups": 1)" + rows),
-              HasSubstr("field 'ranks' must be an integer"));
-  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2, "groups": 0)" + rows),
-              HasSubstr("field 'groups' must be an integer"));
-  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2, "groups": 1})"),
-              HasSubstr("missing array field 'rows'"));
-  EXPECT_THAT(error_of(R"({"version": 1, "ranks": 2, "groups": 1, "rows": []})"),
-              HasSubstr("no rows"));
-  EXPECT_THAT(
-      error_of(
-          R"({"version": 1, "ranks": 2, "groups": 1, "rows": [{"max_bytes": -8, "algorithm": "ring"}]})"),
-      HasSubstr("rows[0].max_bytes must be a non-negative integer"));
-  EXPECT_THAT(
-      error_of(
-          R"({"version": 1, "ranks": 2, "groups": 1, "rows": [{"max_bytes": 8, "algorithm": 3}]})"),
-      HasSubstr("rows[0].algorithm must be a string"));
-  // What to_json writes parses back to the same table.
-  collectives::TuningTable table;
-  table.ranks = 3;
-  table.groups = 1;
-  table.rows = {{4096, "halving_doubling"}, {std::size_t{1} << 40, "ring"}};
-  const auto again = collectives::TuningTable::parse(table.to_json(), "t.json");
-  EXPECT_EQ(again.ranks, 3);
-  EXPECT_EQ(again.groups, 1);
-  ASSERT_EQ(again.rows.size(), 2u);
-  EXPECT_EQ(again.rows[1].max_bytes, std::size_t{1} << 40);
-  EXPECT_EQ(again.rows[1].algorithm, "ring");
-  EXPECT_THAT(
-      [] {
-        collectives::TuningTable::parse(
-            R"({"version": 1, "ranks": 2, "groups": 1, "rows": [{"max_bytes": 8, "algorithm": "tree"}]})",
-            "t.json");
-      },
-      ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("unknown algorithm 'tree'")));
-}
-
-TEST_F(AutoSelection, CostModelPrefersFewStepsSmallAndFewBytesLarge) {
-  const collectives::CostModel model;  // defaults
-  auto t = [&](std::string_view a, std::size_t bytes, int n, int groups, int g) {
-    return *model.predict(a, bytes, n, groups, g);
-  };
-  EXPECT_LT(t("halving_doubling", 8, 8, 1, 8), t("ring", 8, 8, 1, 8));
-  EXPECT_LT(t("ring", 64 << 20, 8, 1, 8), t("flat", 64 << 20, 8, 1, 8));
-  // Across two slow-linked groups, hierarchical beats the flat ring at 1 MiB (the README table).
-  EXPECT_LT(t("hierarchical", 1 << 20, 16, 2, 8), t("ring", 1 << 20, 16, 2, 8));
-  EXPECT_FALSE(model.predict("mpi", 8, 2, 1, 2).has_value());
-}
-
-// The measured refinement, as pure logic: `truth` is every algorithm's real time; the model's
-// predictions are 1, 2, 3. Runs `calls` calls and returns how many each algorithm ran.
-std::vector<int> simulate(collectives::MeasuredChoice& m, const std::vector<double>& predicted,
-                          const std::function<double(std::size_t)>& truth, int calls) {
-  std::vector<int> ran(m.names().size(), 0);
-  for (int i = 0; i < calls; ++i) {
-    const collectives::MeasuredChoice::Pick pick = m.pick();
-    const std::size_t a = static_cast<std::size_t>(
-        std::find(m.names().begin(), m.names().end(), pick.algorithm) - m.names().begin());
-    ++ran[a];
-    if (pick.timed && m.record(truth(a) / predicted[a])) m.decide(m.figures(), predicted);
-  }
-  return ran;
-}
-
-TEST_F(AutoSelection, MeasuringARightModelCostsOnlyRechecks) {
-  const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
-  EXPECT_EQ(m.choice(), "a");
-  // Each algorithm as fast as the model says: "a" stays; "b" (within 2x) is tried once after
-  // the first window, then re-checked (4 of its calls, 1 s each beyond a's) once a has run 4 / 3%
-  // = 133 s since the last, every 34 solo windows; "c" never runs.
-  const std::vector<int> ran = simulate(
-      m, predicted, [&](std::size_t a) { return predicted[a]; }, 4 * 400);
-  EXPECT_EQ(m.choice(), "a");
-  EXPECT_EQ(ran[2], 0);
-  EXPECT_GT(ran[1], 4);
-  // What the re-checks cost beyond "a" stays within the budget of a's time (plus the trial).
-  EXPECT_LE((ran[1] - 4) * (2 - 1), collectives::MeasuredChoice::kRecheckBudget * ran[0] + 4);
-  // A near tie ("b" 1% slower than "a") is re-checked every few windows instead.
-  collectives::MeasuredChoice tie({"a", "b"}, {1, 1.01}, 1, 4, 8, 4);
-  const std::vector<int> tie_ran = simulate(
-      tie, {1, 1.01}, [&](std::size_t a) { return a == 0 ? 1.0 : 1.01; }, 4 * 400);
-  EXPECT_EQ(tie.choice(), "a");
-  EXPECT_GE(tie_ran[1], 4 * 400 / 20) << "re-checked about every 3 windows";
-}
-
-TEST_F(AutoSelection, MeasuringAWrongModelSwitchesAfterADuel) {
-  const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
-  // "a" really takes 5: after its first window (4 calls) it duels "b" (predicted 2 < 5; 8
-  // calls, 4 of each), which wins. "c" (predicted 3 > b's 2) is not expected to win.
-  const std::vector<double> truth = {5, 2, 6};
-  std::vector<int> ran = simulate(
-      m, predicted, [&](std::size_t a) { return truth[a]; }, 12);
-  EXPECT_EQ(m.choice(), "b");
-  EXPECT_EQ(ran[0], 8);
-  EXPECT_EQ(ran[1], 4);
-  // Re-checks: the runner-up "c" (predicted 3, within 2x of b's 2) once, measured at 6; then
-  // nothing is within 2x of "b": only "b" runs.
-  ran = simulate(
-      m, predicted, [&](std::size_t a) { return truth[a]; }, 400);
-  EXPECT_EQ(m.choice(), "b");
-  EXPECT_EQ(ran[0], 0);
-  EXPECT_EQ(ran[2], 4);
-}
-
-TEST_F(AutoSelection, MeasuringFollowsAMachineThatChanges) {
-  const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
-  double a_time = 1;  // "a" slows to 3 for a while, then recovers; "b" always takes 2
-  auto truth = [&](std::size_t i) { return i == 0 ? a_time : predicted[i]; };
-  simulate(m, predicted, truth, 100);
-  EXPECT_EQ(m.choice(), "a");
-  a_time = 3;  // the next solo window sees it; "b" (measured at 2 in a re-check) wins the duel
-  simulate(m, predicted, truth, 12);
-  EXPECT_EQ(m.choice(), "b");
-  a_time = 1;  // found by the switch's confirming duel with the runner-up, 2 windows later
-  simulate(m, predicted, truth, 4 * 8 + 8 + 8);
-  EXPECT_EQ(m.choice(), "a");
-}
-
-// A switch decided by one duel is confirmed by a duel with the old choice 2 solo windows later:
-// when the duel that decided it measured a transient, the old choice comes back then; settled()
-// holds only once a duel with the runner-up has confirmed the choice.
-TEST_F(AutoSelection, ASwitchIsConfirmedByASecondDuel) {
-  const std::vector<double> predicted = {1, 2, 3};
-  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
-  double a_time = 1;
-  auto truth = [&](std::size_t i) { return i == 0 ? a_time : predicted[i]; };
-  // Calls until the choice is `name`, at most `limit`.
-  auto calls_until = [&](std::string_view name, int limit) {
-    int calls = 0;
-    for (; m.choice() != name && calls < limit; ++calls)
-      simulate(m, predicted, truth, 1);
-    return calls;
-  };
-  simulate(m, predicted, truth, 200);
-  ASSERT_EQ(m.choice(), "a");
-  EXPECT_TRUE(m.settled() || m.dueling());
-  a_time = 3;  // a transient: a solo window sees "a" slow, and the duel that follows picks "b"
-  EXPECT_LE(calls_until("b", 100), 4 + 4 + 8);  // (the rest of a window, one window, the duel)
-  EXPECT_FALSE(m.settled()) << "switched on the strength of one duel";
-  a_time = 1;  // over: "c" (never measured, within 2x of "b") is tried once, then after 2 solo
-               // windows of "b" the confirming duel with "a" brings it back
-  EXPECT_LE(calls_until("a", 100), 8 + 2 * 4 + 8);
-  // A switch that holds: "a" slows for good; "b" wins, and wins the confirming duel too.
-  a_time = 3;
-  simulate(m, predicted, truth, 400);
-  EXPECT_EQ(m.choice(), "b");
-  EXPECT_TRUE(m.settled() || m.dueling());
-}
-
-// A duel too close to call (expectations within 15%) runs up to three windows and is decided on
-// their mean: here one window sees the challenger 10% slower (a noisy moment), the next two 20%
-// faster; the mean, 10% faster, wins.
-TEST_F(AutoSelection, ACloseDuelRunsMoreWindows) {
-  const std::vector<double> predicted = {1, 1.1};
-  collectives::MeasuredChoice m({"a", "b"}, predicted, 1, 4, 8, 4);
-  int duel_window = 0;
-  auto truth = [&](std::size_t i) {
-    if (i == 0) return 1.0;
-    return duel_window == 0 ? 1.1 : 0.8;
-  };
-  simulate(m, predicted, truth, 4);  // the first window: "b" (within 2x) is tried next
-  ASSERT_TRUE(m.dueling());
-  simulate(m, predicted, truth, 8);
-  EXPECT_EQ(m.choice(), "a");
-  EXPECT_TRUE(m.dueling()) << "1.1 against 1.0 is too close to call: another window";
-  duel_window = 1;
-  simulate(m, predicted, truth, 8);
-  EXPECT_TRUE(m.dueling()) << "the mean so far, 0.95 against 1.0, is still close";
-  simulate(m, predicted, truth, 8);
-  EXPECT_EQ(m.choice(), "b") << "three windows: 0.9 against 1.0";
-  EXPECT_FALSE(m.dueling());
-}
-
-TEST_F(AutoSelection, ShortCallsAreTimedOneInStride) {
-  const std::vector<double> predicted = {1, 2};
-  // One call in 12 timed; solo windows of 10 timed calls; duels of 12, the challenger's the
-  // middle 4 (timed calls 4 - 7).
-  collectives::MeasuredChoice m({"a", "b"}, predicted, 12, 10, 12, 4);
-  int timed = 0;
-  for (int i = 0; i < 120; ++i) {
-    const collectives::MeasuredChoice::Pick pick = m.pick();
-    EXPECT_EQ(pick.algorithm, "a");
-    EXPECT_EQ(pick.timed, i % 12 == 0);
-    if (pick.timed) {
-      ++timed;
-      // "a" takes 3x its prediction: "b" (predicted 2) is expected faster
-      EXPECT_EQ(m.record(3.0), timed == 10);
-    }
-  }
-  m.decide(m.figures(), predicted);
-  ASSERT_TRUE(m.dueling());
-  int challenger = 0;
-  for (int i = 0; i < 144; ++i) {
-    const collectives::MeasuredChoice::Pick pick = m.pick();
-    const bool b = pick.algorithm == "b";
-    challenger += b;
-    if (b) {
-      EXPECT_TRUE(pick.timed);
-    }
-    if (pick.timed && m.record(b ? 1.0 : 3.0)) {
-      EXPECT_EQ(i, 132);  // the 12th timed call
-    }
-  }
-  EXPECT_EQ(challenger, 4);
-  m.decide(m.figures(), predicted);
-  EXPECT_EQ(m.choice(), "b");
-  // Reshaped (by what "b" measured): one call in 3 timed, windows of 5 timed calls.
-  m.reshape(3, 5, 8, 4);
-  for (int i = 0; i < 15; ++i) {
-    const collectives::MeasuredChoice::Pick pick = m.pick();
-    EXPECT_EQ(pick.algorithm, "b");
-    EXPECT_EQ(pick.timed, i % 3 == 0) << i;
-    if (pick.timed) {
-      EXPECT_EQ(m.record(1.0), i == 12) << i;
-    }
-  }
 }
 
 // End to end: an algorithm that auto picks but that is slow here (its measured times scaled by

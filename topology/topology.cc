@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/node_comm.h"
 
 namespace gradcomm::topology {
 namespace {
@@ -109,18 +110,13 @@ void check_same_on_all_ranks(Communicator& comm, long long value, const char* va
 
 // Node index of every rank from shared-memory domains, numbered by their lowest rank.
 std::vector<int> discover_nodes(Communicator& comm) {
-  MPI_Comm node_comm = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, comm.rank(), MPI_INFO_NULL,
-                                &node_comm),
-            "topology: MPI_Comm_split_type", comm.rank());
-  int node_rank = 0;
-  MPI_Comm_rank(node_comm, &node_rank);
+  const NodeComm node(comm.mpi_comm(), comm.rank(), "topology");
   // The lowest world rank of each node names it; nodes are numbered in that order.
   int leader = comm.rank();
-  MPI_Bcast(&leader, 1, MPI_INT, 0, node_comm);
-  MPI_Comm_free(&node_comm);
+  check_mpi(MPI_Bcast(&leader, 1, MPI_INT, 0, node.get()), "topology: MPI_Bcast", comm.rank());
   std::vector<int> leader_of(static_cast<std::size_t>(comm.size()));
-  MPI_Allgather(&leader, 1, MPI_INT, leader_of.data(), 1, MPI_INT, comm.mpi_comm());
+  check_mpi(MPI_Allgather(&leader, 1, MPI_INT, leader_of.data(), 1, MPI_INT, comm.mpi_comm()),
+            "topology: MPI_Allgather", comm.rank());
   std::vector<int> leaders = leader_of;
   std::sort(leaders.begin(), leaders.end());
   leaders.erase(std::unique(leaders.begin(), leaders.end()), leaders.end());

@@ -1,50 +1,35 @@
 #pragma once
 
+// auto's online learner: the measured refinement of the cost model's choice, per size class, as
+// pure logic (no MPI: the caller agrees the figures across ranks). Its constants and why each
+// has its value: docs/selection.md.
+
 #include <array>
 #include <cstddef>
-#include <optional>
-#include <string>
 #include <string_view>
 #include <vector>
 
-#include "collectives/allreduce_algorithm.h"
-
 namespace gradcomm::collectives {
 
-// The policy behind algorithm "auto": the registered algorithm to use for this call. Every rank
-// picks the same one: the inputs are the call's size, the rank count, the layout, and a tuning
-// table or model parameters that rank 0 reads or measures and broadcasts (on the first call,
-// which is therefore collective, as every all-reduce is). Sources, in order:
-//   1. a tuning table (Config::tuning_file, GRADCOMM_TUNING_FILE) written by
-//      `gradcomm-bench --tune`, used when its rank count and group count match;
-//   2. an alpha-beta-gamma cost model (Thakur, Rabenseifner and Gropp 2005) with intra- and
-//      inter-group link parameters from a short calibration (Config::calibrate) or defaults.
-// With the model (no table), auto then checks its picks by measuring them (Config::auto_measure,
-// GRADCOMM_AUTO_MEASURE; see MeasuredChoice): this returns the current choice for the call's size
-// class. At debug level it logs each new choice and why. Asking is not a call: it changes nothing
-// (gradcomm-bench's picks column).
-std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm);
+// The shape of a size class's measuring windows: one call in `stride` is timed; a solo window
+// has `window` timed calls, a duel `duel`, of which `challenger_calls` are the challenger's.
+struct WindowShape {
+  int stride, window, duel, challenger_calls;
+};
 
-// The front door's: the algorithm of this auto call (select_allreduce_algorithm's, or a
-// challenger that auto is measuring against it), counted as one call of its size class. When it
-// sets `timed`, the caller times the algorithm's run and passes the seconds to end_auto_call.
-// grouped_allreduce's buckets are calls like any other.
-std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed);
-// After a timed call. At the end of a measuring window it completes the call's comparison
-// (GRADCOMM_CHECK) and agrees the window's figures across ranks with one MPI_Allreduce of 24
-// bytes, then decides the next window (collective; the same decision on every rank).
-void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
+// The windows of a size class whose choice takes `call` seconds (the model's prediction until
+// measured, then the measurement) where a window's end costs about `decision` seconds. A window
+// ends in a decision that costs a few small collectives (the call check, the agreement: 3-5 us on
+// 2 ranks here): windows of at least kWindowSeconds and 200 times the decision keep it below
+// ~0.5%. Calls shorter than kTimedFromSeconds are timed one in `stride`, and so are calls of which
+// a window would time more than kMaxTimed (a median of 64 is as good, and the clock reads cost
+// less); a window has at least 4 timed calls, a duel 4 - 8 of the challenger.
+WindowShape window_shape(double call, double decision);
 
-// True when auto has finished exploring calls like `args`: its choice for their size class has
-// been measured (at least one window decided), no duel is under way and a switch has been
-// confirmed (MeasuredChoice::settled), or auto does not measure them (one rank, one candidate,
-// GRADCOMM_AUTO_MEASURE=0, a tuning table, reproducible mode). The same on every rank. For
-// gradcomm-bench, which times auto in its steady state (and reports what exploring cost).
-bool auto_settled(const AllreduceArgs& args, Communicator& comm);
-
-// Tests only: auto's measured times of `algorithm` on this rank are multiplied by `factor` (a
-// model that is wrong about it, on demand). Call on every rank alike.
-void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor);
+// Calls shorter than this are timed one in several (two clock reads are ~40 ns).
+inline constexpr double kTimedFromSeconds = 5e-6;
+inline constexpr double kWindowSeconds = 1e-3;  // the shortest measuring window
+inline constexpr int kMaxTimed = 64;            // timed calls a window needs at most
 
 // The measured refinement of one size class's choice (sizes [2^(b-1), 2^b)), as pure logic. For
 // every call the caller asks pick() which algorithm to run and whether to time it (every call, or
@@ -164,52 +149,6 @@ class MeasuredChoice {
   bool confirmed_ = true;    // the choice beat the runner-up in a duel since it last changed
   int since_recheck_ = 0;    // solo windows since the last re-check (or switch)
   double solo_seconds_ = 0;  // and about how long they ran
-};
-
-// The cost model's predicted seconds for `algorithm` on `bytes` (as auto sees it: calibrated,
-// scaled by the probes where there are any); nullopt for algorithms it has no model of (mpi,
-// nccl, auto). Collective on a communicator's first use of auto. For gradcomm-bench's model_us.
-std::optional<double> predicted_allreduce_seconds(Communicator& comm, std::string_view algorithm,
-                                                  std::size_t bytes);
-
-// A decision table: the first row whose max_bytes >= the call's bytes names the algorithm.
-struct TuningTable {
-  struct Row {
-    std::size_t max_bytes;
-    std::string algorithm;
-  };
-  int ranks = 0;
-  int groups = 0;
-  std::vector<Row> rows;
-
-  std::string to_json() const;
-  // Throws InvalidArgument naming `origin` for malformed text or unknown algorithm names.
-  static TuningTable parse(const std::string& text, const std::string& origin);
-};
-
-// Link and reduction parameters of the cost model: time = alpha + bytes * beta per message,
-// bytes * gamma per reduction.
-struct CostModel {
-  struct Link {
-    double alpha;  // seconds per message
-    double beta;   // seconds per byte
-  };
-  Link intra{2e-6, 1.0 / 3e9};
-  Link inter{5e-6, 1.0 / 1.25e9};  // default: a 10 Gb/s network
-  double gamma = 1.0 / 10e9;       // seconds per byte reduced
-  double copy_beta = 1.0 / 10e9;   // seconds per byte copied in memory (shm's copy-in and out)
-  double flag_alpha = 0.5e-6;      // seconds per flag round through shared memory
-  bool one_host = false;           // every rank on one host: shm can run
-  // Hierarchical may run its intra-group phases through shm (every group on one host, and
-  // Config::hierarchical_intra auto or shm), and whether a machine runs more ranks than it has
-  // hardware threads (which of the forms auto picks depends on it).
-  bool group_shm = false;
-  bool crowded = false;
-
-  // Predicted seconds of `algorithm` for `bytes` on `ranks` ranks in groups of `group_size`
-  // (`groups` of them); nullopt for algorithms it has no model of (mpi).
-  std::optional<double> predict(std::string_view algorithm, std::size_t bytes, int ranks,
-                                int groups, int group_size) const;
 };
 
 }  // namespace gradcomm::collectives

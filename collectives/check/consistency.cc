@@ -1,4 +1,4 @@
-#include "collectives/consistency.h"
+#include "collectives/check/consistency.h"
 
 #include <mpi.h>
 
@@ -14,17 +14,13 @@
 #include <string>
 #include <vector>
 
-#include "collectives/allreduce_hierarchical.h"
-#include "collectives/allreduce_shm.h"
-#include "collectives/p2p.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "core/shared_memory.h"
+#include "topology/host.h"
 
 namespace gradcomm::collectives {
 namespace {
-
-using watchdog::CallInfo;
 
 // The compared fields, each >= 0 (so that min(-x) gives the maximum in the same reduction).
 constexpr int kFields = 9;
@@ -55,7 +51,7 @@ Fields to_fields(const CallInfo& c) {
 CallInfo from_fields(const Fields& f) {
   CallInfo c;
   c.sequence = static_cast<std::uint64_t>(f[0]);
-  c.kind = static_cast<watchdog::CallKind>(f[1]);
+  c.kind = static_cast<CallKind>(f[1]);
   c.count = static_cast<std::uint64_t>(f[2]);
   c.dtype = static_cast<int>(f[3] - 1);
   c.op = static_cast<int>(f[4] - 1);
@@ -124,7 +120,7 @@ constexpr std::uint64_t kBoardDepth = 4;
 class CheckState : public Attachment {
  public:
   explicit CheckState(Communicator& comm) : rank(comm.rank()), size(comm.size()) {
-    if (comm.config().check != CheckMode::normal || size < 2 || !shares_one_host(comm)) return;
+    if (comm.config().check != CheckMode::normal || size < 2 || !topology::shares_one_host(comm)) return;
     try {
       board = SharedSegment(comm.mpi_comm(),
                             static_cast<std::size_t>(size) * kBoardDepth * sizeof(BoardSlot),
@@ -142,7 +138,7 @@ class CheckState : public Attachment {
   MPI_Request request = MPI_REQUEST_NULL;
   Fields mine{};
   std::set<std::string, std::less<>> used;  // algorithms compared before their first use
-  bool forget_shm = false;  // a mismatch ended a call: drop the shm segment (every rank)
+  bool renew = false;  // a mismatch ended a call: drop what cannot outlive it (every rank)
   SharedSegment board;      // empty: compare over MPI
   bool board_pending = false;
   std::uint64_t board_sequence = 0;
@@ -151,16 +147,6 @@ class CheckState : public Attachment {
 };
 
 namespace {
-
-struct Current {
-  Communicator* comm = nullptr;
-  CheckState* state = nullptr;  // comm's, looked up once per call (the waits ask for it often)
-  CallScope* scope = nullptr;
-  const CallInfo* info = nullptr;
-  std::string_view call;
-  int salt = 0;
-};
-thread_local Current t_current;
 
 void post(CheckState& state, const Fields& mine, Communicator& comm, std::string_view call) {
   state.mine = mine;
@@ -186,11 +172,12 @@ void board_post(CheckState& state, const Fields& mine, std::uint64_t sequence) {
 }
 
 [[noreturn]] void mismatch(const std::vector<CallInfo>& calls, CheckState& state,
-                           Communicator& comm, std::string_view call);
+                           Communicator& comm, const CallScope& scope, std::string_view call);
 
 // Compares the fingerprints peers have posted for the current call; with `wait`, until all have.
 // Every rank reads every slot, so every rank finds a difference and sees the same fingerprints.
-void board_poll(CheckState& state, Communicator& comm, std::string_view call, bool wait) {
+void board_poll(CheckState& state, Communicator& comm, const CallScope& scope,
+                std::string_view call, bool wait) {
   const std::uint64_t want = state.board_sequence + 1;
   long polls = 0;
   while (state.board_pending) {
@@ -212,7 +199,7 @@ void board_poll(CheckState& state, Communicator& comm, std::string_view call, bo
           calls.push_back(from_fields(f));
         }
         state.board_pending = false;
-        mismatch(calls, state, comm, call);
+        mismatch(calls, state, comm, scope, call);
       }
       state.compared[static_cast<std::size_t>(j)] = 1;
       --state.uncompared;
@@ -226,7 +213,8 @@ void board_poll(CheckState& state, Communicator& comm, std::string_view call, bo
 }
 
 // The comparison has completed: throws MismatchError on every rank when the fields differ.
-void verify(CheckState& state, Communicator& comm, std::string_view call) {
+void verify(CheckState& state, Communicator& comm, const CallScope& scope,
+            std::string_view call) {
   bool agree = true;
   for (int i = 0; i < kFields; ++i) {
     agree = agree && state.recv[static_cast<std::size_t>(i)] ==
@@ -244,29 +232,28 @@ void verify(CheckState& state, Communicator& comm, std::string_view call) {
     std::memcpy(f.data(), all.data() + static_cast<std::size_t>(r) * kFields, sizeof f);
     calls.push_back(from_fields(f));
   }
-  mismatch(calls, state, comm, call);
+  mismatch(calls, state, comm, scope, call);
 }
 
 // Every rank found the same difference: renews the communicator (collective), then reports.
 void mismatch(const std::vector<CallInfo>& calls, CheckState& state, Communicator& comm,
-              std::string_view call) {
+              const CallScope& scope, std::string_view call) {
   comm.renew_after_mismatch();
-  state.forget_shm = true;  // done by the outermost scope, once no shm frame is on the stack
+  state.renew = true;  // done by the outermost scope, once no algorithm frame is on the stack
   const bool same_kind = std::all_of(calls.begin(), calls.end(), [&](const CallInfo& c) {
     return c.kind == calls[0].kind && c.sequence == calls[0].sequence;
   });
-  if (same_kind && t_current.scope && t_current.scope->detail_reporter()) {
-    t_current.scope->detail_reporter()();
-  }
+  if (same_kind && scope.detail_reporter()) scope.detail_reporter()();
   throw MismatchError(error_message(call, comm.rank(), describe_mismatch(calls)));
 }
 
-void complete(CheckState& state, Communicator& comm, std::string_view call) {
-  if (state.board_pending) return board_poll(state, comm, call, /*wait=*/true);
+void complete(CheckState& state, Communicator& comm, const CallScope& scope,
+              std::string_view call) {
+  if (state.board_pending) return board_poll(state, comm, scope, call, /*wait=*/true);
   if (state.request == MPI_REQUEST_NULL) return;
   check_mpi(MPI_Wait(&state.request, MPI_STATUS_IGNORE),
             std::string(call) + ": MPI_Wait for the call fingerprint", comm.rank());
-  verify(state, comm, call);
+  verify(state, comm, scope, call);
 }
 
 // Full mode: every rank's output must hash the same.
@@ -333,15 +320,19 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
       text.push_back(i ? ',' : ' ');
       text.append(std::to_string(ranks[i]));
     }
-    text += " called " + watchdog::describe(from_fields(fields)) + ";";
+    text += " called " + describe(from_fields(fields)) + ";";
   }
   text.pop_back();
   return text;
 }
 
-CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view call)
+CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view call,
+                     const CallContext* outer)
     : comm_(comm), info_(info), call_(call) {
-  if (t_current.scope != nullptr) return;  // part of an outer call
+  if (outer != nullptr) {  // part of an outer call
+    context_ = *outer;
+    return;
+  }
   // The comparison state is built (collectively: the board of a single-host communicator) by
   // every rank's first call, before anything below, which must not throw.
   state_ = &comm.attachment<CheckState>();
@@ -349,10 +340,10 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
   std::uint64_t h = 0;
   for (std::int64_t f : to_fields(info_))
     h = mix(h, static_cast<std::uint64_t>(f));
-  t_current = {&comm, state_, this, &info_, call_, 1 + static_cast<int>(h % salt_range())};
-  if (watchdog::Recorder* recorder = comm.recorder()) recorder->begin(info_);
-  // Nothing here may throw: a constructor that throws never runs the destructor that resets
-  // t_current. Full mode compares in start() or check_now(), before any communication.
+  context_ = CallContext(this, &info_, 1 + static_cast<int>(h % salt_range()));
+  if (watchdog::Recorder* recorder = comm.recorder()) recorder->begin(to_record(info_));
+  // Nothing here may throw: full mode compares in start() or check_now(), before any
+  // communication.
 }
 
 CallScope::~CallScope() {
@@ -364,25 +355,23 @@ CallScope::~CallScope() {
     MPI_Wait(&state.request, MPI_STATUS_IGNORE);
   }
   state.board_pending = false;  // (the board needs no completion)
-  if (state.forget_shm) {
-    forget_shm_state(comm_);
-    forget_hierarchy(comm_);
-    state.forget_shm = false;
+  if (state.renew) {
+    comm_.drop_after_mismatch();
+    state.renew = false;
     state.used.clear();  // the next shm call maps a new segment: compare before, as on first use
   }
   if (watchdog::Recorder* recorder = comm_.recorder()) recorder->end(finished_);
-  t_current = {};
 }
 
 void CallScope::check_now() {
-  if (!outermost_) return require_check();
+  if (!outermost_) return context_.require_check();
   if (comm_.config().check == CheckMode::off || comm_.size() == 1) return;
   CheckState& state = *state_;
   if (!compared_) {
     post_fingerprint(state);
     compared_ = true;
   }
-  complete(state, comm_, call_);
+  complete(state, comm_, *this, call_);
 }
 
 void CallScope::post_fingerprint(CheckState& state) {
@@ -401,13 +390,12 @@ void CallScope::before_first_use(std::string_view what) {
   state.used.emplace(what);
 }
 
-void CallScope::start(std::string_view algorithm) {
+void CallScope::start(std::string_view algorithm, bool polls_check) {
   if (!outermost_ || comm_.size() == 1 || comm_.config().check == CheckMode::off) return;
   before_first_use(algorithm);
   if (comm_.config().check == CheckMode::full) return check_now();
   if (compared_) return;
-  if (algorithm == "ring" || algorithm == "halving_doubling" || algorithm == "flat" ||
-      algorithm == "shm") {
+  if (polls_check) {
     post_fingerprint(*state_);
     compared_ = true;  // polled by the waits, completed in finish()
     return;
@@ -418,41 +406,38 @@ void CallScope::start(std::string_view algorithm) {
 void CallScope::finish(const void* output, std::size_t bytes) {
   if (!outermost_) return;
   CheckState& state = *state_;
-  complete(state, comm_, call_);
+  complete(state, comm_, *this, call_);
   if (comm_.config().check == CheckMode::full && output != nullptr && comm_.size() > 1) {
     compare_outputs(output, bytes, comm_, call_, info_.sequence);
   }
   finished_ = true;
 }
 
-bool check_pending() {
-  if (t_current.comm == nullptr) return false;
-  const CheckState& state = *t_current.state;
-  return state.board_pending || state.request != MPI_REQUEST_NULL;
+bool CallScope::pending() const {
+  return outermost_ && (state_->board_pending || state_->request != MPI_REQUEST_NULL);
 }
 
-void poll_check() {
-  if (t_current.comm == nullptr) return;
-  Communicator& comm = *t_current.comm;
-  CheckState& state = *t_current.state;
-  if (state.board_pending) return board_poll(state, comm, t_current.call, /*wait=*/false);
+void CallScope::poll() {
+  if (!outermost_) return;
+  CheckState& state = *state_;
+  if (state.board_pending) return board_poll(state, comm_, *this, call_, /*wait=*/false);
   if (state.request == MPI_REQUEST_NULL) return;
   int done = 0;
   check_mpi(MPI_Test(&state.request, &done, MPI_STATUS_IGNORE),
-            std::string(t_current.call) + ": MPI_Test of the call fingerprint", comm.rank());
-  if (done) verify(state, comm, t_current.call);
+            std::string(call_) + ": MPI_Test of the call fingerprint", comm_.rank());
+  if (done) verify(state, comm_, *this, call_);
 }
 
-void require_check() {
-  if (t_current.scope != nullptr) t_current.scope->check_now();
+bool CallContext::check_pending() const {
+  return scope_ != nullptr && scope_->pending();
 }
 
-int call_tag(int base) {
-  return t_current.salt == 0 ? base : base + 256 * t_current.salt;
+void CallContext::poll_check() const {
+  if (scope_ != nullptr) scope_->poll();
 }
 
-const CallInfo* current_call() {
-  return t_current.info;
+void CallContext::require_check() const {
+  if (scope_ != nullptr) scope_->check_now();
 }
 
 }  // namespace gradcomm::collectives

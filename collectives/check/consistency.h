@@ -19,7 +19,11 @@
 //   rank's output, so a silent divergence is an error too.
 // - off: no comparison (the recorder and the tags stay).
 // Calls that gradcomm makes inside a call (sub-communicators of hierarchical, auto's
-// calibration, grouped_allreduce's buckets) belong to the outer call: their scopes do nothing.
+// calibration, grouped_allreduce's buckets) belong to the outer call: their scopes are built with
+// the outer call's context, do no comparison of their own and hand the outer context on.
+// After a mismatch, every rank renews its MPI communicator and drops the per-communicator state
+// that cannot outlive an abandoned call (Attachment::survives_mismatch: shm's segment,
+// hierarchical's sub-communicators); the next call builds it afresh.
 
 #include <cstddef>
 #include <functional>
@@ -27,8 +31,9 @@
 #include <string_view>
 #include <vector>
 
+#include "collectives/check/call_context.h"
+#include "collectives/check/call_info.h"
 #include "core/communicator.h"
-#include "core/watchdog.h"
 
 namespace gradcomm::collectives {
 
@@ -36,8 +41,10 @@ class CheckState;  // per-communicator comparison state (consistency.cc)
 
 class CallScope {
  public:
-  // `call` names the operation in errors ("allreduce(ring)"). Records the call's start.
-  CallScope(Communicator& comm, const watchdog::CallInfo& info, std::string_view call);
+  // `call` names the operation in errors ("allreduce(ring)"). Records the call's start. With
+  // `outer`, the call is part of that call (see above).
+  CallScope(Communicator& comm, const CallInfo& info, std::string_view call,
+            const CallContext* outer = nullptr);
   ~CallScope();
   CallScope(const CallScope&) = delete;
   CallScope& operator=(const CallScope&) = delete;
@@ -48,13 +55,16 @@ class CallScope {
   // Compares now when `what` (an algorithm, or "auto" for the selection) has not run on this
   // communicator yet: first uses may build state with collectives of their own.
   void before_first_use(std::string_view what);
-  // Chooses how to compare a call that runs `algorithm` (see above) and starts the comparison.
-  void start(std::string_view algorithm);
+  // Starts the comparison of a call that runs `algorithm`: in the background when the algorithm
+  // polls it in its waits (`polls_check`, AllreduceCapabilities), else completed first.
+  void start(std::string_view algorithm, bool polls_check);
   // The call is done: completes the comparison (MismatchError on every rank when the ranks
   // disagree) and, in full mode, compares the output's hash when `output` is given.
   void finish(const void* output = nullptr, std::size_t bytes = 0);
 
   bool outermost() const { return outermost_; }
+  // What the call's algorithms are given (AllreduceArgs::call).
+  const CallContext& context() const { return context_; }
 
   // When every rank makes this kind of call but the details differ (a grouped_allreduce's
   // tensor lists), `reporter` runs on every rank instead of the generic message: it may use
@@ -63,11 +73,15 @@ class CallScope {
   const std::function<void()>& detail_reporter() const { return reporter_; }
 
  private:
+  friend class CallContext;
   void post_fingerprint(CheckState& state);
+  bool pending() const;
+  void poll();
 
   Communicator& comm_;
   CheckState* state_ = nullptr;  // comm_'s (outermost scopes only)
-  watchdog::CallInfo info_;
+  CallInfo info_;
+  CallContext context_;
   std::string_view call_;
   bool outermost_ = false;
   std::function<void()> reporter_;
@@ -75,20 +89,8 @@ class CallScope {
   bool finished_ = false;
 };
 
-// For wait loops: true while the current call's comparison is in flight.
-bool check_pending();
-// Tests the current call's comparison; throws MismatchError on every rank when it found one.
-void poll_check();
-// Completes the current call's comparison now (an algorithm about to block in an MPI
-// collective calls this).
-void require_check();
-// The message tag for `base` (< 256) inside the current call: salted with the fingerprint's
-// hash, so calls that disagree never match each other's messages.
-int call_tag(int base);
-// The fingerprint of the current outermost call (null outside any call), for shm's descriptors.
-const watchdog::CallInfo* current_call();
 // "ranks disagree on ...: ranks 0,1 call allreduce #4: ...; rank 2 calls ..." from the
 // fingerprints of every rank (index = rank).
-std::string describe_mismatch(const std::vector<watchdog::CallInfo>& calls);
+std::string describe_mismatch(const std::vector<CallInfo>& calls);
 
 }  // namespace gradcomm::collectives

@@ -1,0 +1,76 @@
+#include "collectives/check/call_info.h"
+
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+
+#include "core/data_type.h"
+#include "core/reduce_op.h"
+
+namespace gradcomm::collectives {
+namespace {
+
+constexpr double kDeviceGraceSeconds = 5;
+
+static_assert(std::is_trivially_copyable_v<CallInfo> &&
+                  sizeof(CallInfo) <= watchdog::Record::kPayloadBytes,
+              "a CallInfo travels in a watchdog record");
+
+std::string describe_record(const watchdog::Record& record) {
+  CallInfo call;
+  std::memcpy(&call, record.payload.data(), sizeof call);
+  return describe(call);
+}
+
+}  // namespace
+
+std::string_view to_string(CallKind kind) {
+  switch (kind) {
+    case CallKind::allreduce:
+      return "allreduce";
+    case CallKind::broadcast:
+      return "broadcast";
+    case CallKind::allgatherv:
+      return "allgatherv";
+    case CallKind::grouped_allreduce:
+      return "grouped_allreduce";
+  }
+  return "collective";
+}
+
+std::string describe(const CallInfo& call) {
+  // Built with append: GCC 12's -Wrestrict misfires on chains of operator+ here.
+  std::string text(to_string(call.kind));
+  text.append(" #").append(std::to_string(call.sequence));
+  text.append(": ").append(std::to_string(call.count));
+  if (call.kind == CallKind::broadcast) {
+    text.append(" bytes");
+  } else if (call.dtype >= 0) {
+    text.append(" x ").append(to_string(static_cast<DataType>(call.dtype)));
+  } else {
+    text.append(" elements");
+  }
+  if (call.op >= 0) text.append(" ").append(to_string(static_cast<ReduceOp>(call.op)));
+  if (call.root >= 0) text.append(", root ").append(std::to_string(call.root));
+  if (call.algorithm_name) text.append(", algorithm ").append(call.algorithm_name);
+  if (call.kind == CallKind::grouped_allreduce || call.kind == CallKind::allgatherv) {
+    char hash[24];
+    std::snprintf(hash, sizeof hash, "%08llx",
+                  static_cast<unsigned long long>(call.detail & 0xffffffffu));
+    text.append(call.kind == CallKind::grouped_allreduce ? ", tensor list " : ", counts ");
+    text.append(hash);
+  }
+  if (call.device) text.append(", GPU buffers");
+  return text;
+}
+
+watchdog::Record to_record(const CallInfo& call) {
+  watchdog::Record record;
+  record.sequence = call.sequence;
+  record.grace_seconds = call.device ? kDeviceGraceSeconds : 0;
+  record.describe = describe_record;
+  std::memcpy(record.payload.data(), &call, sizeof call);
+  return record;
+}
+
+}  // namespace gradcomm::collectives

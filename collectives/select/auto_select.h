@@ -1,0 +1,52 @@
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string_view>
+
+#include "collectives/allreduce_algorithm.h"
+
+namespace gradcomm::collectives {
+
+// The policy behind algorithm "auto": the registered algorithm to use for this call. Every rank
+// picks the same one: the inputs are the call's size, the rank count, the layout, and a tuning
+// table or model parameters that rank 0 reads or measures and broadcasts (on the first call,
+// which is therefore collective, as every all-reduce is). Sources, in order:
+//   1. a tuning table (Config::tuning_file, GRADCOMM_TUNING_FILE) written by
+//      `gradcomm-bench --tune`, used when its rank count and group count match;
+//   2. an alpha-beta-gamma cost model (Thakur, Rabenseifner and Gropp 2005) with intra- and
+//      inter-group link parameters from a short calibration (Config::calibrate) or defaults.
+// With the model (no table), auto then checks its picks by measuring them (Config::auto_measure,
+// GRADCOMM_AUTO_MEASURE; see MeasuredChoice in select/learner.h): this returns the current choice
+// for the call's size class. At debug level it logs each new choice and why. Asking is not a call:
+// it changes nothing (gradcomm-bench's picks column).
+std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communicator& comm);
+
+// The front door's: the algorithm of this auto call (select_allreduce_algorithm's, or a
+// challenger that auto is measuring against it), counted as one call of its size class. When it
+// sets `timed`, the caller times the algorithm's run and passes the seconds to end_auto_call.
+// grouped_allreduce's buckets are calls like any other.
+std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, bool& timed);
+// After a timed call. At the end of a measuring window it completes the call's comparison
+// (GRADCOMM_CHECK) and agrees the window's figures across ranks with one MPI_Allreduce of 24
+// bytes, then decides the next window (collective; the same decision on every rank).
+void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
+
+// True when auto has finished exploring calls like `args`: its choice for their size class has
+// been measured (at least one window decided), no duel is under way and a switch has been
+// confirmed (MeasuredChoice::settled), or auto does not measure them (one rank, one candidate,
+// GRADCOMM_AUTO_MEASURE=0, a tuning table, reproducible mode). The same on every rank. For
+// gradcomm-bench, which times auto in its steady state (and reports what exploring cost).
+bool auto_settled(const AllreduceArgs& args, Communicator& comm);
+
+// Tests only: auto's measured times of `algorithm` on this rank are multiplied by `factor` (a
+// model that is wrong about it, on demand). Call on every rank alike.
+void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor);
+
+// The cost model's predicted seconds for `algorithm` on `bytes` (as auto sees it: calibrated,
+// scaled by the probes where there are any); nullopt for algorithms it has no model of (mpi,
+// nccl, auto). Collective on a communicator's first use of auto. For gradcomm-bench's model_us.
+std::optional<double> predicted_allreduce_seconds(Communicator& comm, std::string_view algorithm,
+                                                  std::size_t bytes);
+
+}  // namespace gradcomm::collectives

@@ -1,0 +1,142 @@
+#include "collectives/select/learner.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace gradcomm::collectives {
+
+WindowShape window_shape(double call, double decision) {
+  const double seconds = std::max(kWindowSeconds, 200 * decision);
+  const int calls = static_cast<int>(std::clamp(std::ceil(seconds / call), 4.0, 8192.0));
+  const double by_time = std::ceil(kTimedFromSeconds / call);
+  const double by_count = std::ceil(static_cast<double>(calls) / kMaxTimed);
+  const int stride = static_cast<int>(std::clamp(std::max(by_time, by_count), 1.0, 256.0));
+  const int window = std::max(4, (calls + stride - 1) / stride);  // timed calls
+  const int challenger_calls = std::clamp(window / 4, 4, 8);
+  return {stride, window, std::max(window, 2 * challenger_calls), challenger_calls};
+}
+
+MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
+                               const std::vector<double>& predicted, int stride, int window,
+                               int duel, int challenger_calls)
+    : names_(std::move(names)),
+      ratio_(names_.size(), 0.0),
+      stride_(stride),
+      window_(window),
+      duel_(duel),
+      challenger_calls_(challenger_calls) {
+  choice_ = static_cast<std::size_t>(std::min_element(predicted.begin(), predicted.end()) -
+                                     predicted.begin());
+  challenger_ = choice_;
+}
+
+bool MeasuredChoice::record(double ratio) {
+  samples_[challenger_turn() ? 1 : 0].push_back(ratio);
+  ++timed_;
+  return timed_ >= (dueling() ? duel_ : window_);
+}
+
+std::array<double, 2> MeasuredChoice::figures() {
+  std::array<double, 2> medians{};
+  for (std::size_t slot = 0; slot < 2; ++slot) {
+    std::vector<double>& v = samples_[slot];
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    const std::size_t half = v.size() / 2;
+    medians[slot] = v.size() % 2 == 1 ? v[half] : (v[half - 1] + v[half]) / 2;
+  }
+  return medians;
+}
+
+bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
+                            const std::vector<double>& predicted) {
+  const std::size_t before = choice_;
+  const bool was_duel = dueling();
+  ++windows_;
+  timed_ = 0;
+  samples_[0].clear();
+  samples_[1].clear();
+  if (!was_duel) {
+    ratio_[choice_] = std::max(agreed[0], 1e-12);
+  } else {
+    // A contest is judged on the mean of its duel windows' figures.
+    pooled_[0] += agreed[0];
+    pooled_[1] += agreed[1];
+    ++duel_windows_;
+    ratio_[choice_] = std::max(pooled_[0] / duel_windows_, 1e-12);
+    ratio_[challenger_] = std::max(pooled_[1] / duel_windows_, 1e-12);
+    const double mine = expected(choice_, predicted[choice_]);
+    const double theirs = expected(challenger_, predicted[challenger_]);
+    if (duel_windows_ < kMaxDuelWindows && theirs < kClose * mine && mine < kClose * theirs) {
+      return false;  // too close to call from 4 - 8 calls: another duel window, pooled
+    }
+    pooled_ = {0, 0};
+    duel_windows_ = 0;
+    if (theirs < kMargin * mine) {
+      choice_ = challenger_;
+      since_recheck_ = 0;
+      solo_seconds_ = 0;
+      confirmed_ = false;  // one duel decided it: confirmed by another kConfirmAfter windows on
+    } else {
+      if (!trying_) confirmed_ = true;  // a trial duel says nothing about the runner-up
+      if (rechecking_) solo_seconds_ = 0;
+    }
+  }
+  challenger_ = choice_;
+  // The strongest other: the lowest expectation (never measured: the model's prediction).
+  const double mine = expected(choice_, predicted[choice_]);
+  std::size_t other = choice_;
+  for (std::size_t i = 0; i < names_.size(); ++i) {
+    if (i != choice_ &&
+        (other == choice_ || expected(i, predicted[i]) < expected(other, predicted[other]))) {
+      other = i;
+    }
+  }
+  // The most promising algorithm never measured here whose prediction is within
+  // kRecheckFactor of the choice: the model is off by up to 2x for single algorithms on this
+  // machine (shm on 4 ranks sharing 2 cores at 2 MiB), and the re-checks below only ever look at
+  // the strongest other, so each such algorithm is tried once.
+  std::size_t untried = choice_;
+  for (std::size_t i = 0; i < names_.size(); ++i) {
+    if (i != choice_ && !measured(i) && predicted[i] <= kRecheckFactor * mine &&
+        (untried == choice_ || predicted[i] < predicted[untried])) {
+      untried = i;
+    }
+  }
+  if (other != choice_) {
+    const double theirs = expected(other, predicted[other]);
+    rechecking_ = false;
+    trying_ = false;
+    if (theirs < kMargin * mine) {
+      challenger_ = other;  // expected to win: find out
+    } else if (untried != choice_) {
+      challenger_ = untried;  // not expected to win, but never measured: try it once
+      trying_ = true;
+    } else if (!was_duel) {
+      // Re-check the runner-up once what the duel would cost beyond the choice (its calls times
+      // the expected difference) is within kRecheckBudget of the solo time since the last one: a
+      // near tie is re-checked every few windows, so a change of the machine's state that turns
+      // it is found soon; one expected twice as slow rarely.
+      ++since_recheck_;
+      solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
+      const bool confirm = !confirmed_ && since_recheck_ >= kConfirmAfter;
+      const bool paid = since_recheck_ >= kMinRecheck &&
+                        solo_seconds_ * kRecheckBudget >= challenger_calls_ * (theirs - mine);
+      if (confirm || paid) {
+        since_recheck_ = 0;
+        solo_seconds_ = 0;
+        if (theirs <= kRecheckFactor * mine) {
+          challenger_ = other;
+          rechecking_ = true;
+        } else {
+          confirmed_ = true;  // nothing close enough to doubt it
+        }
+      }
+    }
+  } else {
+    confirmed_ = true;
+  }
+  return choice_ != before;
+}
+
+}  // namespace gradcomm::collectives

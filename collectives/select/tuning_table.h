@@ -1,0 +1,29 @@
+#pragma once
+
+// auto's decision table: written by `gradcomm-bench --tune` (from measured sweeps) or by auto
+// itself (its decisions, for reproducible runs), read from Config::tuning_file
+// (GRADCOMM_TUNING_FILE). JSON: {"version": 1, "ranks": R, "groups": G, "rows": [{"max_bytes":
+// B, "algorithm": "name"}, ...]}.
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace gradcomm::collectives {
+
+// A decision table: the first row whose max_bytes >= the call's bytes names the algorithm.
+struct TuningTable {
+  struct Row {
+    std::size_t max_bytes;
+    std::string algorithm;
+  };
+  int ranks = 0;
+  int groups = 0;
+  std::vector<Row> rows;
+
+  std::string to_json() const;
+  // Throws InvalidArgument naming `origin` for malformed text or unknown algorithm names.
+  static TuningTable parse(const std::string& text, const std::string& origin);
+};
+
+}  // namespace gradcomm::collectives

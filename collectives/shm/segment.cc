@@ -1,0 +1,230 @@
+#include "collectives/shm/segment.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <new>
+
+#include "collectives/check/consistency.h"
+#include "core/error.h"
+#include "core/stream_copy.h"
+#include "topology/host.h"
+
+namespace gradcomm::collectives {
+namespace {
+
+// How many ranks run on this machine as far as the spin-or-yield choice goes: set by an
+// algorithm that runs shm on a sub-communicator of a larger one (0: the sub-communicator's own).
+class MachineRanks : public Attachment {
+ public:
+  explicit MachineRanks(Communicator&) {}
+  int ranks = 0;
+};
+
+std::string microseconds_per_mib(double seconds_per_byte) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f us", seconds_per_byte * 1048576.0 * 1e6);
+  return text;
+}
+
+std::string describe_descriptor(const ShmDescriptor& d) {
+  return std::to_string(d.count) + " x " + std::string(to_string(static_cast<DataType>(d.dtype))) +
+         " " + std::string(to_string(static_cast<ReduceOp>(d.op)));
+}
+
+}  // namespace
+
+ShmState::ShmState(Communicator& comm)
+    : rank(comm.rank()),
+      size(comm.size()),
+      mpi(comm.mpi_comm()),
+      stores(comm.config().shm_stores),
+      scatter_stores(comm.config().shm_stores),
+      gather_stores(comm.config().shm_stores) {
+  const int on_host = topology::ranks_on_this_host(comm);
+  if (on_host != size) {
+    unavailable = "only " + std::to_string(on_host) + " of the " + std::to_string(size) +
+                  " ranks share this host; shm works inside one node (use hierarchical, which "
+                  "runs shm inside each node)";
+    return;
+  }
+  const auto n = static_cast<std::size_t>(size);
+  control_bytes = align_up(n * sizeof(RankControl), 4096);
+  small_offset = control_bytes;
+  stage_offset = small_offset + n * 2 * kShmSmallBytes;
+  result_offset = stage_offset + n * 2 * kShmRoundBytes;
+  try {
+    segment = SharedSegment(comm.mpi_comm(), result_offset + 2 * kShmRoundBytes, kShmCall);
+  } catch (const CommError& e) {  // thrown on every rank alike (e.g. /dev/shm is full)
+    unavailable = e.what();       // already names the call, the rank and the reason
+    unavailable_is_message = true;
+    return;
+  }
+  new (&control(rank)) RankControl();
+  control(rank).pid = getpid();
+  check_mpi(MPI_Barrier(comm.mpi_comm()), "allreduce(shm): MPI_Barrier", rank);
+  for (int j = 0; j < size; ++j)
+    pids.push_back(static_cast<pid_t>(control(j).pid));
+  // Oversubscribed (counting the ranks of an enclosing communicator, whose others may be busy
+  // elsewhere: hierarchical's groups): yield at once instead of spinning.
+  const int busy = std::max(size, comm.attachment<MachineRanks>().ranks);
+  spin = busy <= topology::usable_cores() ? 2000 : 0;
+}
+
+void ShmState::wait_all(ShmCounter RankControl::*which, std::uint64_t target,
+                        const char* stage_name, const CallContext& call) const {
+  const int here = spin > 0 ? sched_getcpu() : -1;
+  if (spin > 0) control(rank).cpu.store(here, std::memory_order_relaxed);
+  for (int j = 0; j < size; ++j) {
+    if (j == rank) continue;
+    const ShmCounter& counter = control(j).*which;
+    if (counter.load(std::memory_order_acquire) >= target) continue;
+    // Spinning helps only while the awaited rank runs on another CPU; on this one (the
+    // scheduler put both here) it would burn the time the other needs: yield at once.
+    const long spins = control(j).cpu.load(std::memory_order_relaxed) == here ? 0 : spin;
+    long polls = 0;
+    auto started = std::chrono::steady_clock::time_point{};
+    while (counter.load(std::memory_order_acquire) < target) {
+      if (++polls <= spins) {
+        cpu_relax();
+        continue;
+      }
+      sched_yield();
+      // A peer still in MPI (finishing a ring) may need this rank's progress to get here.
+      if (polls % 16 == 0) drive_mpi_progress(mpi);
+      if (polls % 64 == 0) call.poll_check();  // a peer that made another call never arrives
+      if (polls % 4096 != 0) continue;
+      const auto now = std::chrono::steady_clock::now();
+      if (started == std::chrono::steady_clock::time_point{}) started = now;
+      if (now - started > std::chrono::seconds(1) &&
+          kill(pids[static_cast<std::size_t>(j)], 0) != 0 && errno == ESRCH) {
+        throw CommError(error_message(kShmCall, rank,
+                                      "rank " + std::to_string(j) + " (pid " +
+                                          std::to_string(pids[static_cast<std::size_t>(j)]) +
+                                          ") exited while this rank waited for it to finish '" +
+                                          stage_name + "' of round " + std::to_string(target)));
+      }
+    }
+  }
+}
+
+ShmState& usable_state(Communicator& group) {
+  ShmState& s = group.attachment<ShmState>();
+  if (!s.unavailable.empty()) {
+    throw Unsupported(s.unavailable_is_message
+                          ? s.unavailable
+                          : error_message(kShmCall, group.rank(), s.unavailable));
+  }
+  return s;
+}
+
+void copy_to_segment(std::byte* dst, const std::byte* src, std::size_t bytes, bool streamed) {
+  if (streamed) {
+    stream_copy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
+ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
+                            const std::optional<RegisteredLocation>& registered) {
+  const CallInfo* call = args.call.info();
+  return ShmDescriptor{args.count,
+                       static_cast<std::uint32_t>(args.dtype),
+                       static_cast<std::uint32_t>(args.op),
+                       static_cast<std::uint32_t>(path),
+                       registered ? 1u : 0u,
+                       registered ? registered->segment : 0,
+                       registered ? registered->offset : 0,
+                       call ? call->sequence : 0,
+                       call ? call->algorithm : -1,
+                       call ? 1u : 0u};
+}
+
+std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first,
+                                            const CallContext& context) {
+  const int n = s.size, me = s.rank;
+  const CallInfo* call = context.info();
+  std::vector<ShmDescriptor> calls(static_cast<std::size_t>(n));
+  for (int j = 0; j < n; ++j)
+    calls[static_cast<std::size_t>(j)] = s.control(j).descriptor[first % 2];
+  std::vector<const std::byte*> inputs(static_cast<std::size_t>(n), nullptr);
+  std::string problem;
+  bool mismatch = false;
+  for (int j = 0; j < n && problem.empty(); ++j) {
+    const ShmDescriptor& d = calls[static_cast<std::size_t>(j)];
+    const ShmDescriptor& d0 = calls[0];
+    if (d.count != d0.count || d.dtype != d0.dtype || d.op != d0.op || d.path != d0.path ||
+        (d.in_call && d0.in_call && (d.sequence != d0.sequence || d.algorithm != d0.algorithm))) {
+      mismatch = true;
+      if (!d.in_call || !d0.in_call) {
+        problem = "ranks disagree on the call: rank 0 has " + describe_descriptor(d0) + ", rank " +
+                  std::to_string(j) + " has " + describe_descriptor(d);
+        continue;
+      }
+      std::vector<CallInfo> infos;
+      for (const ShmDescriptor& e : calls) {
+        CallInfo info = call ? *call : CallInfo{};
+        info.sequence = e.sequence;
+        info.count = e.count;
+        info.dtype = static_cast<int>(e.dtype);
+        info.op = static_cast<int>(e.op);
+        info.algorithm = e.algorithm;
+        infos.push_back(info);
+      }
+      problem = describe_mismatch(infos);
+    } else if (d.registered) {
+      inputs[static_cast<std::size_t>(j)] = registered_address({d.segment, d.offset});
+      if (inputs[static_cast<std::size_t>(j)] == nullptr) {
+        problem = "rank " + std::to_string(j) + "'s registered buffer is not mapped here";
+      }
+    }
+  }
+  if (!problem.empty()) {
+    RankControl& mine = s.control(me);
+    mine.reduced.store(first, std::memory_order_release);
+    mine.drained.store(first, std::memory_order_release);
+    s.round = first;
+    if (mismatch) {
+      // The call's own comparison (GRADCOMM_CHECK) sees the difference too: complete it, so that
+      // every rank leaves through the same path (it renews the communicator on every rank).
+      context.require_check();
+      throw MismatchError(error_message(kShmCall, me, problem));
+    }
+    throw InvalidArgument(error_message(kShmCall, me, problem));
+  }
+  return inputs;
+}
+
+void record_stores(ShmStores& stores, const char* phase, std::size_t bytes, bool streamed,
+                   std::chrono::steady_clock::time_point started, Communicator& comm) {
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+  if (stores.record(bytes, streamed, took.count()) && comm.log_enabled(LogLevel::debug)) {
+    comm.log(
+        LogLevel::debug,
+        std::string(kShmCall)
+                .append(phase)
+                .append(": rank ")
+                .append(std::to_string(comm.rank()))
+                .append(stores.streaming(bytes) ? " now writes the segment with non-temporal stores"
+                                                : " now writes the segment with plain stores") +
+            " (median per MiB of the last three calls: plain " +
+            microseconds_per_mib(stores.cost(bytes, false)) + ", streamed " +
+            microseconds_per_mib(stores.cost(bytes, true)) + ")");
+  }
+}
+
+bool shm_available(Communicator& comm) {
+  return comm.size() > 1 && comm.attachment<ShmState>().unavailable.empty();
+}
+
+void share_machine_with(Communicator& sub, int ranks) {
+  sub.attachment<MachineRanks>().ranks = ranks;
+}
+
+}  // namespace gradcomm::collectives

@@ -1,0 +1,151 @@
+#pragma once
+
+// The shared-memory segment of one communicator whose ranks share a host, and this rank's view
+// of it: what `shm`'s all-reduce (allreduce_shm.h) and hierarchical's shared-memory phases
+// (owner_exchange_shm.h) read and write.
+//
+// Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (a call is one
+// round on the latency path, ceil(bytes / kShmRoundBytes) rounds on the staged path). Every rank
+// owns three monotonic counters in the segment, each holding the last round it finished a stage
+// of: `copied` (its input of that round is readable), `reduced` (its part of the round's result
+// is written), `drained` (it has copied the round out, or on the latency path reduced it). Slots,
+// results and descriptors come in two halves used by odd and even rounds. Before round r writes a
+// half, the rank waits until every rank has drained round r - 2, the last user of that half.
+//
+// A call's descriptor (count, dtype, op, path, where a registered input lies) is written with the
+// first round's input and read by every rank once that round's `copied` counters are up; ranks
+// then all see the same descriptors and decide the same way, including to fail.
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "collectives/allreduce_algorithm.h"
+#include "collectives/shm/store_choice.h"
+#include "core/shared_memory.h"
+
+namespace gradcomm::collectives {
+
+// Names shm in errors.
+inline constexpr std::string_view kShmCall = "allreduce(shm)";
+// The all-reduce's latency path goes up to this size; a staged round carries this many bytes per
+// rank (and a round of hierarchical's phases at most this much of all columns together).
+inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
+inline constexpr std::size_t kShmRoundBytes = std::size_t{256} << 10;
+inline constexpr std::size_t kShmLine = 64;
+// From this size on, the segment's stores follow Config::shm_stores (ShmStores), and the
+// all-reduce's copy-out bypasses the cache: the output cannot stay cached anyway, and not reading
+// it before overwriting saves a third of the copy's memory traffic (64 MiB on 2 ranks here:
+// 12 ms instead of 14-19 ms; at 1 MiB the cached copy is as fast and leaves the output where the
+// caller reads it next).
+inline constexpr std::size_t kShmStreamFromBytes = std::size_t{4} << 20;
+
+using ShmCounter = std::atomic<std::uint64_t>;
+static_assert(ShmCounter::is_always_lock_free, "counters must work across processes");
+
+// small and staged: the all-reduce's two paths; columns: hierarchical's intra-group phases.
+enum class ShmPath : std::uint32_t { small = 1, staged = 2, columns = 3 };
+
+struct ShmDescriptor {
+  std::uint64_t count;
+  std::uint32_t dtype, op, path, registered;
+  std::uint64_t segment, offset;  // of a registered input
+  std::uint64_t sequence;         // the call's fingerprint beyond count, dtype and op
+  std::int32_t algorithm;         // (GRADCOMM_CHECK: compared here instead of by a message)
+  std::uint32_t in_call;          // 1 when made inside a front-door call (sequence is valid)
+};
+
+// One rank's part of the control block; every counter on its own cache line.
+struct RankControl {
+  alignas(kShmLine) ShmCounter copied{0};
+  alignas(kShmLine) ShmCounter reduced{0};
+  alignas(kShmLine) ShmCounter drained{0};
+  alignas(kShmLine) std::int64_t pid = 0;
+  std::atomic<int> cpu{-1};  // the CPU the rank last waited on (spin only where it differs)
+  ShmDescriptor descriptor[2] = {};
+};
+
+inline std::size_t align_up(std::size_t value, std::size_t to) {
+  return (value + to - 1) / to * to;
+}
+
+// The segment of one communicator and this rank's view of it, built on first use (collective).
+class ShmState : public Attachment {
+ public:
+  explicit ShmState(Communicator& comm);
+  // A call abandoned by a mismatch leaves counters mid-protocol: map a fresh segment then.
+  bool survives_mismatch() const override { return false; }
+
+  RankControl& control(int j) const { return reinterpret_cast<RankControl*>(segment.data())[j]; }
+  std::byte* small_slot(int j, std::uint64_t round) const {
+    return segment.data() + small_offset +
+           (static_cast<std::size_t>(j) * 2 + round % 2) * kShmSmallBytes;
+  }
+  std::byte* stage(int j, std::uint64_t round) const {
+    return segment.data() + stage_offset +
+           (static_cast<std::size_t>(j) * 2 + round % 2) * kShmRoundBytes;
+  }
+  std::byte* result(std::uint64_t round) const {
+    return segment.data() + result_offset + (round % 2) * kShmRoundBytes;
+  }
+
+  // Waits until every other rank's `which` counter reaches `target`. Spins briefly, then yields,
+  // letting MPI progress and polling the call's check (`call`) now and then; checks that the
+  // awaited rank is still alive (CommError when it exited).
+  void wait_all(ShmCounter RankControl::*which, std::uint64_t target, const char* stage_name,
+                const CallContext& call) const;
+
+  int rank, size;
+  MPI_Comm mpi;             // the communicator's (progress only)
+  std::string unavailable;  // why shm cannot run here; empty when it can
+  bool unavailable_is_message = false;
+  SharedSegment segment;
+  std::size_t control_bytes = 0, small_offset = 0, stage_offset = 0, result_offset = 0;
+  std::vector<pid_t> pids;
+  long spin = 0;
+  std::uint64_t round = 0;  // the last round this rank started
+  // The stores of the all-reduce and of hierarchical's two intra-group phases, chosen apart (their
+  // mixes of segment writes differ).
+  ShmStores stores, scatter_stores, gather_stores;
+  std::vector<std::byte> scratch;  // a streamed result's part, reduced here first
+};
+
+// The communicator's shm state; throws Unsupported (why) where shm cannot run.
+ShmState& usable_state(Communicator& group);
+
+// A copy into the segment, streamed or plain (ShmStores); the caller fences streamed copies
+// (stream_fence) before the release that publishes them.
+void copy_to_segment(std::byte* dst, const std::byte* src, std::size_t bytes, bool streamed);
+
+// The descriptor of this rank's call: its fingerprint (args.call), where a registered input lies.
+ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
+                            const std::optional<RegisteredLocation>& registered);
+
+// Once every rank's `copied` counter has reached `first` (the call's first round), every rank
+// reads the same descriptors and decides the same way: returns where each rank's registered
+// input lies here (nullptr where it is not registered), or, when the ranks disagree, leaves the
+// counters where every rank expects them and throws on every rank.
+std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first,
+                                            const CallContext& call);
+
+// Records a large call's time with `stores` and logs a change of their choice (debug level).
+void record_stores(ShmStores& stores, const char* phase, std::size_t bytes, bool streamed,
+                   std::chrono::steady_clock::time_point started, Communicator& comm);
+
+// True on every rank when shm can run on `comm`: more than one rank, all on one host, and its
+// segment could be created (collective on first use, which creates the segment; cached).
+bool shm_available(Communicator& comm);
+
+// Tells shm that `sub` runs beside other ranks of this machine (`ranks` in all, counting its
+// own): with more ranks than cores its waits yield at once instead of spinning first. Call before
+// the first shm use of `sub`.
+void share_machine_with(Communicator& sub, int ranks);
+
+}  // namespace gradcomm::collectives
