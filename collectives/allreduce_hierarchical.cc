@@ -65,7 +65,7 @@ std::unique_ptr<Communicator> split(Communicator& comm, int color) {
             "allreduce(hierarchical): MPI_Comm_split", comm.rank());
   if (part == MPI_COMM_NULL) return nullptr;
   auto result = std::make_unique<Communicator>(part, comm.config().for_sub_communicator());
-  MPI_Comm_free(&part);
+  check_mpi(MPI_Comm_free(&part), "allreduce(hierarchical): MPI_Comm_free", comm.rank());
   return result;
 }
 

@@ -250,11 +250,11 @@ class GpuHierarchy : public Attachment {
     check_mpi(MPI_Comm_split(comm.mpi_comm(), group, comm.rank(), &split),
               "allreduce(hierarchical): MPI_Comm_split (group)", comm.rank());
     group_comm = std::make_unique<Communicator>(split, comm.config().for_sub_communicator());
-    MPI_Comm_free(&split);
+    check_mpi(MPI_Comm_free(&split), "allreduce(hierarchical): MPI_Comm_free", comm.rank());
     check_mpi(MPI_Comm_split(comm.mpi_comm(), local, comm.rank(), &split),
               "allreduce(hierarchical): MPI_Comm_split (column)", comm.rank());
     column_comm = std::make_unique<Communicator>(split, comm.config().for_sub_communicator());
-    MPI_Comm_free(&split);
+    check_mpi(MPI_Comm_free(&split), "allreduce(hierarchical): MPI_Comm_free", comm.rank());
   }
 
   int groups = 1, group_size = 1, local = 0;

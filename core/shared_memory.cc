@@ -77,8 +77,8 @@ std::atomic<std::uint64_t> g_next_id{1};
 
 SharedSegment::SharedSegment(MPI_Comm node, std::size_t bytes, std::string_view call) {
   int rank = 0, size = 1;
-  MPI_Comm_rank(node, &rank);
-  MPI_Comm_size(node, &size);
+  check_mpi(MPI_Comm_rank(node, &rank), std::string(call) + ": MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(node, &size), std::string(call) + ": MPI_Comm_size", rank);
   static std::atomic<unsigned> counter{0};
   char name[kNameBytes] = {};
   std::uint64_t id = 0;
@@ -184,8 +184,8 @@ RegisteredBuffer allocate_registered(MPI_Comm node, std::size_t bytes, std::stri
   RegisteredBuffer buffer;
   if (bytes == 0) return buffer;
   int rank = 0, size = 1;
-  MPI_Comm_rank(node, &rank);
-  MPI_Comm_size(node, &size);
+  check_mpi(MPI_Comm_rank(node, &rank), std::string(call) + ": MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(node, &size), std::string(call) + ": MPI_Comm_size", rank);
   // Each rank's slice starts on its own page.
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   const std::size_t stride = (bytes + page - 1) / page * page;

@@ -93,8 +93,11 @@ FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tenso
 // differs from rank 0's and throws on every rank with the same message.
 [[noreturn]] void report_mismatch(Communicator& comm, std::span<const TensorDesc> tensors) {
   const MPI_Comm mpi = comm.mpi_comm();
+  const int me = comm.rank();
+  constexpr const char* kBcast = "grouped_allreduce: MPI_Bcast of the tensor lists";
+  constexpr const char* kAllreduce = "grouped_allreduce: MPI_Allreduce of the first difference";
   unsigned long long n0 = tensors.size();
-  MPI_Bcast(&n0, 1, MPI_UNSIGNED_LONG_LONG, 0, mpi);
+  check_mpi(MPI_Bcast(&n0, 1, MPI_UNSIGNED_LONG_LONG, 0, mpi), kBcast, me);
   std::vector<unsigned long long> reference(2 * n0);
   if (comm.rank() == 0) {
     for (std::size_t i = 0; i < n0; ++i) {
@@ -102,7 +105,8 @@ FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tenso
       reference[2 * i + 1] = static_cast<unsigned long long>(tensors[i].dtype);
     }
   }
-  MPI_Bcast(reference.data(), static_cast<int>(2 * n0), MPI_UNSIGNED_LONG_LONG, 0, mpi);
+  check_mpi(MPI_Bcast(reference.data(), static_cast<int>(2 * n0), MPI_UNSIGNED_LONG_LONG, 0, mpi),
+            kBcast, me);
   // First index where this rank differs (n0 and size both count as "the list ends here").
   unsigned long long first = std::max<unsigned long long>(n0, tensors.size()) + 1;
   for (std::size_t i = 0; i < std::max<std::size_t>(n0, tensors.size()); ++i) {
@@ -116,9 +120,11 @@ FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tenso
   // The lowest differing index, and the lowest rank differing there.
   unsigned long long key[2] = {first, static_cast<unsigned long long>(comm.rank())};
   unsigned long long global[2] = {0, 0};
-  MPI_Allreduce(&key[0], &global[0], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi);
+  check_mpi(MPI_Allreduce(&key[0], &global[0], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi), kAllreduce,
+            me);
   if (key[0] != global[0]) key[1] = ~0ull;
-  MPI_Allreduce(&key[1], &global[1], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi);
+  check_mpi(MPI_Allreduce(&key[1], &global[1], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi), kAllreduce,
+            me);
   const std::size_t index = global[0];
   const int culprit = static_cast<int>(global[1]);
   auto describe = [](bool present, unsigned long long count, unsigned long long dtype) {
@@ -131,7 +137,7 @@ FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tenso
       index < tensors.size() ? 1ull : 0ull, index < tensors.size() ? tensors[index].count : 0,
       index < tensors.size() ? static_cast<unsigned long long>(tensors[index].dtype) : 0};
   if (culprit >= 0 && culprit < comm.size()) {
-    MPI_Bcast(mine, 3, MPI_UNSIGNED_LONG_LONG, culprit, mpi);
+    check_mpi(MPI_Bcast(mine, 3, MPI_UNSIGNED_LONG_LONG, culprit, mpi), kBcast, me);
   }
   const bool on_zero = index < n0;
   std::string detail = "ranks passed different tensor lists: tensor " + std::to_string(index) +

@@ -23,10 +23,12 @@ int main(int argc, char** argv) {
     const gradcomm::topology::Topology& t = gradcomm::topology::topology_of(comm);
     char name[MPI_MAX_PROCESSOR_NAME] = {};
     int length = 0;
-    MPI_Get_processor_name(name, &length);
+    gradcomm::check_mpi(MPI_Get_processor_name(name, &length),
+                        "gradcomm-topo: MPI_Get_processor_name", comm.rank());
     std::vector<char> all(static_cast<std::size_t>(comm.size()) * MPI_MAX_PROCESSOR_NAME);
-    MPI_Gather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR,
-               0, comm.mpi_comm());
+    gradcomm::check_mpi(MPI_Gather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(),
+                                   MPI_MAX_PROCESSOR_NAME, MPI_CHAR, 0, comm.mpi_comm()),
+                        "gradcomm-topo: MPI_Gather of the host names", comm.rank());
     if (comm.rank() == 0) {
       std::vector<std::string> hosts;
       for (int r = 0; r < comm.size(); ++r)

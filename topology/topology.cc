@@ -97,8 +97,10 @@ std::string bind(const Hwloc& hw, const std::string& mode, int local_rank, int l
 void check_same_on_all_ranks(Communicator& comm, long long value, const char* variable) {
   long long lo = value;
   long long hi = value;
-  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_LONG_LONG, MPI_MIN, comm.mpi_comm());
-  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_LONG_LONG, MPI_MAX, comm.mpi_comm());
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_LONG_LONG, MPI_MIN, comm.mpi_comm()),
+            "topology: MPI_Allreduce", comm.rank());
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_LONG_LONG, MPI_MAX, comm.mpi_comm()),
+            "topology: MPI_Allreduce", comm.rank());
   if (lo != hi) {
     throw InvalidArgument(
         error_message("topology", comm.rank(),

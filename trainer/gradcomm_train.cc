@@ -292,7 +292,7 @@ std::string with_commas(std::uint64_t n) {
 
 int run(int argc, char** argv) {
   int world_rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  gradcomm::check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "gradcomm-train: MPI_Comm_rank");
   const std::optional<Options> parsed = parse(argc, argv, world_rank);
   if (!parsed) return 0;
   Options o = *parsed;

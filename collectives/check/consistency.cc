@@ -75,7 +75,9 @@ int salt_range() {
   static const int range = [] {
     int* ub = nullptr;
     int flag = 0;
-    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
+    // MPI_TAG_UB is always set (MPI 4.0 section 9.1.1); should the query fail, MPI's guaranteed
+    // minimum stands in.
+    if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag) != MPI_SUCCESS) flag = 0;
     const int tag_ub = flag && ub ? *ub : 32767;
     return tag_ub / 256 - 2;
   }();
@@ -120,7 +122,8 @@ constexpr std::uint64_t kBoardDepth = 4;
 class CheckState : public Attachment {
  public:
   explicit CheckState(Communicator& comm) : rank(comm.rank()), size(comm.size()) {
-    if (comm.config().check != CheckMode::normal || size < 2 || !topology::shares_one_host(comm)) return;
+    if (comm.config().check != CheckMode::normal || size < 2 || !topology::shares_one_host(comm))
+      return;
     try {
       board = SharedSegment(comm.mpi_comm(),
                             static_cast<std::size_t>(size) * kBoardDepth * sizeof(BoardSlot),
@@ -138,8 +141,8 @@ class CheckState : public Attachment {
   MPI_Request request = MPI_REQUEST_NULL;
   Fields mine{};
   std::set<std::string, std::less<>> used;  // algorithms compared before their first use
-  bool renew = false;  // a mismatch ended a call: drop what cannot outlive it (every rank)
-  SharedSegment board;      // empty: compare over MPI
+  bool renew = false;   // a mismatch ended a call: drop what cannot outlive it (every rank)
+  SharedSegment board;  // empty: compare over MPI
   bool board_pending = false;
   std::uint64_t board_sequence = 0;
   std::vector<char> compared;  // peers whose board fingerprint was compared for board_sequence
@@ -213,8 +216,7 @@ void board_poll(CheckState& state, Communicator& comm, const CallScope& scope,
 }
 
 // The comparison has completed: throws MismatchError on every rank when the fields differ.
-void verify(CheckState& state, Communicator& comm, const CallScope& scope,
-            std::string_view call) {
+void verify(CheckState& state, Communicator& comm, const CallScope& scope, std::string_view call) {
   bool agree = true;
   for (int i = 0; i < kFields; ++i) {
     agree = agree && state.recv[static_cast<std::size_t>(i)] ==
