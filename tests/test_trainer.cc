@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "collectives/registry.h"
+#include "collectives/select/auto_select.h"
 #include "core/error.h"
 #include "tests/mpi_test.h"
 #include "trainer/checkpoint.h"
@@ -299,6 +300,49 @@ TEST_F(Trainer, ResumedRunEndsBitIdenticalToAnUninterruptedOne) {
     EXPECT_EQ(resumed.trainer->replica_hash(), straight.trainer->replica_hash());
     EXPECT_EQ(resumed.flat(), straight.flat());
   }
+  MPI_Barrier(world().mpi_comm());
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Under plain auto (measuring its picks): a run resumed from a checkpoint ends bit-identical to
+// the run that wrote it and went on. The writer fixes auto's decisions when it saves them, the
+// resumed run adopts them, so both reduce every later bucket with the same algorithm.
+TEST_F(Trainer, ResumedRunUnderAutoEndsBitIdenticalToTheRunThatWroteIt) {
+  const std::string dir = shared_temp_dir("resume_auto");
+  TrainerOptions o;
+  o.algorithm = "auto";
+  o.global_batch = 200;
+  o.shard_policy = ShardPolicy::uneven;
+  o.lr.lr = lr_for(OptimizerKind::adam);
+  o.checkpoint_dir = dir;
+  o.checkpoint_every = 5;
+  // Communicators of their own: each run's auto starts from nothing, as in separate jobs.
+  Communicator writer_comm(MPI_COMM_WORLD);
+  Replica writer(writer_comm, OptimizerKind::adam, o);
+  for (int step = 0; step < 5; ++step)
+    writer.trainer->step(data());  // saved at step 5
+  const std::string saved = dir + "/at5.bin";
+  if (world().rank() == 0) {
+    std::filesystem::copy_file(writer.trainer->checkpoint_path(), saved);
+  }
+  MPI_Barrier(world().mpi_comm());
+  const collectives::TuningTable fixed = collectives::auto_decisions(writer_comm);
+  if (world().size() > 1) {
+    EXPECT_FALSE(fixed.rows.empty()) << "auto made no decision to save";
+  }
+  while (writer.trainer->steps_done() < 14)
+    writer.trainer->step(data());
+
+  Communicator resumed_comm(MPI_COMM_WORLD);
+  Replica resumed(resumed_comm, OptimizerKind::adam, o, /*init_seed=*/999);
+  resumed.trainer->load_checkpoint(saved);
+  EXPECT_EQ(resumed.trainer->steps_done(), 5u);
+  // The writer's decisions, not new ones: the same table on both communicators.
+  EXPECT_EQ(collectives::auto_decisions(resumed_comm).to_json(), fixed.to_json());
+  while (resumed.trainer->steps_done() < 14)
+    resumed.trainer->step(data());
+  EXPECT_EQ(resumed.trainer->replica_hash(), writer.trainer->replica_hash());
+  EXPECT_EQ(resumed.flat(), writer.flat());
   MPI_Barrier(world().mpi_comm());
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }

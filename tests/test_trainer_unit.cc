@@ -350,6 +350,7 @@ CheckpointState sample_state() {
   s.global_batch = 64;
   s.data_rows = 1000;
   s.data_seed = 5;
+  s.auto_decisions = R"({"version": 1, "ranks": 2, "groups": 1, "rows": []})";
   return s;
 }
 
@@ -390,6 +391,30 @@ TEST(Checkpoint, RoundTripsThroughAFile) {
     ++files;
   EXPECT_EQ(files, 1u);
   std::filesystem::remove_all(dir);
+}
+
+// Version 2 adds auto's decisions at the end; a version-1 file (without them) still reads.
+TEST(Checkpoint, AutoDecisionsRoundTripAndVersionOneStillReads) {
+  const CheckpointState s = sample_state();
+  const CheckpointState back = decode_checkpoint(encode_checkpoint(s), "v2");
+  EXPECT_EQ(back.auto_decisions, s.auto_decisions);
+  EXPECT_EQ(back.step, s.step);
+  CheckpointState plain = s;
+  plain.auto_decisions.clear();
+  std::vector<std::byte> v1 = encode_checkpoint(plain);
+  // Drop the empty string (its u64 length) before the checksum, then mark the file version 1.
+  v1.erase(v1.end() - 16, v1.end() - 8);
+  std::uint32_t one = 1;
+  std::memcpy(v1.data() + 8, &one, sizeof one);
+  std::uint64_t payload = 0;
+  std::memcpy(&payload, v1.data() + 16, sizeof payload);
+  payload -= 8;
+  std::memcpy(v1.data() + 16, &payload, sizeof payload);
+  reseal(v1);
+  const CheckpointState old = decode_checkpoint(v1, "v1");
+  EXPECT_TRUE(old.auto_decisions.empty());
+  EXPECT_EQ(old.data_seed, s.data_seed);
+  EXPECT_EQ(old.parameters[1].values, s.parameters[1].values);
 }
 
 TEST(Checkpoint, ASuccessfulWriteRemovesTemporariesOfDeadWritersOnThisHost) {
@@ -455,8 +480,8 @@ TEST(Checkpoint, RejectsTruncatedCorruptForeignAndNewerFiles) {
   std::memcpy(foreign.data(), "PK\x03\x04", 4);
   EXPECT_THAT(decode_error(foreign), HasSubstr("not a gradcomm checkpoint"));
   std::vector<std::byte> newer = good;
-  newer[8] = std::byte{2};
-  EXPECT_THAT(decode_error(newer), HasSubstr("format version 2; this build reads version 1"));
+  newer[8] = std::byte{3};
+  EXPECT_THAT(decode_error(newer), HasSubstr("format version 3; this build reads versions 1 to 2"));
   // A length field that runs past the end (with a valid checksum) is caught, not trusted.
   CheckpointState odd = sample_state();
   odd.model = std::string(3, 'x');
@@ -465,7 +490,7 @@ TEST(Checkpoint, RejectsTruncatedCorruptForeignAndNewerFiles) {
   std::memcpy(bad.data() + 24, &huge, 8);
   reseal(bad);
   EXPECT_THAT(decode_error(bad), HasSubstr("runs past the end"));
-  // The reserved header word must be 0, as version 1 writes it.
+  // The reserved header word must be 0, as gradcomm writes it.
   std::vector<std::byte> reserved = good;
   reserved[12] = std::byte{1};
   reseal(reserved);

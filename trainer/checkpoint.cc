@@ -149,6 +149,7 @@ std::vector<std::byte> encode_checkpoint(const CheckpointState& s) {
   w.u64(s.global_batch);
   w.u64(s.data_rows);
   w.u64(s.data_seed);
+  w.str(s.auto_decisions);
   std::vector<std::byte>& bytes = w.bytes();
   const std::uint64_t payload = bytes.size() - kHeaderBytes;
   std::memcpy(bytes.data() + 16, &payload, sizeof payload);
@@ -168,15 +169,15 @@ CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::s
   }
   std::uint32_t version = 0;
   std::memcpy(&version, bytes.data() + 8, sizeof version);
-  if (version != kCheckpointVersion) {
-    header.fail("format version " + std::to_string(version) + "; this build reads version " +
+  if (version != 1 && version != kCheckpointVersion) {
+    header.fail("format version " + std::to_string(version) + "; this build reads versions 1 to " +
                 std::to_string(kCheckpointVersion));
   }
   std::uint32_t reserved = 0;
   std::memcpy(&reserved, bytes.data() + 12, sizeof reserved);
   if (reserved != 0) {
     header.fail("reserved header field is " + std::to_string(reserved) +
-                ", version 1 writes 0 (corrupt)");
+                ", gradcomm writes 0 (corrupt)");
   }
   std::uint64_t payload = 0;
   std::memcpy(&payload, bytes.data() + 16, sizeof payload);
@@ -226,6 +227,7 @@ CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::s
   s.global_batch = r.u64();
   s.data_rows = r.u64();
   s.data_seed = r.u64();
+  if (version >= 2) s.auto_decisions = r.str();
   if (!r.done()) r.fail("unexpected bytes after the last field");
   return s;
 }

@@ -24,18 +24,23 @@ struct CheckpointState {
   std::uint64_t global_batch = 0;
   std::uint64_t data_rows = 0;
   std::uint64_t data_seed = 0;
+  // Under auto: its decisions when the checkpoint was written (a tuning table's JSON; empty
+  // otherwise). The writer adopted them from then on, and a resumed run adopts them too, so both
+  // reduce with the same algorithms and end bit-identical. Version 2 on.
+  std::string auto_decisions;
 };
 
-// The file format, version 1 (little-endian):
+// The file format, version 2 (little-endian):
 //   "GRADCKPT" | u32 version | u32 0 | u64 payload bytes | payload | u64 checksum
 // The checksum is a 64-bit FNV-1a of everything before it. The payload is the fields of
-// CheckpointState in order: strings and vectors as a u64 length then the elements.
-inline constexpr std::uint32_t kCheckpointVersion = 1;
+// CheckpointState in order: strings and vectors as a u64 length then the elements. Version 1
+// (read too) ends before auto_decisions.
+inline constexpr std::uint32_t kCheckpointVersion = 2;
 
 std::vector<std::byte> encode_checkpoint(const CheckpointState& state);
-// Throws InvalidArgument naming `source` and the problem for anything but an intact version-1
-// checkpoint: too short or truncated, not a checkpoint (magic), another version, a checksum
-// mismatch (corrupted bytes), or a payload whose lengths run past its end.
+// Throws InvalidArgument naming `source` and the problem for anything but an intact version-1 or
+// version-2 checkpoint: too short or truncated, not a checkpoint (magic), another version, a
+// checksum mismatch (corrupted bytes), or a payload whose lengths run past its end.
 CheckpointState decode_checkpoint(std::span<const std::byte> bytes, const std::string& source);
 
 // Writes `bytes` to `path` so that a reader sees either the old file or the complete new one:

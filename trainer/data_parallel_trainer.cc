@@ -9,6 +9,8 @@
 #include "collectives/allgather.h"
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/select/auto_select.h"
+#include "collectives/select/tuning_table.h"
 #include "core/error.h"
 #include "trainer/checkpoint.h"
 #include "trainer/random.h"
@@ -375,6 +377,16 @@ std::string DataParallelTrainer::checkpoint_path() const {
 }
 
 void DataParallelTrainer::save_checkpoint(const std::string& path) {
+  // Under auto, its decisions are fixed from here on and saved, so that a run resumed from this
+  // checkpoint reduces with the same algorithms as this one (collective: every rank adopts them).
+  std::string decisions;
+  const std::string_view algorithm =
+      options_.algorithm.empty() ? std::string_view(comm_.config().algorithm) : options_.algorithm;
+  if (algorithm == "auto" && !comm_.config().deterministic) {
+    const collectives::TuningTable table = collectives::auto_decisions(comm_);
+    collectives::use_auto_decisions(comm_, table);
+    if (!table.rows.empty()) decisions = table.to_json();
+  }
   std::string failure;
   if (comm_.rank() == 0) {
     try {
@@ -391,6 +403,7 @@ void DataParallelTrainer::save_checkpoint(const std::string& path) {
       s.global_batch = options_.global_batch;
       s.data_rows = order_data_ ? order_data_->rows() : 0;
       s.data_seed = options_.data_seed;
+      s.auto_decisions = decisions;
       write_file_atomically(path, encode_checkpoint(s));
     } catch (const std::exception& e) {
       failure = e.what();
@@ -460,6 +473,9 @@ void DataParallelTrainer::load_checkpoint(const std::string& path) {
   if (s.data_seed != options_.data_seed) {
     invalid("it was written with data seed " + std::to_string(s.data_seed) + ", this run uses " +
             std::to_string(options_.data_seed));
+  }
+  if (!s.auto_decisions.empty()) {
+    collectives::use_auto_decisions(comm_, collectives::TuningTable::parse(s.auto_decisions, path));
   }
   for (std::size_t i = 0; i < params.size(); ++i)
     params[i].value = s.parameters[i].values;

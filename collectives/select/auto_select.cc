@@ -35,6 +35,13 @@ std::string milliseconds(double seconds) {
 }
 
 // What auto knows about one communicator, set up on its first auto call.
+// Decisions adopted (use_auto_decisions) before the communicator's first auto call.
+class AdoptedDecisions : public Attachment {
+ public:
+  explicit AdoptedDecisions(Communicator&) {}
+  std::optional<TuningTable> table;
+};
+
 class AutoState : public Attachment {
  public:
   AutoState(Communicator& comm, const CallContext& call) {
@@ -66,6 +73,12 @@ class AutoState : public Attachment {
                                      std::to_string(parsed.ranks) + " ranks in " +
                                      std::to_string(parsed.groups) +
                                      " groups; using the cost model");
+      }
+    }
+    if (AdoptedDecisions* adopted = comm.find_attachment<AdoptedDecisions>()) {
+      if (adopted->table) {
+        table = std::move(adopted->table);
+        this->adopted = true;
       }
     }
     measuring = config.auto_measure && !table;
@@ -137,6 +150,7 @@ class AutoState : public Attachment {
   };
 
   std::optional<TuningTable> table;
+  bool adopted = false;  // the table came from use_auto_decisions
   CostModel model;
   Corrections corrections;
   int groups = 1;
@@ -251,8 +265,10 @@ std::string_view select_allreduce_algorithm(const AllreduceArgs& args, Communica
   if (state.decisions.size() >= 4096) state.decisions.clear();
   state.decisions.emplace(bytes, choice);
   if (state.last != choice && comm.log_enabled(LogLevel::debug)) {
-    const std::string why = state.table ? "tuning table " + comm.config().tuning_file
-                                        : explain(state, bytes, comm.size(), nullptr);
+    const std::string why = state.table
+                                ? (state.adopted ? std::string("adopted decisions")
+                                                 : "tuning table " + comm.config().tuning_file)
+                                : explain(state, bytes, comm.size(), nullptr);
     comm.log(LogLevel::debug, "auto: " + std::string(choice) + " for " + std::to_string(bytes) +
                                   " bytes on " + std::to_string(comm.size()) + " ranks (" + why +
                                   ")");
@@ -345,6 +361,66 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
   for (const AlgorithmEntry& entry : registered_algorithms()) {
     if (entry.name == algorithm) state.test_scale.emplace_back(entry.name, factor);
   }
+}
+
+}  // namespace gradcomm::collectives
+
+namespace gradcomm::collectives {
+
+TuningTable auto_decisions(Communicator& comm) {
+  TuningTable out;
+  out.ranks = comm.size();
+  AutoState* state = comm.find_attachment<AutoState>();
+  if (state == nullptr) {
+    AdoptedDecisions* adopted = comm.find_attachment<AdoptedDecisions>();
+    if (adopted != nullptr && adopted->table) return *adopted->table;
+    return out;  // auto never ran here: no decisions
+  }
+  out.groups = state->groups;
+  if (state->table) return *state->table;
+  // Measured size classes decide for their whole class, [2^(b-1), 2^b); the model's decisions
+  // were made per size. The table's rule (the first row whose max_bytes >= the size) gives back
+  // exactly these for every size seen, and the next row's for sizes never seen.
+  for (std::size_t b = 0; b < state->classes.size(); ++b) {
+    const AutoState::SizeClass& c = state->classes[b];
+    if (!c.set_up || !c.choice) continue;
+    const std::size_t top = b >= 64 ? SIZE_MAX : (std::size_t{1} << b) - 1;
+    out.rows.push_back({top, std::string(c.choice->choice())});
+  }
+  for (const auto& [bytes, name] : state->decisions)
+    out.rows.push_back({bytes, std::string(name)});
+  std::stable_sort(out.rows.begin(), out.rows.end(),
+                   [](const TuningTable::Row& a, const TuningTable::Row& b) {
+                     return a.max_bytes < b.max_bytes;
+                   });
+  return out;
+}
+
+void use_auto_decisions(Communicator& comm, const TuningTable& table) {
+  if (table.rows.empty()) return;
+  if (table.ranks != comm.size()) {
+    throw InvalidArgument(error_message("use_auto_decisions", comm.rank(),
+                                        "the decisions are for " + std::to_string(table.ranks) +
+                                            " ranks, this communicator has " +
+                                            std::to_string(comm.size())));
+  }
+  for (const TuningTable::Row& row : table.rows) {
+    if (find_prototype(row.algorithm) == nullptr) {
+      throw InvalidArgument(error_message("use_auto_decisions", comm.rank(),
+                                          "unknown algorithm '" + row.algorithm + "'"));
+    }
+  }
+  AutoState* state = comm.find_attachment<AutoState>();
+  if (state == nullptr) {
+    comm.attachment<AdoptedDecisions>().table = table;
+    return;
+  }
+  state->table = table;
+  state->adopted = true;
+  state->measuring = false;
+  state->decisions.clear();
+  state->last = {};
+  state->last_bytes = 0;
 }
 
 }  // namespace gradcomm::collectives

@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "collectives/allreduce_algorithm.h"
+#include "collectives/select/tuning_table.h"
 
 namespace gradcomm::collectives {
 
@@ -38,6 +39,19 @@ void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds
 // GRADCOMM_AUTO_MEASURE=0, a tuning table, reproducible mode). The same on every rank. For
 // gradcomm-bench, which times auto in its steady state (and reports what exploring cost).
 bool auto_settled(const AllreduceArgs& args, Communicator& comm);
+
+// auto's decisions so far as a tuning table (select/tuning_table.h): the measured choice of every
+// size class it has seen, the model's choice for every size it decided by model, or the table it
+// uses. No rows where auto never ran on `comm`. The same on every rank where auto measured
+// (its decisions are agreed); a model's calibration is rank 0's, broadcast.
+TuningTable auto_decisions(Communicator& comm);
+
+// From now on auto decides on `comm` by `table` (as a tuning file would; no measuring): with the
+// table auto_decisions gave, later calls run the algorithms they would have run had measuring
+// stopped there. So a checkpointed run and its resumed continuation make the same choices, and
+// end bit-identical. Every rank must pass the same table. Throws InvalidArgument for a table of
+// another rank count or with an unknown algorithm; an empty table changes nothing.
+void use_auto_decisions(Communicator& comm, const TuningTable& table);
 
 // Tests only: auto's measured times of `algorithm` on this rank are multiplied by `factor` (a
 // model that is wrong about it, on demand). Call on every rank alike.
