@@ -826,6 +826,40 @@ TEST_F(AutoSelection, TuningTableDecidesWhenItMatches) {
   if (world().rank() == 0) std::remove(path.c_str());
 }
 
+// auto's decisions written out and adopted by another communicator give the same algorithm for
+// every size the first one decided, and measuring stops there (auto_settled).
+TEST_F(AutoSelection, DecisionsWrittenOutAndAdoptedDecideTheSame) {
+  if (world().size() < 2) GTEST_SKIP() << "auto runs only with 2 or more ranks";
+  Communicator first(MPI_COMM_WORLD);
+  std::vector<float> buffer(std::size_t{1} << 18, 1.0f);
+  const std::vector<std::size_t> counts = {1, 100, 5000, std::size_t{1} << 18};
+  for (int round = 0; round < 3; ++round) {
+    for (std::size_t count : counts) {
+      allreduce(first, buffer.data(), buffer.data(), count, DataType::float32, ReduceOp::max);
+    }
+  }
+  const collectives::TuningTable decided = collectives::auto_decisions(first);
+  ASSERT_FALSE(decided.rows.empty());
+  EXPECT_EQ(decided.ranks, world().size());
+  const auto again = collectives::TuningTable::parse(decided.to_json(), "decisions");
+  Communicator second(MPI_COMM_WORLD);
+  collectives::use_auto_decisions(second, again);   // before its first auto call
+  collectives::use_auto_decisions(first, decided);  // and on one that measured
+  for (std::size_t count : counts) {
+    const std::string expected(collectives::select_allreduce_algorithm(args_of(count * 4), first));
+    EXPECT_EQ(collectives::select_allreduce_algorithm(args_of(count * 4), second), expected)
+        << count;
+    EXPECT_TRUE(collectives::auto_settled(args_of(count * 4), second));
+    allreduce(second, buffer.data(), buffer.data(), count, DataType::float32, ReduceOp::max);
+  }
+  EXPECT_EQ(collectives::auto_decisions(second).to_json(), decided.to_json());
+  // A table for another rank count is refused, naming both.
+  collectives::TuningTable other = decided;
+  other.ranks = world().size() + 1;
+  EXPECT_THAT([&] { collectives::use_auto_decisions(second, other); },
+              ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("decisions are for")));
+}
+
 // End to end: an algorithm that auto picks but that is slow here (its measured times scaled by
 // 20 on every rank) is replaced within a few windows (a window lasts at least 1 ms and 4 calls,
 // longer where the agreement is slow: across hosts), by the same algorithm on every rank, and

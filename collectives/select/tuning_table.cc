@@ -1,13 +1,53 @@
 #include "collectives/select/tuning_table.h"
 
+#include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "collectives/registry.h"
 #include "core/error.h"
 
 namespace gradcomm::collectives {
+
+TuningTable TuningTable::from_fastest(
+    int ranks, int groups, const std::vector<std::pair<std::size_t, std::string>>& fastest) {
+  TuningTable table;
+  table.ranks = ranks;
+  table.groups = groups;
+  for (std::size_t i = 0; i < fastest.size(); ++i) {
+    const std::size_t limit =
+        i + 1 < fastest.size()
+            ? static_cast<std::size_t>(std::sqrt(static_cast<double>(fastest[i].first) *
+                                                 static_cast<double>(fastest[i + 1].first)))
+            : std::numeric_limits<std::size_t>::max();
+    if (!table.rows.empty() && table.rows.back().algorithm == fastest[i].second) {
+      table.rows.back().max_bytes = limit;
+    } else {
+      table.rows.push_back({limit, fastest[i].second});
+    }
+  }
+  return table;
+}
+
+void TuningTable::save(const std::string& path) const {
+  std::ofstream out(path);
+  out << to_json();
+  out.flush();
+  if (!out) {
+    throw InvalidArgument(error_message("tuning table", -1, "cannot write '" + path + "'"));
+  }
+}
+
+TuningTable TuningTable::load(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream content;
+  content << in.rdbuf();
+  if (!in) throw InvalidArgument(error_message("tuning table", -1, "cannot read '" + path + "'"));
+  return parse(content.str(), path);
+}
 
 std::string TuningTable::to_json() const {
   nlohmann::json doc;

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gradcomm::collectives {
@@ -21,7 +22,17 @@ struct TuningTable {
   int groups = 0;
   std::vector<Row> rows;
 
+  // The table of a size sweep: `fastest` holds (bytes, fastest algorithm) in increasing size;
+  // each measured size decides up to the geometric midpoint to the next one, and equal
+  // neighbours merge into one row.
+  static TuningTable from_fastest(int ranks, int groups,
+                                  const std::vector<std::pair<std::size_t, std::string>>& fastest);
+
   std::string to_json() const;
+  // Writes to_json() to `path`; throws InvalidArgument naming it when it cannot.
+  void save(const std::string& path) const;
+  // Reads and parses `path` (InvalidArgument naming it when unreadable or malformed).
+  static TuningTable load(const std::string& path);
   // Throws InvalidArgument naming `origin` for malformed text or unknown algorithm names.
   static TuningTable parse(const std::string& text, const std::string& origin);
 };

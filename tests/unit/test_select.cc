@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -259,6 +260,25 @@ TEST(Selection, ShortCallsAreTimedOneInStride) {
       EXPECT_EQ(m.record(1.0), i == 12) << i;
     }
   }
+}
+
+// gradcomm-bench --tune's table: each size decides up to the geometric midpoint to the next,
+// equal neighbours merge, the last row covers every larger size.
+TEST(Selection, TableFromASweepsFastestAlgorithms) {
+  const auto table = collectives::TuningTable::from_fastest(
+      4, 1, {{8, "halving_doubling"}, {32, "halving_doubling"}, {128, "shm"}, {512, "ring"}});
+  EXPECT_EQ(table.ranks, 4);
+  ASSERT_EQ(table.rows.size(), 3u);
+  EXPECT_EQ(table.rows[0].max_bytes, 64u);  // sqrt(32 * 128)
+  EXPECT_EQ(table.rows[0].algorithm, "halving_doubling");
+  EXPECT_EQ(table.rows[1].max_bytes, 256u);
+  EXPECT_EQ(table.rows[1].algorithm, "shm");
+  EXPECT_EQ(table.rows[2].max_bytes, SIZE_MAX);
+  const std::string path = ::testing::TempDir() + "/gradcomm_table.json";
+  table.save(path);
+  const auto back = collectives::TuningTable::load(path);
+  EXPECT_EQ(back.to_json(), table.to_json());
+  EXPECT_THROW(collectives::TuningTable::load(path + ".missing"), InvalidArgument);
 }
 
 }  // namespace

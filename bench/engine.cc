@@ -1,0 +1,403 @@
+#include "bench/bench.h"
+
+namespace gradcomm::bench {
+
+// Small integers, exact in every dtype and under every op (products of +-1 stay +-1).
+double check_value(ReduceOp op, int rank, std::size_t i) {
+  if (op == ReduceOp::prod) return ((rank + i) % 3 == 0) ? -1.0 : 1.0;
+  return static_cast<double>(static_cast<long long>((rank * 5 + i) % 13) - 6);
+}
+
+void store(DataType dtype, void* buf, std::size_t i, double v) {
+  switch (dtype) {
+    case DataType::float32:
+      static_cast<float*>(buf)[i] = static_cast<float>(v);
+      break;
+    case DataType::float64:
+      static_cast<double*>(buf)[i] = v;
+      break;
+    case DataType::float16:
+      static_cast<gradcomm::float16_t*>(buf)[i] = gradcomm::to_float16(static_cast<float>(v));
+      break;
+    case DataType::bfloat16:
+      static_cast<gradcomm::bfloat16_t*>(buf)[i] = gradcomm::to_bfloat16(static_cast<float>(v));
+      break;
+    case DataType::int32:
+      static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v);
+      break;
+    case DataType::int64:
+      static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v);
+      break;
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::prod:
+      return MPI_PROD;
+    case ReduceOp::min:
+      return MPI_MIN;
+    case ReduceOp::max:
+      return MPI_MAX;
+    default:
+      return MPI_SUM;
+  }
+}
+
+// Runs one call on check data and counts elements that differ from a float64 MPI_Allreduce
+// reference converted to the dtype. Returns the total over all ranks.
+long long count_wrong(Communicator& comm, const Options& o, const std::string& algorithm,
+                      std::size_t count, std::byte* send, std::byte* recv,
+                      std::vector<double>& ref_in, std::vector<double>& ref_out) {
+  const std::size_t es = gradcomm::element_size(o.dtype);
+  ref_in.resize(count);
+  ref_out.resize(count);
+  // Device buffers are filled and read through a host copy.
+  gradcomm::gpu::Runtime* gpu = o.gpu ? gradcomm::gpu::runtime() : nullptr;
+  std::vector<std::byte> staged(gpu ? count * es : 0);
+  std::byte* device_send = send;
+  if (gpu) send = staged.data();
+  for (std::size_t i = 0; i < count; ++i) {
+    ref_in[i] = check_value(o.op, comm.rank(), i);
+    store(o.dtype, send, i, ref_in[i]);
+  }
+  if (gpu) {
+    gpu->copy_async(device_send, send, count * es, nullptr);
+    gpu->stream_synchronize(nullptr);
+  }
+  for (std::size_t offset = 0; offset < count; offset += std::size_t{1} << 30) {
+    const int len = static_cast<int>(std::min(count - offset, std::size_t{1} << 30));
+    MPI_Allreduce(ref_in.data() + offset, ref_out.data() + offset, len, MPI_DOUBLE, mpi_op(o.op),
+                  comm.mpi_comm());
+  }
+  std::byte* out = o.in_place ? send : recv;
+  if (gpu) {
+    std::byte* device_out = o.in_place ? device_send : recv;
+    gradcomm::allreduce(comm, device_send, device_out, count, o.dtype, o.op,
+                        {.algorithm = algorithm});
+    gpu->copy_async(staged.data(), device_out, count * es, nullptr);
+    gpu->stream_synchronize(nullptr);
+    out = staged.data();
+  } else {
+    gradcomm::allreduce(comm, send, out, count, o.dtype, o.op, {.algorithm = algorithm});
+  }
+  std::vector<std::byte> expected(es);
+  long long wrong = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    double v = ref_out[i];
+    if (o.op == ReduceOp::avg) {
+      v = gradcomm::is_floating(o.dtype) ? v / comm.size() : std::trunc(v / comm.size());
+    }
+    store(o.dtype, expected.data(), 0, v);
+    if (std::memcmp(expected.data(), out + i * es, es) != 0) ++wrong;
+  }
+  long long total = 0;
+  MPI_Allreduce(&wrong, &total, 1, MPI_LONG_LONG, MPI_SUM, comm.mpi_comm());
+  return total;
+}
+
+double percentile(std::vector<double> sorted, double p) {
+  std::sort(sorted.begin(), sorted.end());
+  const double position = p * static_cast<double>(sorted.size() - 1);
+  const auto lo = static_cast<std::size_t>(std::floor(position));
+  const std::size_t hi = std::min(lo + 1, sorted.size() - 1);
+  return sorted[lo] + (sorted[hi] - sorted[lo]) * (position - static_cast<double>(lo));
+}
+
+// STREAM (McCalpin) copy and triad on every rank at once: the memory bandwidth the node gives
+// all ranks together, counted as STREAM counts it (bytes read + bytes written per element).
+Stream measure_stream(Communicator& comm) {
+  const std::size_t count = kStreamBytes / sizeof(double);
+  std::vector<double> a(count, 1.0), b(count, 2.0), c(count, 0.0);
+  const MPI_Comm mpi = comm.mpi_comm();
+  auto best_rate = [&](auto&& kernel, double bytes) {
+    double best = 1e30;
+    for (int trial = 0; trial < 5; ++trial) {
+      MPI_Barrier(mpi);
+      const double t0 = MPI_Wtime();
+      kernel();
+      double elapsed = MPI_Wtime() - t0;
+      MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
+      best = std::min(best, elapsed);
+    }
+    return bytes * comm.size() / best;
+  };
+  Stream s;
+  s.copy = best_rate(
+      [&] {
+        for (std::size_t i = 0; i < count; ++i)
+          c[i] = a[i];
+      },
+      2.0 * kStreamBytes);
+  s.triad = best_rate(
+      [&] {
+        for (std::size_t i = 0; i < count; ++i)
+          a[i] = b[i] + 3.0 * c[i];
+      },
+      3.0 * kStreamBytes);
+  if (a[count / 2] == 42.0) std::printf(" ");  // keep the loops
+  return s;
+}
+
+// A round's order of n items: a random permutation, the same on every rank (every rank seeds
+// `generator` alike and draws from it in the same sequence).
+std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::shuffle(order.begin(), order.end(), generator);
+  return order;
+}
+
+// Calls auto until it has settled at this size (gradcomm::collectives::auto_settled: the same on
+// every rank), for at most Options::explore_seconds (the slowest rank's clock decides, so every
+// rank stops at the same call).
+template <class Call>
+Exploration explore_auto(Communicator& comm, const Options& o, std::size_t count, Call call) {
+  const gradcomm::collectives::AllreduceArgs args{nullptr, nullptr, count, o.dtype, o.op};
+  const MPI_Comm mpi = comm.mpi_comm();
+  Exploration e;
+  MPI_Barrier(mpi);
+  const double t0 = MPI_Wtime();
+  while (!gradcomm::collectives::auto_settled(args, comm)) {
+    for (int i = 0; i < 8; ++i, ++e.calls)
+      call();
+    double elapsed = MPI_Wtime() - t0;
+    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
+    e.seconds = elapsed;
+    if (elapsed > o.explore_seconds) {
+      e.settled = gradcomm::collectives::auto_settled(args, comm);
+      break;
+    }
+  }
+  return e;
+}
+
+// A round lasts at least kRoundSeconds for the fastest algorithm; the estimate of each
+// algorithm's time per call comes from calls that last at least kEstimateSeconds.
+constexpr double kRoundSeconds = 200e-6;
+constexpr double kEstimateSeconds = 50e-6;
+
+// Calls of `per_call` seconds each that last at least `seconds`.
+int calls_for(double seconds, double per_call) {
+  return static_cast<int>(std::clamp(std::ceil(seconds / std::max(per_call, 1e-9)), 1.0, 4096.0));
+}
+
+std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
+                              std::size_t count, std::byte* send, std::byte* recv,
+                              std::vector<double>& ref_in, std::vector<double>& ref_out) {
+  const std::size_t es = gradcomm::element_size(o.dtype);
+  const std::size_t bytes = count * es;
+  const int n = comm.size();
+  const MPI_Comm mpi = comm.mpi_comm();
+  std::byte* out = o.in_place ? send : recv;
+  // The baseline is MPI_Allreduce itself, also when GRADCOMM_DETERMINISTIC reroutes gradcomm.
+  auto comm_for = [&](const std::string& algorithm) -> Communicator& {
+    if (algorithm == "mpi") return baseline;
+    const auto variant = variant_comms().find(algorithm);
+    return variant == variant_comms().end() ? comm : *variant->second;
+  };
+  // GPU calls are enqueued asynchronously and synchronised once per batch (nccl-tests' way).
+  auto call = [&](const std::string& algorithm) {
+    gradcomm::allreduce(comm_for(algorithm), send, out, count, o.dtype, o.op,
+                        {.algorithm = base_algorithm(algorithm), .asynchronous = o.gpu});
+  };
+  auto sync = [&] {
+    if (o.gpu) gradcomm::gpu::runtime()->stream_synchronize(nullptr);
+  };
+
+  // Warm up, and estimate each algorithm's time per call (slowest rank) from a batch of calls.
+  // auto first explores each size (it times its pick, and duels other algorithms that might be
+  // faster: see collectives/select/auto_select.h); the rounds time its steady state, what a
+  // training job's repeated buckets see, and the exploration is reported apart (calls, time).
+  std::vector<double> per_call(o.algorithms.size(), 0.0);
+  Exploration explored;
+  auto time_calls = [&](const std::string& algorithm, int calls) {
+    MPI_Barrier(mpi);
+    const double t0 = MPI_Wtime();
+    for (int i = 0; i < calls; ++i)
+      call(algorithm);
+    sync();
+    double elapsed = MPI_Wtime() - t0;
+    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
+    return elapsed / calls;
+  };
+  for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
+    for (int w = 0; w < o.warmup; ++w)
+      call(o.algorithms[a]);
+    sync();
+    if (base_algorithm(o.algorithms[a]) == "auto" && !o.gpu && o.explore_seconds > 0) {
+      explored = explore_auto(comm_for(o.algorithms[a]), o, count, [&] { call(o.algorithms[a]); });
+    }
+    const double one = time_calls(o.algorithms[a], 1);  // includes the barrier's exit skew
+    per_call[a] = time_calls(o.algorithms[a], calls_for(kEstimateSeconds, one));
+  }
+  // Every algorithm runs the same number of calls per round: a round's fixed costs (the barrier's
+  // exit skew, the first call's wake-up: several us on this machine) are then shared out over the
+  // same count. Per-algorithm batches sized from one call each ranged from 2 to 63 calls at 512 B
+  // on 2 ranks: a batch of 2 charged each call half a round's fixed cost, one of 63 a 63rd.
+  const int round_calls =
+      calls_for(kRoundSeconds, *std::min_element(per_call.begin(), per_call.end()));
+
+  // Interleaved rounds, each in a fresh random order (see the top of the file).
+  const std::size_t algorithms = o.algorithms.size();
+  std::vector<std::vector<double>> times(algorithms, std::vector<double>(o.iters));
+  std::mt19937_64 shuffle(bytes);
+  for (int it = 0; it < o.iters; ++it) {
+    for (const std::size_t a : round_order(algorithms, shuffle)) {
+      MPI_Barrier(mpi);
+      const double t0 = MPI_Wtime();
+      for (int b = 0; b < round_calls; ++b)
+        call(o.algorithms[a]);
+      sync();
+      times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / round_calls;
+    }
+  }
+
+  std::vector<Row> rows;
+  const double bus_factor = n > 1 ? 2.0 * (n - 1) / n : 0.0;
+  for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
+    std::vector<double>& t = times[a];
+    MPI_Allreduce(MPI_IN_PLACE, t.data(), o.iters, MPI_DOUBLE, MPI_MAX, mpi);
+    Row row;
+    row.algorithm = o.algorithms[a];
+    row.round_calls = round_calls;
+    row.bytes = bytes;
+    row.count = count;
+    double sum = 0;
+    for (double v : t)
+      sum += v;
+    row.mean_us = sum / o.iters * 1e6;
+    row.min_us = *std::min_element(t.begin(), t.end()) * 1e6;
+    row.max_us = *std::max_element(t.begin(), t.end()) * 1e6;
+    row.p50_us = percentile(t, 0.5) * 1e6;
+    row.p99_us = percentile(t, 0.99) * 1e6;
+    row.algbw = row.mean_us > 0 ? static_cast<double>(bytes) / (row.mean_us * 1e-6) / 1e9 : 0;
+    row.busbw = row.algbw * bus_factor;
+    gradcomm::reset_traffic(comm_for(row.algorithm));
+    call(row.algorithm);
+    sync();
+    const gradcomm::TrafficReport traffic = gradcomm::traffic(comm_for(row.algorithm));
+    unsigned long long sent[2] = {traffic.intra_bytes, traffic.inter_bytes};
+    MPI_Allreduce(MPI_IN_PLACE, sent, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi);
+    row.intra_bytes = sent[0];
+    row.inter_bytes = sent[1];
+    if (base_algorithm(row.algorithm) == "auto") row.explored = explored;
+    if (o.check)
+      row.wrong = count_wrong(comm_for(row.algorithm), o, base_algorithm(row.algorithm), count,
+                              send, recv, ref_in, ref_out);
+    rows.push_back(row);
+  }
+  const double mpi_p50 = rows.back().p50_us;
+  for (Row& row : rows)
+    row.vs_mpi = row.p50_us > 0 ? mpi_p50 / row.p50_us : 0;
+  // The best fixed algorithm: gradcomm's own, auto and the baseline aside.
+  std::size_t best = algorithms;
+  for (std::size_t a = 0; a < algorithms; ++a) {
+    const std::string base = base_algorithm(o.algorithms[a]);
+    if (base == "auto" || base == "mpi" || a + 1 == algorithms) continue;
+    if (best == algorithms || rows[a].p50_us < rows[best].p50_us) best = a;
+  }
+  if (best < algorithms) {
+    for (std::size_t a = 0; a < algorithms; ++a) {
+      std::vector<double> paired(static_cast<std::size_t>(o.iters));
+      for (std::size_t it = 0; it < paired.size(); ++it)
+        paired[it] = times[a][it] > 0 ? times[best][it] / times[a][it] : 0;
+      rows[a].vs_best = percentile(paired, 0.5);
+      rows[a].best = o.algorithms[best];
+      rows[a].best_p50_us = rows[best].p50_us;
+    }
+  }
+  return rows;
+}
+
+// auto's view of a row: its model's prediction and, for auto, its pick. Every rank calls it (the
+// model is set up collectively on first use).
+void model_row(Communicator& comm, const Options& o, Row& row) {
+  if (row.algorithm == "auto" && comm.size() > 1) {
+    const gradcomm::collectives::AllreduceArgs args{nullptr, nullptr, row.count, o.dtype, o.op};
+    row.picks = gradcomm::collectives::select_allreduce_algorithm(args, comm);
+  }
+  const auto predicted = gradcomm::collectives::predicted_allreduce_seconds(
+      comm, row.picks.empty() ? base_algorithm(row.algorithm) : row.picks, row.bytes);
+  row.model_us = predicted ? *predicted * 1e6 : 0;
+}
+
+void print_header(const Options& o, int n) {
+  if (o.format == Options::Format::csv) {
+    std::printf(
+        "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
+        "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound,model_us,picks,vs_best,"
+        "explore_calls,explore_ms,settled,round_calls\n");
+  } else if (o.format == Options::Format::table) {
+    std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
+                std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
+                o.in_place ? "in-place" : "out-of-place", o.iters, o.warmup,
+                o.check ? "on" : "off");
+    std::printf(
+        "# time: per call, slowest rank, over rounds (a round: the same number of calls of "
+        "each\n#   algorithm, >= 200 us for the fastest); algbw = size / mean time (GB/s); "
+        "busbw = algbw * 2(n-1)/n\n");
+    std::printf(
+        "# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
+        "faster)\n");
+    std::printf(
+        "# vs_best: median over rounds of (best fixed algorithm's time / this time), same "
+        "round\n");
+    std::printf(
+        "# xgroup_MB: bytes one call sends across hierarchical groups (nodes), largest "
+        "rank\n");
+    std::printf(
+        "# model_us: auto's cost model (calibrated) for this algorithm, or for auto's pick\n#\n");
+    std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %7s %10s",
+                "size", "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us",
+                "p50_us", "p99_us", "algbw", "busbw", "#wrong", "vs_mpi", "vs_best", "xgroup_MB");
+    if (o.stream) std::printf(" %8s", "of_bound");
+    std::printf(" %10s  %s\n", "model_us", "picks");
+  }
+}
+
+void print_row(const Options& o, const Row& r, int n, bool first_json) {
+  const std::string type(to_string(o.dtype));
+  const std::string op(to_string(o.op));
+  if (o.format == Options::Format::csv) {
+    std::printf(
+        "%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu,%.3f,%.2f,"
+        "%s,%.3f,%d,%.3f,%d,%d\n",
+        r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0, n,
+        r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi,
+        r.intra_bytes, r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best,
+        r.explored.calls, r.explored.seconds * 1e3, r.explored.settled ? 1 : 0, r.round_calls);
+  } else if (o.format == Options::Format::json) {
+    std::printf(
+        "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
+        "\"min_us\": %.2f, \"max_us\": %.2f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
+        "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f, "
+        "\"intra_bytes\": %llu, \"inter_bytes\": %llu, \"of_bound\": %.3f, "
+        "\"model_us\": %.2f, \"picks\": \"%s\", \"vs_best\": %.3f, \"explore_calls\": %d, "
+        "\"explore_ms\": %.3f, \"settled\": %s, \"round_calls\": %d}",
+        first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
+        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi, r.intra_bytes,
+        r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best, r.explored.calls,
+        r.explored.seconds * 1e3, r.explored.settled ? "true" : "false", r.round_calls);
+  } else {
+    const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
+    std::printf(
+        "  %10zu %11zu %8s %5s %-16s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f %7.3f %6s "
+        "%6.2f %7.2f %10.3f",
+        r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us, r.min_us,
+        r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi, r.vs_best,
+        static_cast<double>(r.inter_bytes) / 1e6);
+    if (o.stream) std::printf(" %8.2f", r.of_bound);
+    std::string picks = r.picks;
+    if (r.explored.calls > 0) {
+      char text[96];
+      std::snprintf(text, sizeof text, " (explored %d calls, %.1f ms%s)", r.explored.calls,
+                    r.explored.seconds * 1e3, r.explored.settled ? "" : ", not settled");
+      picks.append(text);
+    }
+    std::printf(" %10.2f  %s\n", r.model_us, picks.c_str());
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace gradcomm::bench
