@@ -19,7 +19,7 @@
 #include "collectives/allreduce_nccl.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
-#include "mpi_test.h"
+#include "tests/mpi_test.h"
 #include "packing/gradient_packer.h"
 #include "packing/grouped_allreduce.h"
 
