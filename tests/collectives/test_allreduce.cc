@@ -37,7 +37,8 @@ constexpr std::size_t kGuardBytes = 64;
 constexpr std::byte kGuard{0x5a};
 
 std::vector<std::string> all_algorithms() {
-  return collectives::host_algorithm_names();  // nccl: tests/collectives/test_gpu_host.cc, tests/gpu/
+  return collectives::host_algorithm_names();  // nccl: tests/collectives/test_gpu_host.cc,
+                                               // tests/gpu/
 }
 
 // Small-integer inputs; element i of rank r depends on i only through i % period(op).

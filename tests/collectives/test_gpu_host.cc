@@ -19,9 +19,9 @@
 #include "collectives/allreduce_nccl.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
-#include "tests/mpi_test.h"
 #include "packing/gradient_packer.h"
 #include "packing/grouped_allreduce.h"
+#include "tests/mpi_test.h"
 
 namespace gradcomm {
 namespace {
