@@ -110,13 +110,6 @@ class Communicator {
     return result;
   }
 
-  // Removes the attachment of type T, if any (its destructor runs now).
-  template <class T>
-  void detach() {
-    const std::size_t slot = attachment_slot<T>();
-    if (slot < attachments_.size()) attachments_[slot].reset();
-  }
-
   // After ranks were found to disagree on a call (collective: every rank learns of it together):
   // replaces the MPI communicator by a fresh duplicate, so messages of the abandoned call that
   // are still posted can never match a later call's.
