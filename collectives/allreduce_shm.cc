@@ -4,7 +4,6 @@
 #include "collectives/allreduce_shm.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -12,10 +11,12 @@
 
 #include "collectives/shm/segment.h"
 #include "core/reduce_kernels.h"
-#include "core/stream_copy.h"
 
 namespace gradcomm::collectives {
 namespace {
+
+// The staged path reduces in blocks of this many bytes (reduce_to_all).
+constexpr std::size_t kShmBlockBytes = std::size_t{8} << 10;
 
 // result = src[0] op src[1] op ... in rank order, over `n` elements; avg divides at the end.
 void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sources, std::size_t n,
@@ -26,6 +27,33 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
   for (std::size_t j = 2; j < sources.size(); ++j)
     reduce_into(result, sources[j], n, args.dtype, op);
   if (args.op == ReduceOp::avg) divide_by(result, n, args.dtype, ranks);
+}
+
+// targets[j] = sources[0] op ... op sources[n - 1] over `n` elements, for every j, block by block
+// so that each block's result is still in L1 when it is copied. targets[0] may be exactly
+// sources[0] (in place) or overlap nothing; targets[j > 0] overlaps no source but its own,
+// sources[j], which it may be exactly (it is written only after the block is reduced).
+void reduce_to_all(const std::vector<std::byte*>& targets,
+                   const std::vector<const std::byte*>& sources, std::size_t n,
+                   const AllreduceArgs& args, int ranks) {
+  const std::size_t es = args.element_bytes();
+  const std::size_t block = kShmBlockBytes / es;
+  const ReduceOp op = args.op == ReduceOp::avg ? ReduceOp::sum : args.op;
+  for (std::size_t b0 = 0; b0 < n; b0 += block) {
+    const std::size_t m = std::min(block, n - b0);
+    const std::size_t at = b0 * es;
+    std::byte* result = targets[0] + at;
+    if (sources.size() == 2 && args.op != ReduceOp::avg) {  // one pass to both outputs
+      reduce_to_both(result, targets[1] + at, sources[0] + at, sources[1] + at, m, args.dtype, op);
+      continue;
+    }
+    reduce_to(result, sources[0] + at, sources[1] + at, m, args.dtype, op);
+    for (std::size_t j = 2; j < sources.size(); ++j)
+      reduce_into(result, sources[j] + at, m, args.dtype, op);
+    if (args.op == ReduceOp::avg) divide_by(result, m, args.dtype, ranks);
+    for (std::size_t j = 1; j < targets.size(); ++j)
+      std::memcpy(targets[j] + at, result, m * es);
+  }
 }
 
 }  // namespace
@@ -46,44 +74,20 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   const int n = s.size, me = s.rank;
   const std::size_t es = args.element_bytes();
   const std::size_t bytes = args.count * es;
-  const ShmPath path = bytes <= kShmSmallBytes ? ShmPath::small : ShmPath::staged;
-  const std::size_t round_elements = kShmRoundBytes / es;
-  const std::uint64_t rounds =
-      path == ShmPath::small ? 1 : (args.count + round_elements - 1) / round_elements;
-  const std::optional<RegisteredLocation> registered =
-      path == ShmPath::staged ? find_registered(args.send, bytes, s.pids) : std::nullopt;
   const auto* send = static_cast<const std::byte*>(args.send);
   auto* recv = static_cast<std::byte*>(args.recv);
   RankControl& mine = s.control(me);
-
-  const auto started = std::chrono::steady_clock::now();
-  // Round `first`: gate, descriptor, first input.
   const std::uint64_t first = s.round + 1;
+  // The small slots' and descriptors' half of round `first` was last read in round first - 2.
   s.wait_all(&RankControl::drained, first < 2 ? 0 : first - 2, "drain", args.call);
-  mine.descriptor[first % 2] = descriptor_of(args, path, registered);
-  // From kShmStreamFromBytes on, the segment's stores follow Config::shm_stores (ShmStores); below,
-  // where a round's data is still in cache when peers read it, streamed stores cost 2-2.5x
-  // (1 MiB on 2 ranks) and plain ones are kept.
-  const bool large = bytes >= kShmStreamFromBytes;
-  const bool streams = large && !registered && s.stores.next_call_streams(bytes);
-  auto copy_in = [&](std::uint64_t k) {  // the k-th round of this call
-    if (registered) return;
-    const std::size_t e0 = k * round_elements;
-    const std::size_t m = std::min(round_elements, args.count - e0);
-    copy_to_segment(s.stage(me, first + k), send + e0 * es, m * es, streams);
-    if (streams) stream_fence();  // before the release that publishes the slot
-  };
-  if (path == ShmPath::small) {
-    std::memcpy(s.small_slot(me, first), send, bytes);
-  } else {
-    copy_in(0);
-  }
-  mine.copied.store(first, std::memory_order_release);
-  s.wait_all(&RankControl::copied, first, "copy-in", args.call);
-  const std::vector<const std::byte*> inputs = agree_on_call(s, first, args.call);
 
-  std::vector<const std::byte*> sources(static_cast<std::size_t>(n));
-  if (path == ShmPath::small) {
+  if (bytes <= kShmSmallBytes) {  // latency path: one flag round
+    mine.descriptor[first % 2] = descriptor_of(args, ShmPath::small, std::nullopt);
+    std::memcpy(s.small_slot(me, first), send, bytes);
+    mine.copied.store(first, std::memory_order_release);
+    s.wait_all(&RankControl::copied, first, "copy-in", args.call);
+    agree_on_call(s, first, args.call);
+    std::vector<const std::byte*> sources(static_cast<std::size_t>(n));
     for (int j = 0; j < n; ++j)
       sources[static_cast<std::size_t>(j)] = s.small_slot(j, first);
     reduce_sources(recv, sources, args.count, args, n);
@@ -93,44 +97,83 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     return;
   }
 
-  // Staged rounds: my part of every round is [p0, p1) of the round's elements, 64-byte aligned.
+  // Registered buffers are read (input) and written (output) where they lie; a private input is
+  // staged into this rank's slot and a private output comes back through it.
+  const std::optional<RegisteredLocation> input = find_registered(send, bytes, s.pids);
+  const std::optional<RegisteredLocation> output =
+      args.in_place() ? input : find_registered(recv, bytes, s.pids);
+  mine.descriptor[first % 2] = descriptor_of(args, ShmPath::staged, input, output);
+  const std::size_t round_elements = kShmRoundBytes / es;
+  // Round k's chunk is [k * chunk, ...) of the buffer; this rank reduces [p0, p1) of it.
+  struct Piece {
+    std::size_t e0, m, p0, p1;
+  };
+  auto piece = [&](std::size_t chunk, std::uint64_t k) {
+    Piece p;
+    p.e0 = static_cast<std::size_t>(k) * chunk;
+    p.m = std::min(chunk, args.count - p.e0);
+    const std::size_t part = align_up((p.m + n - 1) / n, std::max<std::size_t>(1, kShmLine / es));
+    p.p0 = std::min(p.m, part * static_cast<std::size_t>(me));
+    p.p1 = std::min(p.m, p.p0 + part);
+    return p;
+  };
+  // Stages the parts of round k's chunk that peers reduce (all but [p0, p1)) into this rank's
+  // slot, at their offsets in the chunk. A private input's rounds are kShmRoundBytes.
+  auto stage_in = [&](std::uint64_t k) {
+    if (input) return;
+    const Piece p = piece(round_elements, k);
+    std::byte* slot = s.stage(me, first + k);
+    std::memcpy(slot, send + p.e0 * es, p.p0 * es);
+    std::memcpy(slot + p.p1 * es, send + (p.e0 + p.p1) * es, (p.m - p.p1) * es);
+  };
+  stage_in(0);
+  mine.copied.store(first, std::memory_order_release);
+  s.wait_all(&RankControl::copied, first, "copy-in", args.call);
+  const ShmPeers peers = agree_on_call(s, first, args.call);
+  bool all_registered = true;
+  for (int j = 0; j < n; ++j) {
+    const auto jj = static_cast<std::size_t>(j);
+    all_registered = all_registered && peers.inputs[jj] && peers.outputs[jj];
+  }
+  // Where every rank's buffers are registered, the call is one round: nothing is staged.
+  const std::size_t chunk = all_registered ? args.count : round_elements;
+  const std::uint64_t rounds = (args.count + chunk - 1) / chunk;
+
+  std::vector<const std::byte*> sources(static_cast<std::size_t>(n));
+  std::vector<std::byte*> targets(static_cast<std::size_t>(n));
   for (std::uint64_t k = 0; k < rounds; ++k) {
     const std::uint64_t r = first + k;
-    const std::size_t e0 = k * round_elements;
-    const std::size_t m = std::min(round_elements, args.count - e0);
+    const Piece p = piece(chunk, k);
     if (k > 0) s.wait_all(&RankControl::copied, r, "copy-in", args.call);
-    const std::size_t part = align_up((m + n - 1) / n, kShmLine / es);
-    const std::size_t p0 = std::min(m, part * static_cast<std::size_t>(me));
-    const std::size_t p1 = std::min(m, p0 + part);
+    // My part of the round from every rank's input, in rank order, into every rank's output: a
+    // registered buffer where it lies, else the rank's slot (the lines just read there).
+    const std::size_t at = (p.e0 + p.p0) * es;
     for (int j = 0; j < n; ++j) {
-      const std::byte* input = inputs[static_cast<std::size_t>(j)];
-      sources[static_cast<std::size_t>(j)] = (input ? input + e0 * es : s.stage(j, r)) + p0 * es;
+      const auto jj = static_cast<std::size_t>(j);
+      std::byte* slot = s.stage(j, r) + p.p0 * es;
+      if (j == me) {
+        sources[jj] = send + at;
+        targets[jj] = recv + at;
+      } else {
+        sources[jj] = peers.inputs[jj] ? peers.inputs[jj] + at : slot;
+        targets[jj] = peers.outputs[jj] ? peers.outputs[jj] + at : slot;
+      }
     }
-    if (streams && p1 > p0) {
-      if (s.scratch.size() < kShmRoundBytes) s.scratch.resize(kShmRoundBytes);
-      reduce_sources(s.scratch.data(), sources, p1 - p0, args, n);
-      stream_copy(s.result(r) + p0 * es, s.scratch.data(), (p1 - p0) * es);
-      stream_fence();
-    } else {
-      reduce_sources(s.result(r) + p0 * es, sources, p1 - p0, args, n);
-    }
+    reduce_to_all(targets, sources, p.p1 - p.p0, args, n);
     mine.reduced.store(r, std::memory_order_release);
     if (k + 1 < rounds) {  // the next round's copy-in overlaps the peers' reductions
-      s.wait_all(&RankControl::drained, r - 1, "drain", args.call);
-      copy_in(k + 1);
+      stage_in(k + 1);
       mine.copied.store(r + 1, std::memory_order_release);
     }
     s.wait_all(&RankControl::reduced, r, "reduce", args.call);
-    if (large) {
-      stream_copy(recv + e0 * es, s.result(r), m * es);
-      stream_fence();  // non-temporal stores are not ordered by the release below
-    } else {
-      std::memcpy(recv + e0 * es, s.result(r), m * es);
+    if (!output) {  // the peers' parts of my result, from my slot
+      const std::byte* slot = s.stage(me, r);
+      std::memcpy(recv + p.e0 * es, slot, p.p0 * es);
+      std::memcpy(recv + (p.e0 + p.p1) * es, slot + p.p1 * es, (p.m - p.p1) * es);
     }
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + rounds - 1;
-  if (large && !registered) record_stores(s.stores, "", bytes, streams, started, comm);
 }
 
 }  // namespace gradcomm::collectives

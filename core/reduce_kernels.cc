@@ -109,6 +109,39 @@ template <class C, class Op, class S = typename C::Storage>
     dst[i] = C::store(op(C::load(a[i]), C::load(b[i])));
 }
 
+// Two outputs from one pass. dst0 may be exactly a and dst1 exactly b: each element is loaded
+// before it is stored, at the same index, so there is no dependence between iterations.
+template <class C, class Op, class S = typename C::Storage>
+[[gnu::always_inline]] inline void both_loop(S* dst0, S* dst1, const S* a, const S* b,
+                                             std::size_t n, Op op) {
+#pragma GCC ivdep
+  for (std::size_t i = 0; i < n; ++i) {
+    const S z = C::store(op(C::load(a[i]), C::load(b[i])));
+    dst0[i] = z;
+    dst1[i] = z;
+  }
+}
+
+template <class C, class S = typename C::Storage>
+[[gnu::always_inline]] inline void both_typed(void* d0, void* d1, const void* a, const void* b,
+                                              std::size_t n, ReduceOp op) {
+  auto* x0 = static_cast<S*>(d0);
+  auto* x1 = static_cast<S*>(d1);
+  const auto* x = static_cast<const S*>(a);
+  const auto* y = static_cast<const S*>(b);
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      return both_loop<C>(x0, x1, x, y, n, Sum{});
+    case ReduceOp::prod:
+      return both_loop<C>(x0, x1, x, y, n, Prod{});
+    case ReduceOp::min:
+      return both_loop<C>(x0, x1, x, y, n, Min{});
+    case ReduceOp::max:
+      return both_loop<C>(x0, x1, x, y, n, Max{});
+  }
+}
+
 template <class C, class S = typename C::Storage>
 [[gnu::always_inline]] inline void divide_loop(S* __restrict buf, std::size_t n, int divisor) {
   using V = typename C::Value;
@@ -166,6 +199,18 @@ GRADCOMM_DEFINE_KERNEL(reduce_bf16, BFloat16)
 GRADCOMM_DEFINE_KERNEL(reduce_i32, Plain<std::int32_t>)
 GRADCOMM_DEFINE_KERNEL(reduce_i64, Plain<std::int64_t>)
 #undef GRADCOMM_DEFINE_KERNEL
+
+#define GRADCOMM_DEFINE_BOTH(NAME, CODEC)                                                          \
+  GRADCOMM_VECTOR_CLONES void NAME(void* d0, void* d1, const void* a, const void* b, std::size_t n, \
+                                   ReduceOp op) {                                                  \
+    both_typed<CODEC>(d0, d1, a, b, n, op);                                                        \
+  }
+GRADCOMM_DEFINE_BOTH(both_f32, Plain<float>)
+GRADCOMM_DEFINE_BOTH(both_f64, Plain<double>)
+GRADCOMM_DEFINE_BOTH(both_bf16, BFloat16)
+GRADCOMM_DEFINE_BOTH(both_i32, Plain<std::int32_t>)
+GRADCOMM_DEFINE_BOTH(both_i64, Plain<std::int64_t>)
+#undef GRADCOMM_DEFINE_BOTH
 
 #if GRADCOMM_HAVE_F16C_PATH
 // float16 with the F16C conversion instructions: the portable bit-twiddling conversions cost ~1 ns
@@ -300,6 +345,26 @@ void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType 
                ReduceOp op) {
   const Form form = dst == a ? Form::dst_first : dst == b ? Form::dst_second : Form::three_operand;
   reduce_dispatch(dst, a, b, n, dtype, form, op);
+}
+
+void reduce_to_both(void* dst0, void* dst1, const void* a, const void* b, std::size_t n,
+                    DataType dtype, ReduceOp op) {
+  switch (dtype) {
+    case DataType::float32:
+      return both_f32(dst0, dst1, a, b, n, op);
+    case DataType::float64:
+      return both_f64(dst0, dst1, a, b, n, op);
+    case DataType::bfloat16:
+      return both_bf16(dst0, dst1, a, b, n, op);
+    case DataType::int32:
+      return both_i32(dst0, dst1, a, b, n, op);
+    case DataType::int64:
+      return both_i64(dst0, dst1, a, b, n, op);
+    case DataType::float16:  // the F16C path (reduce_to), then a copy
+      reduce_to(dst0, a, b, n, dtype, op);
+      std::memcpy(dst1, dst0, n * element_size(dtype));
+      return;
+  }
 }
 
 void convert(void* dst, DataType to, const void* src, DataType from, std::size_t n) {

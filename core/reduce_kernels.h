@@ -17,6 +17,11 @@ void reduce_into(void* dst, const void* src, std::size_t n, DataType dtype, Redu
 // exactly a or exactly b; no other overlap is allowed.
 void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op);
 
+// dst0[i] = dst1[i] = a[i] op b[i]: one pass that writes the result to two places. dst0 may be
+// exactly a and dst1 exactly b; no other overlap is allowed.
+void reduce_to_both(void* dst0, void* dst1, const void* a, const void* b, std::size_t n,
+                    DataType dtype, ReduceOp op);
+
 // buf[i] = buf[i] / divisor, the last step of avg. Floating types divide (correctly rounded for
 // float32/float64; float16/bfloat16 divide in float32 and round once); integers truncate.
 void divide_by(void* buf, std::size_t n, DataType dtype, int divisor);

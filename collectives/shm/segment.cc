@@ -43,7 +43,6 @@ ShmState::ShmState(Communicator& comm)
     : rank(comm.rank()),
       size(comm.size()),
       mpi(comm.mpi_comm()),
-      stores(comm.config().shm_stores),
       scatter_stores(comm.config().shm_stores),
       gather_stores(comm.config().shm_stores) {
   const int on_host = topology::ranks_on_this_host(comm);
@@ -57,7 +56,7 @@ ShmState::ShmState(Communicator& comm)
   control_bytes = align_up(n * sizeof(RankControl), 4096);
   small_offset = control_bytes;
   stage_offset = small_offset + n * 2 * kShmSmallBytes;
-  result_offset = stage_offset + n * 2 * kShmRoundBytes;
+  result_offset = stage_offset + n * kShmStageSlots * kShmRoundBytes;
   try {
     segment = SharedSegment(comm.mpi_comm(), result_offset + 2 * kShmRoundBytes, kShmCall);
   } catch (const CommError& e) {  // thrown on every rank alike (e.g. /dev/shm is full)
@@ -132,28 +131,31 @@ void copy_to_segment(std::byte* dst, const std::byte* src, std::size_t bytes, bo
 }
 
 ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
-                            const std::optional<RegisteredLocation>& registered) {
+                            const std::optional<RegisteredLocation>& input,
+                            const std::optional<RegisteredLocation>& output) {
   const CallInfo* call = args.call.info();
   return ShmDescriptor{args.count,
                        static_cast<std::uint32_t>(args.dtype),
                        static_cast<std::uint32_t>(args.op),
                        static_cast<std::uint32_t>(path),
-                       registered ? 1u : 0u,
-                       registered ? registered->segment : 0,
-                       registered ? registered->offset : 0,
+                       (input ? kShmInputRegistered : 0u) | (output ? kShmOutputRegistered : 0u),
+                       input ? input->segment : 0,
+                       input ? input->offset : 0,
+                       output ? output->segment : 0,
+                       output ? output->offset : 0,
                        call ? call->sequence : 0,
                        call ? call->algorithm : -1,
                        call ? 1u : 0u};
 }
 
-std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first,
-                                            const CallContext& context) {
+ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& context) {
   const int n = s.size, me = s.rank;
   const CallInfo* call = context.info();
   std::vector<ShmDescriptor> calls(static_cast<std::size_t>(n));
   for (int j = 0; j < n; ++j)
     calls[static_cast<std::size_t>(j)] = s.control(j).descriptor[first % 2];
-  std::vector<const std::byte*> inputs(static_cast<std::size_t>(n), nullptr);
+  ShmPeers peers{std::vector<const std::byte*>(static_cast<std::size_t>(n), nullptr),
+                 std::vector<std::byte*>(static_cast<std::size_t>(n), nullptr)};
   std::string problem;
   bool mismatch = false;
   for (int j = 0; j < n && problem.empty(); ++j) {
@@ -178,11 +180,17 @@ std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first,
         infos.push_back(info);
       }
       problem = describe_mismatch(infos);
-    } else if (d.registered) {
-      inputs[static_cast<std::size_t>(j)] = registered_address({d.segment, d.offset});
-      if (inputs[static_cast<std::size_t>(j)] == nullptr) {
-        problem = "rank " + std::to_string(j) + "'s registered buffer is not mapped here";
+    } else {
+      const auto jj = static_cast<std::size_t>(j);
+      if (d.registered & kShmInputRegistered) {
+        peers.inputs[jj] = registered_address({d.segment, d.offset});
+        if (peers.inputs[jj] == nullptr) problem = "rank " + std::to_string(j) + "'s registered input";
       }
+      if (d.registered & kShmOutputRegistered) {
+        peers.outputs[jj] = registered_address({d.out_segment, d.out_offset});
+        if (peers.outputs[jj] == nullptr) problem = "rank " + std::to_string(j) + "'s registered output";
+      }
+      if (!problem.empty()) problem += " is not mapped here";
     }
   }
   if (!problem.empty()) {
@@ -198,7 +206,7 @@ std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first,
     }
     throw InvalidArgument(error_message(kShmCall, me, problem));
   }
-  return inputs;
+  return peers;
 }
 
 void record_stores(ShmStores& stores, const char* phase, std::size_t bytes, bool streamed,

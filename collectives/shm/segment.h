@@ -5,12 +5,15 @@
 // (owner_exchange_shm.h) read and write.
 //
 // Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (a call is one
-// round on the latency path, ceil(bytes / kShmRoundBytes) rounds on the staged path). Every rank
-// owns three monotonic counters in the segment, each holding the last round it finished a stage
-// of: `copied` (its input of that round is readable), `reduced` (its part of the round's result
-// is written), `drained` (it has copied the round out, or on the latency path reduced it). Slots,
-// results and descriptors come in two halves used by odd and even rounds. Before round r writes a
-// half, the rank waits until every rank has drained round r - 2, the last user of that half.
+// round on the latency path and where every rank's buffers are registered, else
+// ceil(bytes / kShmRoundBytes) rounds). Every rank owns three monotonic counters in the segment,
+// each holding the last round it finished a stage of: `copied` (its input of that round is
+// readable), `reduced` (its part of the round's result is written), `drained` (it has copied the
+// round out, or on the latency path reduced it). Small slots, results and descriptors come in two
+// halves used by odd and even rounds: before round r writes a half, the rank waits until every
+// rank has drained round r - 2, the last user of that half. Stage slots come in kShmStageSlots:
+// a rank stages round r into its slot r % kShmStageSlots once it has drained round
+// r - kShmStageSlots itself (which waited for every reducer of that round).
 //
 // A call's descriptor (count, dtype, op, path, where a registered input lies) is written with the
 // first round's input and read by every rank once that round's `copied` counters are up; ranks
@@ -39,6 +42,7 @@ inline constexpr std::string_view kShmCall = "allreduce(shm)";
 // rank (and a round of hierarchical's phases at most this much of all columns together).
 inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
 inline constexpr std::size_t kShmRoundBytes = std::size_t{256} << 10;
+inline constexpr std::size_t kShmStageSlots = 4;
 inline constexpr std::size_t kShmLine = 64;
 // From this size on, the segment's stores follow Config::shm_stores (ShmStores), and the
 // all-reduce's copy-out bypasses the cache: the output cannot stay cached anyway, and not reading
@@ -53,10 +57,14 @@ static_assert(ShmCounter::is_always_lock_free, "counters must work across proces
 // small and staged: the all-reduce's two paths; columns: hierarchical's intra-group phases.
 enum class ShmPath : std::uint32_t { small = 1, staged = 2, columns = 3 };
 
+// ShmDescriptor::registered's bits.
+inline constexpr std::uint32_t kShmInputRegistered = 1, kShmOutputRegistered = 2;
+
 struct ShmDescriptor {
   std::uint64_t count;
-  std::uint32_t dtype, op, path, registered;
-  std::uint64_t segment, offset;  // of a registered input
+  std::uint32_t dtype, op, path, registered;  // registered: kShm*Registered bits
+  std::uint64_t segment, offset;              // of a registered input
+  std::uint64_t out_segment, out_offset;      // of a registered output
   std::uint64_t sequence;         // the call's fingerprint beyond count, dtype and op
   std::int32_t algorithm;         // (GRADCOMM_CHECK: compared here instead of by a message)
   std::uint32_t in_call;          // 1 when made inside a front-door call (sequence is valid)
@@ -90,7 +98,8 @@ class ShmState : public Attachment {
   }
   std::byte* stage(int j, std::uint64_t round) const {
     return segment.data() + stage_offset +
-           (static_cast<std::size_t>(j) * 2 + round % 2) * kShmRoundBytes;
+           (static_cast<std::size_t>(j) * kShmStageSlots + round % kShmStageSlots) *
+               kShmRoundBytes;
   }
   std::byte* result(std::uint64_t round) const {
     return segment.data() + result_offset + (round % 2) * kShmRoundBytes;
@@ -111,10 +120,9 @@ class ShmState : public Attachment {
   std::vector<pid_t> pids;
   long spin = 0;
   std::uint64_t round = 0;  // the last round this rank started
-  // The stores of the all-reduce and of hierarchical's two intra-group phases, chosen apart (their
-  // mixes of segment writes differ).
-  ShmStores stores, scatter_stores, gather_stores;
-  std::vector<std::byte> scratch;  // a streamed result's part, reduced here first
+  // The stores of hierarchical's two intra-group phases, chosen apart (their mixes of segment
+  // writes differ).
+  ShmStores scatter_stores, gather_stores;
 };
 
 // The communicator's shm state; throws Unsupported (why) where shm cannot run.
@@ -124,16 +132,23 @@ ShmState& usable_state(Communicator& group);
 // (stream_fence) before the release that publishes them.
 void copy_to_segment(std::byte* dst, const std::byte* src, std::size_t bytes, bool streamed);
 
-// The descriptor of this rank's call: its fingerprint (args.call), where a registered input lies.
+// The descriptor of this rank's call: its fingerprint (args.call), where a registered input and
+// a registered output lie.
 ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
-                            const std::optional<RegisteredLocation>& registered);
+                            const std::optional<RegisteredLocation>& input,
+                            const std::optional<RegisteredLocation>& output = std::nullopt);
+
+// Where every rank's registered buffers lie in this process (nullptr where not registered).
+struct ShmPeers {
+  std::vector<const std::byte*> inputs;
+  std::vector<std::byte*> outputs;
+};
 
 // Once every rank's `copied` counter has reached `first` (the call's first round), every rank
 // reads the same descriptors and decides the same way: returns where each rank's registered
-// input lies here (nullptr where it is not registered), or, when the ranks disagree, leaves the
-// counters where every rank expects them and throws on every rank.
-std::vector<const std::byte*> agree_on_call(ShmState& s, std::uint64_t first,
-                                            const CallContext& call);
+// buffers lie here, or, when the ranks disagree, leaves the counters where every rank expects
+// them and throws on every rank.
+ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& call);
 
 // Records a large call's time with `stores` and logs a change of their choice (debug level).
 void record_stores(ShmStores& stores, const char* phase, std::size_t bytes, bool streamed,

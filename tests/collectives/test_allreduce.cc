@@ -115,25 +115,23 @@ std::vector<std::byte> expected_bytes(DataType dtype, ReduceOp op, int n) {
   return table;
 }
 
-// Runs one call and checks everything; returns without throwing so loops keep going.
-void check_exact(Communicator& comm, const std::string& algorithm, DataType dtype, ReduceOp op,
-                 std::size_t count, bool in_place, std::vector<std::byte>& send,
-                 std::vector<std::byte>& recv) {
+// Runs one call on `send` and `recv` (room for count elements and kGuardBytes each; recv unused
+// in place) and checks everything; returns without throwing so loops keep going.
+void check_exact_on(Communicator& comm, const std::string& algorithm, DataType dtype, ReduceOp op,
+                    std::size_t count, bool in_place, std::byte* send, std::byte* recv) {
   SCOPED_TRACE("algorithm=" + algorithm + " dtype=" + std::string(to_string(dtype)) +
                " op=" + std::string(to_string(op)) + " count=" + std::to_string(count) +
                (in_place ? " in-place" : " out-of-place") +
                " ranks=" + std::to_string(comm.size()));
   const std::size_t es = element_size(dtype);
   const std::size_t bytes = count * es;
-  send.resize(std::max(send.size(), bytes + kGuardBytes));
-  recv.resize(std::max(recv.size(), bytes + kGuardBytes));
-  std::byte* out = in_place ? send.data() : recv.data();
-  fill_input(send.data(), count, dtype, op, comm.rank());
-  if (!in_place) std::fill(recv.begin(), recv.begin() + bytes, std::byte{0xcd});
+  std::byte* out = in_place ? send : recv;
+  fill_input(send, count, dtype, op, comm.rank());
+  if (!in_place) std::fill(recv, recv + bytes, std::byte{0xcd});
   std::fill(out + bytes, out + bytes + kGuardBytes, kGuard);
-  const std::uint64_t send_before = fingerprint(send.data(), bytes);
+  const std::uint64_t send_before = fingerprint(send, bytes);
 
-  allreduce(comm, send.data(), out, count, dtype, op, {.algorithm = algorithm});
+  allreduce(comm, send, out, count, dtype, op, {.algorithm = algorithm});
 
   const std::vector<std::byte> table = expected_bytes(dtype, op, comm.size());
   const std::size_t m = period(op);
@@ -151,10 +149,19 @@ void check_exact(Communicator& comm, const std::string& algorithm, DataType dtyp
     return b == kGuard;
   })) << "guard bytes after the output were overwritten";
   if (!in_place) {
-    EXPECT_EQ(fingerprint(send.data(), bytes), send_before) << "the send buffer was modified";
+    EXPECT_EQ(fingerprint(send, bytes), send_before) << "the send buffer was modified";
   }
   EXPECT_TRUE(same_on_all_ranks(comm.mpi_comm(), fingerprint(out, bytes)))
       << "ranks ended with different bits";
+}
+
+void check_exact(Communicator& comm, const std::string& algorithm, DataType dtype, ReduceOp op,
+                 std::size_t count, bool in_place, std::vector<std::byte>& send,
+                 std::vector<std::byte>& recv) {
+  const std::size_t bytes = count * element_size(dtype) + kGuardBytes;
+  send.resize(std::max(send.size(), bytes));
+  recv.resize(std::max(recv.size(), bytes));
+  check_exact_on(comm, algorithm, dtype, op, count, in_place, send.data(), recv.data());
 }
 
 std::vector<std::size_t> small_counts(int n) {
@@ -231,6 +238,46 @@ INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceExact,
                            return std::get<0>(info.param) + "_" +
                                   std::string(to_string(std::get<1>(info.param)));
                          });
+
+// shm's matrix on registered buffers (Communicator::allocate): every dtype, op and count, in and
+// out of place, at an odd element offset into the registered memory. Placements: every rank
+// registered; odd ranks on private buffers (the ranks mix paths in one call); registered input
+// with a private output, and the reverse, alternating by rank.
+TEST_P(AllreduceExact, RegisteredBuffersAtOffsets) {
+  const auto& [algorithm, dtype] = GetParam();
+  if (algorithm != "shm") GTEST_SKIP() << "shm's registered paths";
+  if (!topology::shares_one_host(world())) GTEST_SKIP() << "registered buffers live on one host";
+  const int n = world().size();
+  // 2 ranks (halves), 3 (slices not a power of two, an odd rank private), 5 (more ranks than
+  // cores, two private ranks among five).
+  if (n != 2 && n != 3 && n != 5) GTEST_SKIP() << "runs at 2, 3 and 5 ranks";
+  Communicator& comm = world();
+  const int me = comm.rank();
+  const std::size_t es = element_size(dtype);
+  const std::size_t offset = 3 * es;  // not a cache line: the slices start mid-line
+  const std::size_t room = 1000003 * es + kGuardBytes + offset;
+  RegisteredBuffer a = comm.allocate(room), b = comm.allocate(room);
+  std::vector<std::byte> pa(room), pb(room);
+  enum Placement { all_registered, odd_ranks_private, in_xor_out };
+  for (Placement placement : {all_registered, odd_ranks_private, in_xor_out}) {
+    SCOPED_TRACE("placement " + std::to_string(placement));
+    std::byte* send = a.data() + offset;
+    std::byte* recv = b.data() + offset;
+    if (placement == odd_ranks_private && me % 2 == 1) {
+      send = pa.data() + offset;
+      recv = pb.data() + offset;
+    }
+    if (placement == in_xor_out) (me % 2 == 0 ? recv : send) = pb.data() + offset;
+    for (ReduceOp op : kAllReduceOps) {
+      for (std::size_t count : small_counts(comm.size())) {
+        for (bool in_place : {false, true}) {
+          if (in_place && placement == in_xor_out) continue;
+          check_exact_on(comm, algorithm, dtype, op, count, in_place, send, recv);
+        }
+      }
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // 16 Mi elements on a subset of dtypes and ops (the suite's time budget).

@@ -149,41 +149,36 @@ TEST_F(Shm, BitsOfTheSerialRankOrderReduction) {
   }
 }
 
-// From 4 MiB on, shm writes its segment with plain or non-temporal stores (Config::shm_stores;
-// "auto" alternates, then probes the other way now and then). Every way gives the bits of the
-// serial rank-order sum, out of place and in place, on every call.
-TEST_F(Shm, EveryStoreWayGivesTheSerialSum) {
-  const int n = world().size(), me = world().rank();
+// Calls back to back whose buffers switch between registered and private from one call to the
+// next, differently on each rank (a seeded draw per call and rank), over sizes on both paths and
+// across the staged rounds: every call gives the bits of the serial rank-order sum.
+TEST_F(Shm, SwitchingBetweenRegisteredAndPrivateBackToBack) {
+  Communicator& comm = world();
+  const int n = comm.size(), me = comm.rank();
   auto value = [](int r, std::size_t i) {
     return static_cast<float>(
         1.0 / (1.0 + static_cast<double>(r) * 2.3 + static_cast<double>(i % 997) * 0.41));
   };
-  for (const std::string way : {"cached", "streamed", "auto"}) {
-    Config config = world().config();
-    config.shm_stores = way;
-    Communicator comm(MPI_COMM_WORLD, config);
-    for (const std::size_t count :
-         {std::size_t{1} << 20, (std::size_t{1} << 20) + 13, std::size_t{2500009}}) {
-      std::vector<float> in(count), out(count), serial(count);
-      for (std::size_t i = 0; i < count; ++i) {
-        in[i] = value(me, i);
-        serial[i] = value(0, i);
-        for (int r = 1; r < n; ++r)
-          serial[i] += value(r, i);
-      }
-      // auto: past its three calls each way and its first probe.
-      const int calls = way == "auto" && count == std::size_t{1} << 20 ? 14 : 2;
-      for (int call = 0; call < calls; ++call) {
-        const bool in_place = call % 2 == 1;
-        if (in_place) out = in;
-        allreduce(comm, in_place ? out.data() : in.data(), out.data(), count, DataType::float32,
-                  ReduceOp::sum, {.algorithm = "shm"});
-        EXPECT_EQ(std::memcmp(out.data(), serial.data(), count * sizeof(float)), 0)
-            << way << " stores, count " << count << ", call " << call
-            << (in_place ? " (in place)" : "");
-        std::fill(out.begin(), out.end(), -1.0f);
-      }
+  const std::size_t largest = 200003;
+  RegisteredBuffer reg_in = comm.allocate(largest * sizeof(float));
+  RegisteredBuffer reg_out = comm.allocate(largest * sizeof(float));
+  std::vector<float> priv_in(largest), priv_out(largest), serial(largest);
+  const std::size_t counts[] = {3, 4000, 65537, largest, 131072};
+  for (int call = 0; call < 40; ++call) {
+    const std::size_t count = counts[static_cast<std::size_t>(call) % std::size(counts)];
+    const unsigned draw = static_cast<unsigned>(call * 7 + me * 3 + call * me) % 5;
+    float* in = draw & 1 ? reg_in.as<float>() : priv_in.data();
+    float* out = draw & 2 ? reg_out.as<float>() : priv_out.data();
+    if (draw == 4) out = in;  // in place
+    for (std::size_t i = 0; i < count; ++i) {
+      in[i] = value(me, i + static_cast<std::size_t>(call));
+      serial[i] = value(0, i + static_cast<std::size_t>(call));
+      for (int r = 1; r < n; ++r)
+        serial[i] += value(r, i + static_cast<std::size_t>(call));
     }
+    allreduce(comm, in, out, count, DataType::float32, ReduceOp::sum, {.algorithm = "shm"});
+    EXPECT_EQ(std::memcmp(out, serial.data(), count * sizeof(float)), 0)
+        << "call " << call << ", count " << count << ", draw " << draw;
   }
 }
 
