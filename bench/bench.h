@@ -62,8 +62,10 @@ struct Options {
   std::optional<std::size_t> fusion_threshold;  // --fusion-threshold, for --workload
   std::string tune_file;                        // --tune: write auto's decision table here
   bool registered = false;                      // --registered: buffers from comm.allocate
-  bool stream = false;                          // --stream: STREAM first, bound per row
-  bool gpu = false;                             // --device gpu: device buffers, nccl baseline
+  bool bound = false;                           // --bound: a measured bound per row
+  bool cycle = false;  // --cycle: rewrite the input before and read the result after each call
+  bool default_malloc = false;  // --default-malloc: leave glibc's malloc as it is
+  bool gpu = false;             // --device gpu: device buffers, nccl baseline
   bool algorithms_given = false;
 };
 
@@ -85,7 +87,12 @@ struct Row {
   double vs_best = 0;  // paired against the best fixed gradcomm algorithm (see above); 0: none
   std::string best;    // that algorithm
   double best_p50_us = 0;
-  double of_bound = 0;  // busbw / the memory-traffic bound (--stream), 0 when not measured
+  double of_bound = 0;     // busbw / bound_busbw (--bound), 0 when not measured
+  double bound_busbw = 0;  // the row's measured bound (GB/s of busbw), 0 when not measured
+  std::string state;       // the machine state the bound's probe saw (far, near)
+  // --cycle: the whole cycle (rewrite the input, call, read the result), median over rounds, and
+  // MPI_Allreduce's cycle median / this one.
+  double cycle_p50_us = 0, cycle_vs_mpi = 0;
   // Bytes one call sent inside / across hierarchical groups, largest over ranks (gradcomm's own
   // algorithms; 0 for mpi, whose internals are not visible).
   unsigned long long intra_bytes = 0, inter_bytes = 0;
@@ -108,19 +115,61 @@ std::map<std::string, std::unique_ptr<Communicator>>& variant_comms();
 void store(DataType dtype, void* buf, std::size_t i, double v);
 double percentile(std::vector<double> sorted, double p);
 inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array, above caches
-struct Stream {
-  double copy = 0, triad = 0;  // bytes per second, sum over ranks
-  // The bound on busbw: every rank reads its input once and writes its output once, at STREAM
-  // copy speed shared by all ranks.
-  double bound_busbw(int n) const { return n > 1 ? copy / (2.0 * n) * 2.0 * (n - 1) / n : 0.0; }
+
+// The bound on busbw (--bound), measured in the same run right before each row (this machine's
+// speed drifts), the smaller of:
+//   - memory: an in-place read-modify-write stream x[i] += y[i] on every rank at once over
+//     kStreamBytes arrays (no write-allocate, like an in-place all-reduce), rmw bytes/s counted
+//     as STREAM does (read x, read y, write x); each rank must read n slices and write n slices
+//     of S/n, so busbw <= rmw / (2n) * 2(n-1)/n;
+//   - cross-core: every rank writes a region of the row's size (at most kProbeBytes), then all
+//     ranks at once read the next rank's region, lines another core has just written, at X
+//     bytes/s per reader; a call must bring into each rank at least the (n-1)/n * S bytes of its
+//     peers' inputs that its slice needs, so busbw <= 2X. (Its owner reading the result back
+//     moves as much again, which --cycle's cycle pays outside the call.)
+// Back-to-back calls can beat the cross-core bound: nobody reads the results, which then stay in
+// the reducer's cache for its next call. The state: "far" or "near", from X at kStateProbeBytes
+// (docs/benchmarking.md).
+inline constexpr std::size_t kProbeBytes = std::size_t{16} << 20;
+inline constexpr std::size_t kStateProbeBytes = std::size_t{1} << 20;
+inline constexpr double kNearCrossCore = 50e9;  // bytes/s: far reads 25-35, near 70-90
+
+struct Bound {
+  double rmw = 0, dram_busbw = 0;  // bytes/s
+  double cross_core = 0;           // bytes/s per reader at the row's size (0: not one host)
+  double state_rate = 0;           // cross-core at kStateProbeBytes
+  double busbw = 0;                // the bound (bytes/s)
+  std::string state() const;
 };
-Stream measure_stream(Communicator& comm);
+
+class BoundProbe {
+ public:
+  explicit BoundProbe(Communicator& comm);
+  ~BoundProbe();
+  BoundProbe(const BoundProbe&) = delete;
+  BoundProbe& operator=(const BoundProbe&) = delete;
+  Bound measure(std::size_t bytes);  // collective
+
+ private:
+  double rmw_rate();
+  double cross_core_rate(std::size_t bytes);
+  Communicator& comm_;
+  std::vector<float> rmw_x_, rmw_y_;
+  MPI_Comm node_ = MPI_COMM_NULL;
+  MPI_Win window_ = MPI_WIN_NULL;
+  float* mine_ = nullptr;
+  const float* peer_ = nullptr;
+
+ public:
+  double sink_ = 0;  // keeps the probes' loops
+};
 std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator);
 // Every algorithm of o.algorithms at `count` elements, interleaved in rounds (see the method).
 std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
                               std::size_t count, std::byte* send, std::byte* recv,
                               std::vector<double>& ref_in, std::vector<double>& ref_out);
 void model_row(Communicator& comm, const Options& o, Row& row);
+void print_malloc_line(const Options& o);
 void print_header(const Options& o, int n);
 void print_row(const Options& o, const Row& r, int n, bool first_json);
 

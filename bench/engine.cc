@@ -104,41 +104,6 @@ double percentile(std::vector<double> sorted, double p) {
   return sorted[lo] + (sorted[hi] - sorted[lo]) * (position - static_cast<double>(lo));
 }
 
-// STREAM (McCalpin) copy and triad on every rank at once: the memory bandwidth the node gives
-// all ranks together, counted as STREAM counts it (bytes read + bytes written per element).
-Stream measure_stream(Communicator& comm) {
-  const std::size_t count = kStreamBytes / sizeof(double);
-  std::vector<double> a(count, 1.0), b(count, 2.0), c(count, 0.0);
-  const MPI_Comm mpi = comm.mpi_comm();
-  auto best_rate = [&](auto&& kernel, double bytes) {
-    double best = 1e30;
-    for (int trial = 0; trial < 5; ++trial) {
-      MPI_Barrier(mpi);
-      const double t0 = MPI_Wtime();
-      kernel();
-      double elapsed = MPI_Wtime() - t0;
-      MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
-      best = std::min(best, elapsed);
-    }
-    return bytes * comm.size() / best;
-  };
-  Stream s;
-  s.copy = best_rate(
-      [&] {
-        for (std::size_t i = 0; i < count; ++i)
-          c[i] = a[i];
-      },
-      2.0 * kStreamBytes);
-  s.triad = best_rate(
-      [&] {
-        for (std::size_t i = 0; i < count; ++i)
-          a[i] = b[i] + 3.0 * c[i];
-      },
-      3.0 * kStreamBytes);
-  if (a[count / 2] == 42.0) std::printf(" ");  // keep the loops
-  return s;
-}
-
 // A round's order of n items: a random permutation, the same on every rank (every rank seeds
 // `generator` alike and draws from it in the same sequence).
 std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator) {
@@ -241,23 +206,56 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   // Interleaved rounds, each in a fresh random order (see the top of the file).
   const std::size_t algorithms = o.algorithms.size();
   std::vector<std::vector<double>> times(algorithms, std::vector<double>(o.iters));
+  std::vector<std::vector<double>> cycles(algorithms, std::vector<double>(o.iters));
   std::mt19937_64 shuffle(bytes);
+  // --cycle: a training step's use of the buffers around each call. Every rank rewrites its
+  // input (as backward writes gradients) and afterwards reads its whole result (as the optimizer
+  // does); the call's own time is taken apart from the cycle's.
+  unsigned long long consumed = 0;
+  auto rewrite = [&](int b) { std::memset(send, 0x3c + (b & 1), bytes); };
+  auto consume = [&] {
+    const std::byte* result = out;
+    std::uint64_t sum = 0;
+    for (std::size_t i = 0; i + 8 <= bytes; i += 8) {
+      std::uint64_t word;
+      std::memcpy(&word, result + i, 8);
+      sum += word;
+    }
+    consumed += sum;
+  };
   for (int it = 0; it < o.iters; ++it) {
     for (const std::size_t a : round_order(algorithms, shuffle)) {
       MPI_Barrier(mpi);
       const double t0 = MPI_Wtime();
+      if (o.cycle) {
+        double in_calls = 0;
+        for (int b = 0; b < round_calls; ++b) {
+          rewrite(b);
+          const double c0 = MPI_Wtime();
+          call(o.algorithms[a]);
+          in_calls += MPI_Wtime() - c0;
+          consume();
+        }
+        times[a][static_cast<std::size_t>(it)] = in_calls / round_calls;
+        cycles[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / round_calls;
+        continue;
+      }
       for (int b = 0; b < round_calls; ++b)
         call(o.algorithms[a]);
       sync();
       times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / round_calls;
     }
   }
+  if (consumed == 42) std::printf(" ");  // keeps the reads
 
   std::vector<Row> rows;
   const double bus_factor = n > 1 ? 2.0 * (n - 1) / n : 0.0;
   for (std::size_t a = 0; a < o.algorithms.size(); ++a) {
     std::vector<double>& t = times[a];
     MPI_Allreduce(MPI_IN_PLACE, t.data(), o.iters, MPI_DOUBLE, MPI_MAX, mpi);
+    if (o.cycle) {
+      MPI_Allreduce(MPI_IN_PLACE, cycles[a].data(), o.iters, MPI_DOUBLE, MPI_MAX, mpi);
+    }
     Row row;
     row.algorithm = o.algorithms[a];
     row.round_calls = round_calls;
@@ -271,6 +269,7 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     row.max_us = *std::max_element(t.begin(), t.end()) * 1e6;
     row.p50_us = percentile(t, 0.5) * 1e6;
     row.p99_us = percentile(t, 0.99) * 1e6;
+    if (o.cycle) row.cycle_p50_us = percentile(cycles[a], 0.5) * 1e6;
     row.algbw = row.mean_us > 0 ? static_cast<double>(bytes) / (row.mean_us * 1e-6) / 1e9 : 0;
     row.busbw = row.algbw * bus_factor;
     gradcomm::reset_traffic(comm_for(row.algorithm));
@@ -288,8 +287,11 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
     rows.push_back(row);
   }
   const double mpi_p50 = rows.back().p50_us;
-  for (Row& row : rows)
+  const double mpi_cycle_p50 = rows.back().cycle_p50_us;
+  for (Row& row : rows) {
     row.vs_mpi = row.p50_us > 0 ? mpi_p50 / row.p50_us : 0;
+    row.cycle_vs_mpi = row.cycle_p50_us > 0 ? mpi_cycle_p50 / row.cycle_p50_us : 0;
+  }
   // The best fixed algorithm: gradcomm's own, auto and the baseline aside.
   std::size_t best = algorithms;
   for (std::size_t a = 0; a < algorithms; ++a) {
@@ -322,17 +324,50 @@ void model_row(Communicator& comm, const Options& o, Row& row) {
   row.model_us = predicted ? *predicted * 1e6 : 0;
 }
 
+// How glibc's malloc is set (gradcomm_bench.cc's main sets it before MPI starts).
+void print_malloc_line(const Options& o) {
+  if (o.default_malloc) {
+    std::printf(
+        "# malloc: glibc's defaults (--default-malloc): from ~32 MiB MPI_Allreduce maps its "
+        "temporary buffer\n#   fresh on every call, which this machine pays ~3.4 ms per MiB "
+        "for; vs_mpi there measures glibc\n");
+  } else {
+    std::printf(
+        "# malloc: mmap and trimming off (M_MMAP_MAX=0, M_TRIM_THRESHOLD=1e12) so MPI_Allreduce "
+        "reuses its\n#   temporary buffers, a fair baseline (--default-malloc: glibc's "
+        "defaults)\n");
+  }
+}
+
 void print_header(const Options& o, int n) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "algorithm,size,count,type,redop,inplace,ranks,time_us,min_us,max_us,p50_us,"
         "p99_us,algbw,busbw,wrong,vs_mpi,intra_bytes,inter_bytes,of_bound,model_us,picks,vs_best,"
-        "explore_calls,explore_ms,settled,round_calls\n");
+        "explore_calls,explore_ms,settled,round_calls,bound_busbw,state,cycle_p50_us,"
+        "cycle_vs_mpi\n");
   } else if (o.format == Options::Format::table) {
     std::printf("# gradcomm-bench: %d ranks, %s %s, %s, %d rounds, %d warm-up calls, check %s\n", n,
                 std::string(to_string(o.dtype)).c_str(), std::string(to_string(o.op)).c_str(),
                 o.in_place ? "in-place" : "out-of-place", o.iters, o.warmup,
                 o.check ? "on" : "off");
+    print_malloc_line(o);
+    if (o.cycle) {
+      std::printf(
+          "# --cycle: before each call every rank rewrites its input, after it reads its whole "
+          "result;\n#   time_us..p99_us and busbw are the call's own time, cycle_us the whole "
+          "cycle's median,\n#   cyc_vs_mpi MPI_Allreduce's cycle median / this one\n");
+    } else {
+      std::printf(
+          "# back-to-back calls (nobody touches the buffers between calls; --cycle times a "
+          "training step's use)\n");
+    }
+    if (o.bound) {
+      std::printf(
+          "# bound: busbw bound measured before the row (GB/s): min(rmw / (2n) * 2(n-1)/n, "
+          "2 x cross-core read rate);\n#   of_bound = busbw / bound; state: far or near, from the "
+          "cross-core rate at 1 MiB\n");
+    }
     std::printf(
         "# time: per call, slowest rank, over rounds (a round: the same number of calls of "
         "each\n#   algorithm, >= 200 us for the fastest); algbw = size / mean time (GB/s); "
@@ -351,7 +386,8 @@ void print_header(const Options& o, int n) {
     std::printf("# %10s %11s %8s %5s %-16s %10s %10s %10s %10s %10s %7s %7s %6s %6s %7s %10s",
                 "size", "count", "type", "redop", "algorithm", "time_us", "min_us", "max_us",
                 "p50_us", "p99_us", "algbw", "busbw", "#wrong", "vs_mpi", "vs_best", "xgroup_MB");
-    if (o.stream) std::printf(" %8s", "of_bound");
+    if (o.cycle) std::printf(" %10s %10s", "cycle_us", "cyc_vs_mpi");
+    if (o.bound) std::printf(" %7s %8s %5s", "bound", "of_bound", "state");
     std::printf(" %10s  %s\n", "model_us", "picks");
   }
 }
@@ -362,11 +398,12 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
   if (o.format == Options::Format::csv) {
     std::printf(
         "%s,%zu,%zu,%s,%s,%d,%d,%.2f,%.2f,%.2f,%.2f,%.2f,%.3f,%.3f,%lld,%.3f,%llu,%llu,%.3f,%.2f,"
-        "%s,%.3f,%d,%.3f,%d,%d\n",
+        "%s,%.3f,%d,%.3f,%d,%d,%.3f,%s,%.2f,%.3f\n",
         r.algorithm.c_str(), r.bytes, r.count, type.c_str(), op.c_str(), o.in_place ? 1 : 0, n,
         r.mean_us, r.min_us, r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi,
         r.intra_bytes, r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best,
-        r.explored.calls, r.explored.seconds * 1e3, r.explored.settled ? 1 : 0, r.round_calls);
+        r.explored.calls, r.explored.seconds * 1e3, r.explored.settled ? 1 : 0, r.round_calls,
+        r.bound_busbw, r.state.empty() ? "-" : r.state.c_str(), r.cycle_p50_us, r.cycle_vs_mpi);
   } else if (o.format == Options::Format::json) {
     std::printf(
         "%s    {\"algorithm\": \"%s\", \"size\": %zu, \"count\": %zu, \"time_us\": %.2f, "
@@ -374,11 +411,13 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
         "\"algbw\": %.3f, \"busbw\": %.3f, \"wrong\": %lld, \"vs_mpi\": %.3f, "
         "\"intra_bytes\": %llu, \"inter_bytes\": %llu, \"of_bound\": %.3f, "
         "\"model_us\": %.2f, \"picks\": \"%s\", \"vs_best\": %.3f, \"explore_calls\": %d, "
-        "\"explore_ms\": %.3f, \"settled\": %s, \"round_calls\": %d}",
+        "\"explore_ms\": %.3f, \"settled\": %s, \"round_calls\": %d, \"bound_busbw\": %.3f, "
+        "\"state\": \"%s\", \"cycle_p50_us\": %.2f, \"cycle_vs_mpi\": %.3f}",
         first_json ? "" : ",\n", r.algorithm.c_str(), r.bytes, r.count, r.mean_us, r.min_us,
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.vs_mpi, r.intra_bytes,
         r.inter_bytes, r.of_bound, r.model_us, r.picks.c_str(), r.vs_best, r.explored.calls,
-        r.explored.seconds * 1e3, r.explored.settled ? "true" : "false", r.round_calls);
+        r.explored.seconds * 1e3, r.explored.settled ? "true" : "false", r.round_calls,
+        r.bound_busbw, r.state.c_str(), r.cycle_p50_us, r.cycle_vs_mpi);
   } else {
     const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
     std::printf(
@@ -387,7 +426,8 @@ void print_row(const Options& o, const Row& r, int n, bool first_json) {
         r.bytes, r.count, type.c_str(), op.c_str(), r.algorithm.c_str(), r.mean_us, r.min_us,
         r.max_us, r.p50_us, r.p99_us, r.algbw, r.busbw, wrong.c_str(), r.vs_mpi, r.vs_best,
         static_cast<double>(r.inter_bytes) / 1e6);
-    if (o.stream) std::printf(" %8.2f", r.of_bound);
+    if (o.cycle) std::printf(" %10.2f %10.2f", r.cycle_p50_us, r.cycle_vs_mpi);
+    if (o.bound) std::printf(" %7.2f %8.2f %5s", r.bound_busbw, r.of_bound, r.state.c_str());
     std::string picks = r.picks;
     if (r.explored.calls > 0) {
       char text[96];

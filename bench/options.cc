@@ -49,10 +49,16 @@ const char kUsage[] =
     "      --fusion-threshold B  bucket size for --workload (default GRADCOMM_FUSION_THRESHOLD)\n"
     "      --registered      send/recv buffers in registered memory (comm.allocate), for every\n"
     "                        algorithm and MPI_Allreduce alike\n"
-    "      --stream          measure STREAM copy/triad on all ranks at once first, and report "
-    "each\n"
-    "                        row's busbw as a fraction of the bound set by reading every input\n"
-    "                        once and writing every output once (2*n*S bytes at STREAM speed)\n"
+    "      --bound           before each row, measure the machine's bound on busbw in the same\n"
+    "                        run (an in-place read-modify-write stream on all ranks at once, and\n"
+    "                        a cross-core read of lines another core just wrote) and report\n"
+    "                        of_bound = busbw / bound and the machine state the probe saw\n"
+    "      --cycle           time a training step's use of the buffers: before each call every\n"
+    "                        rank rewrites its input, after it reads the result; reports the\n"
+    "                        call's time and the whole cycle's (back-to-back calls overstate\n"
+    "                        what a step sees)\n"
+    "      --default-malloc  leave glibc's malloc as it is; by default mmap and trimming are off\n"
+    "                        so MPI_Allreduce reuses its temporary buffers (a fair baseline)\n"
     "      --tune FILE       sweep every registered algorithm (and MPI_Allreduce) and write the\n"
     "                        fastest per size as a decision table for auto\n"
     "                        (GRADCOMM_TUNING_FILE=FILE)\n";
@@ -142,8 +148,12 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       o.fusion_threshold = parse_size(value());
     else if (arg == "--registered")
       o.registered = true;
-    else if (arg == "--stream")
-      o.stream = true;
+    else if (arg == "--bound" || arg == "--stream")
+      o.bound = true;
+    else if (arg == "--cycle")
+      o.cycle = true;
+    else if (arg == "--default-malloc")
+      o.default_malloc = true;
     else if (arg == "--csv")
       o.format = Options::Format::csv;
     else if (arg == "--json")
@@ -199,8 +209,10 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
     }
   }
   if (o.gpu) {
-    if (!o.tune_file.empty() || o.registered || o.stream || !o.workload.empty())
-      usage_error("--device gpu does not combine with --tune, --registered, --stream, --workload");
+    if (!o.tune_file.empty() || o.registered || o.bound || o.cycle || !o.workload.empty())
+      usage_error(
+          "--device gpu does not combine with --tune, --registered, --bound, --cycle, "
+          "--workload");
     if (!o.algorithms_given) o.algorithms = {"hierarchical", "auto"};
   }
   // The baseline is always measured, listed last: MPI_Allreduce for host buffers, NCCL

@@ -4,8 +4,12 @@ namespace gradcomm::bench {
 
 int run_sweep(Communicator& comm, const Options& o) {
   const int rank = comm.rank();
+  // The baseline is MPI_Allreduce as an application calls it: no call check, no watchdog (the
+  // check's fingerprint exchange alone costs ~0.4 us per call on 2 ranks here).
   gradcomm::Config plain = comm.config();
   plain.deterministic = false;
+  plain.check = gradcomm::CheckMode::off;
+  plain.watchdog = false;
   Communicator baseline(MPI_COMM_WORLD, plain);
   for (const std::string& name : o.algorithms) {
     if (name.find('/') == std::string::npos) continue;
@@ -68,17 +72,10 @@ int run_sweep(Communicator& comm, const Options& o) {
     for (std::size_t i = 0; i < max_count; ++i)
       store(o.dtype, send, i, (i % 17) * 0.25);
   }
-  const Stream stream = o.stream ? measure_stream(comm) : Stream{};
+  std::unique_ptr<BoundProbe> probe;
+  if (o.bound) probe = std::make_unique<BoundProbe>(comm);
 
   if (rank == 0) {
-    if (o.stream && o.format == Options::Format::table) {
-      std::printf(
-          "# STREAM, all %d ranks at once, %zu MiB arrays each: copy %.1f GB/s, triad %.1f GB/s"
-          " (sum over ranks)\n# bound: busbw <= copy / (2n) * 2(n-1)/n = %.2f GB/s; of_bound ="
-          " busbw / bound\n",
-          comm.size(), kStreamBytes >> 20, stream.copy / 1e9, stream.triad / 1e9,
-          stream.bound_busbw(comm.size()) / 1e9);
-    }
     print_header(o, comm.size());
     if (o.format == Options::Format::json) {
       std::printf(
@@ -100,6 +97,7 @@ int run_sweep(Communicator& comm, const Options& o) {
   for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
        size *= o.factor) {
     const std::size_t count = static_cast<std::size_t>(size) / es;
+    const Bound bound = probe ? probe->measure(count * es) : Bound{};
     const std::vector<Row> rows =
         measure_size(comm, baseline, o, count, send, recv, ref_in, ref_out);
     const auto fastest = std::min_element(
@@ -119,7 +117,11 @@ int run_sweep(Communicator& comm, const Options& o) {
           auto_worst.of_medians_bytes = row.bytes;
         }
       }
-      if (o.stream) row.of_bound = row.busbw * 1e9 / stream.bound_busbw(comm.size());
+      if (probe && bound.busbw > 0) {
+        row.bound_busbw = bound.busbw / 1e9;
+        row.of_bound = row.busbw / row.bound_busbw;
+        row.state = bound.state();
+      }
       if (!o.gpu) model_row(comm, o, row);
       if (rank == 0) print_row(o, row, comm.size(), first);
       first = false;

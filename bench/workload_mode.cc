@@ -122,6 +122,7 @@ int run_workload(Communicator& comm, const Options& o) {
         plan.buckets.size(), fused_buckets, plan.buckets.size() - fused_buckets,
         plan.max_fused_bytes);
     std::printf("# per step, slowest rank, %d interleaved rounds\n", o.iters);
+    print_malloc_line(o);
     std::printf("# %-16s %12s %12s %12s %12s\n", "mode", "time_us", "p50_us", "min_us", "GB/s");
   }
   for (std::size_t m = 0; m < modes.size(); ++m) {

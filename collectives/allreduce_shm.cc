@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "collectives/check/call_info.h"
 #include "collectives/shm/segment.h"
 #include "core/reduce_kernels.h"
 
@@ -78,24 +79,52 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   auto* recv = static_cast<std::byte*>(args.recv);
   RankControl& mine = s.control(me);
   const std::uint64_t first = s.round + 1;
-  // The small slots' and descriptors' half of round `first` was last read in round first - 2.
-  s.wait_all(&RankControl::drained, first < 2 ? 0 : first - 2, "drain", args.call);
+  // No gate before reusing round first - 2's halves (descriptor, packet, small slot): this rank's
+  // last round, first - 1, waited until every peer had begun it, so every peer is done with them.
+  const ShmPath path = bytes <= kShmSmallBytes ? ShmPath::small : ShmPath::staged;
+  SmallPacket& packet = mine.packet[first % 2];
+  const CallInfo* info = args.call.info();
+  packet.count = args.count;
+  packet.sequence = info ? info->sequence : 0;
+  packet.dtype = static_cast<std::uint32_t>(args.dtype);
+  packet.op = static_cast<std::uint32_t>(args.op);
+  packet.path = static_cast<std::uint32_t>(path);
+  packet.in_call = info ? 1u : 0u;
+  packet.algorithm = info ? info->algorithm : -1;
 
-  if (bytes <= kShmSmallBytes) {  // latency path: one flag round
-    mine.descriptor[first % 2] = descriptor_of(args, ShmPath::small, std::nullopt);
-    std::memcpy(s.small_slot(me, first), send, bytes);
+  if (path == ShmPath::small) {  // latency path: one flag round, in one line where it fits
+    const bool inline_data = bytes <= kShmInlineBytes;
+    std::memcpy(inline_data ? packet.data : s.small_slot(me, first), send, bytes);
+    // For a peer that made a different call and reads descriptors (agree_on_call).
+    mine.descriptor[first % 2] = descriptor_of(args, path, std::nullopt);
+    packet.round.store(first, std::memory_order_release);
     mine.copied.store(first, std::memory_order_release);
-    s.wait_all(&RankControl::copied, first, "copy-in", args.call);
-    agree_on_call(s, first, args.call);
-    std::vector<const std::byte*> sources(static_cast<std::size_t>(n));
-    for (int j = 0; j < n; ++j)
-      sources[static_cast<std::size_t>(j)] = s.small_slot(j, first);
+    bool same = true;
+    for (int j = 0; j < n; ++j) {
+      if (j == me) continue;
+      const SmallPacket& theirs = s.control(j).packet[first % 2];
+      s.wait_for(j, theirs.round, first, "copy-in", args.call);
+      same = same && theirs.count == packet.count && theirs.dtype == packet.dtype &&
+             theirs.op == packet.op && theirs.path == packet.path &&
+             (!theirs.in_call || !packet.in_call ||
+              (theirs.sequence == packet.sequence && theirs.algorithm == packet.algorithm));
+    }
+    if (!same) {  // every rank finds the difference in the descriptors and throws alike
+      s.wait_all(&RankControl::copied, first, "copy-in", args.call);
+      agree_on_call(s, first, args.call);
+    }
+    std::vector<const std::byte*>& sources = s.sources;  // no allocation per call
+    for (int j = 0; j < n; ++j) {
+      sources[static_cast<std::size_t>(j)] =
+          inline_data ? s.control(j).packet[first % 2].data : s.small_slot(j, first);
+    }
     reduce_sources(recv, sources, args.count, args, n);
     mine.reduced.store(first, std::memory_order_release);
     mine.drained.store(first, std::memory_order_release);
     s.round = first;
     return;
   }
+  packet.round.store(first, std::memory_order_release);  // for a peer on the latency path
 
   // Registered buffers are read (input) and written (output) where they lie; a private input is
   // staged into this rank's slot and a private output comes back through it.

@@ -200,10 +200,10 @@ GRADCOMM_DEFINE_KERNEL(reduce_i32, Plain<std::int32_t>)
 GRADCOMM_DEFINE_KERNEL(reduce_i64, Plain<std::int64_t>)
 #undef GRADCOMM_DEFINE_KERNEL
 
-#define GRADCOMM_DEFINE_BOTH(NAME, CODEC)                                                          \
-  GRADCOMM_VECTOR_CLONES void NAME(void* d0, void* d1, const void* a, const void* b, std::size_t n, \
-                                   ReduceOp op) {                                                  \
-    both_typed<CODEC>(d0, d1, a, b, n, op);                                                        \
+#define GRADCOMM_DEFINE_BOTH(NAME, CODEC)                                            \
+  GRADCOMM_VECTOR_CLONES void NAME(void* d0, void* d1, const void* a, const void* b, \
+                                   std::size_t n, ReduceOp op) {                     \
+    both_typed<CODEC>(d0, d1, a, b, n, op);                                          \
   }
 GRADCOMM_DEFINE_BOTH(both_f32, Plain<float>)
 GRADCOMM_DEFINE_BOTH(both_f64, Plain<double>)

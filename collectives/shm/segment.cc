@@ -53,6 +53,7 @@ ShmState::ShmState(Communicator& comm)
     return;
   }
   const auto n = static_cast<std::size_t>(size);
+  sources.resize(n);
   control_bytes = align_up(n * sizeof(RankControl), 4096);
   small_offset = control_bytes;
   stage_offset = small_offset + n * 2 * kShmSmallBytes;
@@ -70,44 +71,63 @@ ShmState::ShmState(Communicator& comm)
   for (int j = 0; j < size; ++j)
     pids.push_back(static_cast<pid_t>(control(j).pid));
   // Oversubscribed (counting the ranks of an enclosing communicator, whose others may be busy
-  // elsewhere: hierarchical's groups): yield at once instead of spinning.
+  // elsewhere: hierarchical's groups): yield at once instead of spinning. The CPUs are those any
+  // rank may run on: ranks bound to a core each (mpirun --bind-to core) see one in their own
+  // affinity, but together have as many as there are ranks.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<unsigned long> cpus(sizeof set / sizeof(unsigned long), 0);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) std::memcpy(cpus.data(), &set, sizeof set);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, cpus.data(), static_cast<int>(cpus.size()),
+                          MPI_UNSIGNED_LONG, MPI_BOR, comm.mpi_comm()),
+            "allreduce(shm): MPI_Allreduce of the ranks' CPU sets", rank);
+  std::memcpy(&set, cpus.data(), sizeof set);
+  const int cpus_of_ranks = std::max(topology::usable_cores(), CPU_COUNT(&set));
   const int busy = std::max(size, comm.attachment<MachineRanks>().ranks);
-  spin = busy <= topology::usable_cores() ? 2000 : 0;
+  spin = busy <= cpus_of_ranks ? 2000 : 0;
 }
 
 void ShmState::wait_all(ShmCounter RankControl::*which, std::uint64_t target,
                         const char* stage_name, const CallContext& call) const {
-  const int here = spin > 0 ? sched_getcpu() : -1;
-  if (spin > 0) control(rank).cpu.store(here, std::memory_order_relaxed);
   for (int j = 0; j < size; ++j) {
-    if (j == rank) continue;
-    const ShmCounter& counter = control(j).*which;
-    if (counter.load(std::memory_order_acquire) >= target) continue;
-    // Spinning helps only while the awaited rank runs on another CPU; on this one (the
-    // scheduler put both here) it would burn the time the other needs: yield at once.
-    const long spins = control(j).cpu.load(std::memory_order_relaxed) == here ? 0 : spin;
-    long polls = 0;
-    auto started = std::chrono::steady_clock::time_point{};
-    while (counter.load(std::memory_order_acquire) < target) {
-      if (++polls <= spins) {
-        cpu_relax();
-        continue;
-      }
-      sched_yield();
-      // A peer still in MPI (finishing a ring) may need this rank's progress to get here.
-      if (polls % 16 == 0) drive_mpi_progress(mpi);
-      if (polls % 64 == 0) call.poll_check();  // a peer that made another call never arrives
-      if (polls % 4096 != 0) continue;
-      const auto now = std::chrono::steady_clock::now();
-      if (started == std::chrono::steady_clock::time_point{}) started = now;
-      if (now - started > std::chrono::seconds(1) &&
-          kill(pids[static_cast<std::size_t>(j)], 0) != 0 && errno == ESRCH) {
-        throw CommError(error_message(kShmCall, rank,
-                                      "rank " + std::to_string(j) + " (pid " +
-                                          std::to_string(pids[static_cast<std::size_t>(j)]) +
-                                          ") exited while this rank waited for it to finish '" +
-                                          stage_name + "' of round " + std::to_string(target)));
-      }
+    if (j != rank) wait_for(j, control(j).*which, target, stage_name, call);
+  }
+}
+
+void ShmState::wait_for(int j, const ShmCounter& counter, std::uint64_t target,
+                        const char* stage_name, const CallContext& call) const {
+  if (counter.load(std::memory_order_acquire) >= target) return;
+  // Spinning helps only while the awaited rank runs on another CPU; on this one (the scheduler
+  // put both here) it would burn the time the other needs: yield at once. The CPU is published
+  // only when it changed (peers read that line while they wait).
+  long spins = 0;
+  if (spin > 0) {
+    const int here = sched_getcpu();
+    std::atomic<int>& mine = control(rank).cpu;
+    if (mine.load(std::memory_order_relaxed) != here) mine.store(here, std::memory_order_relaxed);
+    spins = control(j).cpu.load(std::memory_order_relaxed) == here ? 0 : spin;
+  }
+  long polls = 0;
+  auto started = std::chrono::steady_clock::time_point{};
+  while (counter.load(std::memory_order_acquire) < target) {
+    if (++polls <= spins) {
+      cpu_relax();
+      continue;
+    }
+    sched_yield();
+    // A peer still in MPI (finishing a ring) may need this rank's progress to get here.
+    if (polls % 16 == 0) drive_mpi_progress(mpi);
+    if (polls % 64 == 0) call.poll_check();  // a peer that made another call never arrives
+    if (polls % 4096 != 0) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (started == std::chrono::steady_clock::time_point{}) started = now;
+    if (now - started > std::chrono::seconds(1) &&
+        kill(pids[static_cast<std::size_t>(j)], 0) != 0 && errno == ESRCH) {
+      throw CommError(error_message(kShmCall, rank,
+                                    "rank " + std::to_string(j) + " (pid " +
+                                        std::to_string(pids[static_cast<std::size_t>(j)]) +
+                                        ") exited while this rank waited for it to finish '" +
+                                        stage_name + "' of round " + std::to_string(target)));
     }
   }
 }
@@ -184,11 +204,13 @@ ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& cont
       const auto jj = static_cast<std::size_t>(j);
       if (d.registered & kShmInputRegistered) {
         peers.inputs[jj] = registered_address({d.segment, d.offset});
-        if (peers.inputs[jj] == nullptr) problem = "rank " + std::to_string(j) + "'s registered input";
+        if (peers.inputs[jj] == nullptr)
+          problem = "rank " + std::to_string(j) + "'s registered input";
       }
       if (d.registered & kShmOutputRegistered) {
         peers.outputs[jj] = registered_address({d.out_segment, d.out_offset});
-        if (peers.outputs[jj] == nullptr) problem = "rank " + std::to_string(j) + "'s registered output";
+        if (peers.outputs[jj] == nullptr)
+          problem = "rank " + std::to_string(j) + "'s registered output";
       }
       if (!problem.empty()) problem += " is not mapped here";
     }

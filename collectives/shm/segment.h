@@ -65,10 +65,25 @@ struct ShmDescriptor {
   std::uint32_t dtype, op, path, registered;  // registered: kShm*Registered bits
   std::uint64_t segment, offset;              // of a registered input
   std::uint64_t out_segment, out_offset;      // of a registered output
-  std::uint64_t sequence;         // the call's fingerprint beyond count, dtype and op
-  std::int32_t algorithm;         // (GRADCOMM_CHECK: compared here instead of by a message)
-  std::uint32_t in_call;          // 1 when made inside a front-door call (sequence is valid)
+  std::uint64_t sequence;                     // the call's fingerprint beyond count, dtype and op
+  std::int32_t algorithm;  // (GRADCOMM_CHECK: compared here instead of by a message)
+  std::uint32_t in_call;   // 1 when made inside a front-door call (sequence is valid)
 };
+
+// A latency-path call in one cache line: its fingerprint, its data when it fits in `data`, and
+// the round as the flag, written last (release). A peer that waits on `round` gets everything
+// the call needs to compare and reduce in that one line transfer.
+inline constexpr std::size_t kShmInlineBytes = 16;
+struct alignas(kShmLine) SmallPacket {
+  ShmCounter round{0};
+  std::uint64_t count = 0;
+  std::uint64_t sequence = 0;
+  std::uint32_t dtype = 0, op = 0, path = 0, in_call = 0;
+  std::int32_t algorithm = -1;
+  std::uint32_t unused = 0;
+  std::byte data[kShmInlineBytes] = {};
+};
+static_assert(sizeof(SmallPacket) == kShmLine, "one cache line");
 
 // One rank's part of the control block; every counter on its own cache line.
 struct RankControl {
@@ -78,6 +93,7 @@ struct RankControl {
   alignas(kShmLine) std::int64_t pid = 0;
   std::atomic<int> cpu{-1};  // the CPU the rank last waited on (spin only where it differs)
   ShmDescriptor descriptor[2] = {};
+  SmallPacket packet[2];  // by round parity, as the descriptors
 };
 
 inline std::size_t align_up(std::size_t value, std::size_t to) {
@@ -98,8 +114,7 @@ class ShmState : public Attachment {
   }
   std::byte* stage(int j, std::uint64_t round) const {
     return segment.data() + stage_offset +
-           (static_cast<std::size_t>(j) * kShmStageSlots + round % kShmStageSlots) *
-               kShmRoundBytes;
+           (static_cast<std::size_t>(j) * kShmStageSlots + round % kShmStageSlots) * kShmRoundBytes;
   }
   std::byte* result(std::uint64_t round) const {
     return segment.data() + result_offset + (round % 2) * kShmRoundBytes;
@@ -109,6 +124,9 @@ class ShmState : public Attachment {
   // letting MPI progress and polling the call's check (`call`) now and then; checks that the
   // awaited rank is still alive (CommError when it exited).
   void wait_all(ShmCounter RankControl::*which, std::uint64_t target, const char* stage_name,
+                const CallContext& call) const;
+  // The same for one counter of rank j.
+  void wait_for(int j, const ShmCounter& counter, std::uint64_t target, const char* stage_name,
                 const CallContext& call) const;
 
   int rank, size;
@@ -123,6 +141,7 @@ class ShmState : public Attachment {
   // The stores of hierarchical's two intra-group phases, chosen apart (their mixes of segment
   // writes differ).
   ShmStores scatter_stores, gather_stores;
+  std::vector<const std::byte*> sources;  // the latency path's, one per rank
 };
 
 // The communicator's shm state; throws Unsupported (why) where shm cannot run.

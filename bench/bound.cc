@@ -1,0 +1,125 @@
+// The bound each row's busbw is reported against (--bound), measured in the same run, right
+// before the row: see bench.h (Bound) and docs/benchmarking.md.
+
+#include "bench/bench.h"
+
+namespace gradcomm::bench {
+namespace {
+
+constexpr int kTrials = 3;
+
+// The slowest rank's time of `kernel`, all ranks starting together; the best of kTrials.
+template <class Kernel>
+double best_of_trials(MPI_Comm mpi, Kernel&& kernel) {
+  double best = 1e30;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    check_mpi(MPI_Barrier(mpi), "gradcomm-bench: MPI_Barrier");
+    const double t0 = MPI_Wtime();
+    kernel();
+    double elapsed = MPI_Wtime() - t0;
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi),
+              "gradcomm-bench: MPI_Allreduce");
+    best = std::min(best, elapsed);
+  }
+  return best;
+}
+
+// Reads n floats as fast as the core can (integer adds vectorize; a float sum would be one
+// dependent chain), with AVX2 where the CPU has it, as the library's kernels.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GRADCOMM_BENCH_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define GRADCOMM_BENCH_CLONES
+#endif
+
+GRADCOMM_BENCH_CLONES double checksum(const float* p, std::size_t n) {
+  const auto* words = reinterpret_cast<const std::uint64_t*>(p);
+  std::uint64_t sum = 0;
+  for (std::size_t i = 0; i < n / 2; ++i)
+    sum += words[i];
+  return static_cast<double>(sum);
+}
+
+GRADCOMM_BENCH_CLONES void add_into(float* __restrict x, const float* __restrict y, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    x[i] += y[i];
+}
+
+}  // namespace
+
+BoundProbe::BoundProbe(Communicator& comm) : comm_(comm) {
+  rmw_x_.assign(kStreamBytes / sizeof(float), 1.0f);
+  rmw_y_.assign(kStreamBytes / sizeof(float), 0.0f);
+  // The cross-core probe needs memory every rank maps: one host only.
+  int shared_size = 0;
+  check_mpi(MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node_),
+            "gradcomm-bench: MPI_Comm_split_type");
+  check_mpi(MPI_Comm_size(node_, &shared_size), "gradcomm-bench: MPI_Comm_size");
+  if (shared_size != comm.size()) return;
+  void* base = nullptr;
+  check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(kProbeBytes), 1, MPI_INFO_NULL, node_,
+                                    &base, &window_),
+            "gradcomm-bench: MPI_Win_allocate_shared");
+  mine_ = static_cast<float*>(base);
+  MPI_Aint size = 0;
+  int unit = 0;
+  void* next = nullptr;
+  const int peer = (comm.rank() + 1) % comm.size();
+  check_mpi(MPI_Win_shared_query(window_, peer, &size, &unit, &next),
+            "gradcomm-bench: MPI_Win_shared_query");
+  peer_ = static_cast<const float*>(next);
+  std::fill(mine_, mine_ + kProbeBytes / sizeof(float), 1.0f);  // touched once
+}
+
+BoundProbe::~BoundProbe() {
+  if (window_ != MPI_WIN_NULL) MPI_Win_free(&window_);
+  if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
+}
+
+double BoundProbe::rmw_rate() {
+  const std::size_t n = rmw_x_.size();
+  float* x = rmw_x_.data();
+  const float* y = rmw_y_.data();
+  const double t = best_of_trials(comm_.mpi_comm(), [&] { add_into(x, y, n); });
+  sink_ += x[n / 2];
+  return 3.0 * kStreamBytes * comm_.size() / t;
+}
+
+double BoundProbe::cross_core_rate(std::size_t bytes) {
+  if (!mine_) return 0;
+  const std::size_t n = std::clamp<std::size_t>(bytes, 4096, kProbeBytes) / sizeof(float);
+  // Each trial: every rank writes its region, a barrier, then every rank reads the next rank's
+  // region (timed): lines another core has just written, all ranks at once.
+  double best = 1e30;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    std::fill(mine_, mine_ + n, static_cast<float>(trial));
+    check_mpi(MPI_Barrier(comm_.mpi_comm()), "gradcomm-bench: MPI_Barrier");
+    const double t0 = MPI_Wtime();
+    sink_ += checksum(peer_, n);
+    double elapsed = MPI_Wtime() - t0;
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, comm_.mpi_comm()),
+              "gradcomm-bench: MPI_Allreduce");
+    best = std::min(best, elapsed);
+  }
+  return static_cast<double>(n * sizeof(float)) / best;
+}
+
+Bound BoundProbe::measure(std::size_t bytes) {
+  Bound b;
+  const int n = comm_.size();
+  if (n < 2) return b;
+  const double share = 2.0 * (n - 1) / n;  // busbw's factor
+  b.rmw = rmw_rate();
+  b.dram_busbw = b.rmw / (2.0 * n) * share;
+  b.cross_core = cross_core_rate(std::max<std::size_t>(bytes, kStateProbeBytes));
+  b.state_rate = bytes == kStateProbeBytes ? b.cross_core : cross_core_rate(kStateProbeBytes);
+  b.busbw = b.cross_core > 0 ? std::min(b.dram_busbw, 2 * b.cross_core) : b.dram_busbw;
+  return b;
+}
+
+std::string Bound::state() const {
+  if (state_rate <= 0) return "-";
+  return state_rate < kNearCrossCore ? "far" : "near";
+}
+
+}  // namespace gradcomm::bench
