@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# Measures what the README reports for shm: busbw against size for shm, ring and MPI_Allreduce
-# (interleaved in the same run) at 2 and 4 ranks, with STREAM measured in the same run for the
-# memory-traffic bound, plus registered in-place buffers; then plots busbw vs size.
-# usage: bench/shm_report.sh [BUILD_DIR] [OUT_DIR]   (plot needs /usr/bin/python3 + matplotlib)
+# Measures what docs/results/shm.md reports: shm against MPI_Allreduce (interleaved in the same
+# run, malloc set so MPI reuses its temporary buffers) at 2 and 4 ranks, 1-64 MiB, private
+# out-of-place and registered in-place buffers, back to back and in a training-like cycle
+# (--cycle), each row against the bound measured right before it (--bound); then 8 B latency of
+# shm, auto and halving_doubling.
+# usage: [RANKS="2 4"] bench/shm_report.sh [BUILD_DIR] [OUT_DIR]
 set -euo pipefail
 BUILD=${1:-build}
 OUT=${2:-bench/results}
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-RUN=(mpirun --oversubscribe --mca mpi_yield_when_idle 1)
-for np in 2 4; do
-  bind=$([ "$np" -le "$(nproc)" ] && echo core || echo none)
-  "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" -a shm,ring --stream \
-    -b 4 -e 64M -f 4 -n 15 -w 3 --csv >"$OUT/shm_np$np.csv"
-  "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" -a shm,ring --stream \
-    -b 4 -e 64M -f 8 -n 15 -w 3 --registered --inplace --csv >"$OUT/shm_np${np}_registered.csv"
+for np in ${RANKS:-2 4}; do
+  # Ranks that fit the cores are bound and spin (MPI too); more ranks share the cores and yield.
+  if [ "$np" -le "$(nproc)" ]; then
+    bind=core RUN=(mpirun)
+  else
+    bind=none RUN=(mpirun --oversubscribe --mca mpi_yield_when_idle 1)
+  fi
+  for timing in b2b cycle; do
+    flag=$([ $timing = cycle ] && echo --cycle || true)
+    "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" -a shm --bound $flag \
+      -b 1M -e 64M -f 4 -n 15 -w 3 --csv >"$OUT/shm_np${np}_private_$timing.csv"
+    "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" -a shm --bound $flag \
+      -b 1M -e 64M -f 4 -n 15 -w 3 --registered --inplace --csv \
+      >"$OUT/shm_np${np}_registered_$timing.csv"
+  done
+  "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" \
+    -a shm,halving_doubling,auto -b 8 -e 8 -n 40 --csv >"$OUT/shm_np${np}_8B.csv"
 done
-/usr/bin/python3 "$(dirname "$0")/plot_busbw.py" "$OUT" || echo "(no plot: $?)"
