@@ -44,11 +44,9 @@ inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
 inline constexpr std::size_t kShmRoundBytes = std::size_t{256} << 10;
 inline constexpr std::size_t kShmStageSlots = 4;
 inline constexpr std::size_t kShmLine = 64;
-// From this size on, the segment's stores follow Config::shm_stores (ShmStores), and the
-// all-reduce's copy-out bypasses the cache: the output cannot stay cached anyway, and not reading
-// it before overwriting saves a third of the copy's memory traffic (64 MiB on 2 ranks here:
-// 12 ms instead of 14-19 ms; at 1 MiB the cached copy is as fast and leaves the output where the
-// caller reads it next).
+// From this size on, hierarchical's shared-memory phases write the segment as Config::shm_stores
+// says (ShmStores); below, data is still cached when peers read it and streamed stores cost
+// 2-2.5x (1 MiB on 2 ranks).
 inline constexpr std::size_t kShmStreamFromBytes = std::size_t{4} << 20;
 
 using ShmCounter = std::atomic<std::uint64_t>;
