@@ -159,8 +159,6 @@ class BoundProbe {
   MPI_Win window_ = MPI_WIN_NULL;
   float* mine_ = nullptr;
   const float* peer_ = nullptr;
-
- public:
   double sink_ = 0;  // keeps the probes' loops
 };
 std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator);
