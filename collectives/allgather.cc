@@ -14,6 +14,7 @@ namespace gradcomm {
 void allgatherv(Communicator& comm, const void* send, std::size_t send_count, void* recv,
                 std::span<const std::size_t> counts, DataType dtype) {
   const char* call = "allgatherv";
+  comm.settle();
   require_mpi_alive(call, comm.rank());
   if (!is_valid(dtype)) {
     throw InvalidArgument(error_message(

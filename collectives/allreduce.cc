@@ -13,6 +13,7 @@
 #include "collectives/select/auto_select.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
+#include "core/timeline.h"
 
 namespace gradcomm {
 namespace detail {
@@ -27,34 +28,46 @@ void throw_span_size_mismatch(const Communicator& comm, std::size_t send_size,
 }  // namespace detail
 
 TrafficReport traffic(Communicator& comm) {
+  comm.settle();
   require_mpi_alive("traffic", comm.rank());  // the counters' first use finds the topology
   const collectives::TrafficCounters& c = comm.attachment<collectives::Traffic>().counters();
   return {c.intra_bytes, c.inter_bytes, c.intra_messages, c.inter_messages};
 }
 
 void reset_traffic(Communicator& comm) {
+  comm.settle();
   require_mpi_alive("reset_traffic", comm.rank());
   comm.attachment<collectives::Traffic>().counters() = collectives::TrafficCounters{};
 }
 
 namespace {
 
-// Both front doors: `outer` is null for a user's call, the enclosing call's context otherwise.
-void run_allreduce(const collectives::CallContext* outer, Communicator& comm, const void* sendbuf,
-                   void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
+// What validation learns about a call: the algorithm named (registry-owned, so it outlives the
+// caller's options) and where the buffers live.
+struct Validated {
+  std::string_view requested;
+  bool device = false;
+  int gpu = -1;
+};
+
+std::string call_name(std::string_view prefix, std::string_view requested) {
+  return std::string(prefix) + "(" + std::string(requested) + ")";
+}
+
+// Everything local about a call: a bad call fails on the rank that made it, before any message
+// is sent (and, for a non-blocking call, before it is submitted).
+Validated validate(std::string_view prefix, const Communicator& comm, const void* sendbuf,
+                   const void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
                    const AllreduceOptions& options) {
-  using collectives::AllreduceArgs;
   const std::string_view requested =
       options.algorithm.empty() ? std::string_view(comm.config().algorithm) : options.algorithm;
   // Built only on the error path: this function is on the latency-critical path of every call.
-  auto call = [&] { return "allreduce(" + std::string(requested) + ")"; };
+  auto call = [&] { return call_name(prefix, requested); };
   auto invalid = [&](const std::string& detail) {
     throw InvalidArgument(error_message(call(), comm.rank(), detail));
   };
   if (mpi_finalized()) invalid("MPI has been finalized: no collective can run after it");
 
-  // Validation: everything here is local, so a bad call fails on the rank that made it, before
-  // any message is sent.
   if (!collectives::is_algorithm_name(requested)) {
     invalid(collectives::unknown_algorithm(requested, options.algorithm.empty()));
   }
@@ -126,6 +139,21 @@ void run_allreduce(const collectives::CallContext* outer, Communicator& comm, co
     }
   }
 
+  return {collectives::algorithm_name_at(collectives::algorithm_index(requested)), device,
+          gpu_index};
+}
+
+// Runs a validated call. `outer` is null for a user's call, the enclosing call's context
+// otherwise.
+void execute(const collectives::CallContext* outer, Communicator& comm, const Validated& v,
+             const void* sendbuf, void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
+             const AllreduceOptions& options) {
+  using collectives::AllreduceArgs;
+  const std::string_view requested = v.requested;
+  const bool device = v.device;
+  const int gpu_index = v.gpu;
+  const std::size_t bytes = count * element_size(dtype);
+  auto call = [&] { return call_name("allreduce", requested); };
   AllreduceArgs args{sendbuf, recvbuf, count, dtype, op, comm.next_sequence()};
   collectives::CallInfo info;
   info.sequence = args.sequence;
@@ -193,6 +221,11 @@ void run_allreduce(const collectives::CallContext* outer, Communicator& comm, co
                                         std::string(to_string(dtype)) + " buffers here"));
   }
   scope.start(name, algorithm->capabilities().polls_check);
+  timeline::Span span("allreduce", "collective");
+  if (span.on()) {
+    span.args("\"algorithm\":\"" + std::string(name) + "\",\"bytes\":" + std::to_string(bytes) +
+              ",\"sequence\":" + std::to_string(args.sequence));
+  }
   if (timed) {
     const auto started = std::chrono::steady_clock::now();
     algorithm->run(args, comm);
@@ -208,7 +241,27 @@ void run_allreduce(const collectives::CallContext* outer, Communicator& comm, co
 
 void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                DataType dtype, ReduceOp op, const AllreduceOptions& options) {
-  run_allreduce(nullptr, comm, sendbuf, recvbuf, count, dtype, op, options);
+  comm.settle();
+  const Validated v = validate("allreduce", comm, sendbuf, recvbuf, count, dtype, op, options);
+  execute(nullptr, comm, v, sendbuf, recvbuf, count, dtype, op, options);
+}
+
+Request iallreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
+                   DataType dtype, ReduceOp op, const AllreduceOptions& options) {
+  const Validated v = validate("iallreduce", comm, sendbuf, recvbuf, count, dtype, op, options);
+  require_thread_multiple(call_name("iallreduce", v.requested), comm.rank());
+  auto state = std::make_shared<detail::RequestState>();
+  state->call = call_name("iallreduce", v.requested);
+  AllreduceOptions kept = options;
+  kept.algorithm = v.requested;  // registry-owned: the caller's string may be gone when it runs
+  // GPU buffers: the request wraps the stream, so it finishes once the stream has passed the
+  // all-reduce (the engine waits for it, not the caller).
+  kept.asynchronous = false;
+  state->work = [&comm, v, sendbuf, recvbuf, count, dtype, op, kept] {
+    execute(nullptr, comm, v, sendbuf, recvbuf, count, dtype, op, kept);
+  };
+  comm.engine().submit(state);
+  return Request(std::move(state));
 }
 
 namespace collectives {
@@ -216,7 +269,8 @@ namespace collectives {
 void allreduce_within(const CallContext& outer, Communicator& comm, const void* sendbuf,
                       void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
                       const AllreduceOptions& options) {
-  run_allreduce(&outer, comm, sendbuf, recvbuf, count, dtype, op, options);
+  const Validated v = validate("allreduce", comm, sendbuf, recvbuf, count, dtype, op, options);
+  execute(&outer, comm, v, sendbuf, recvbuf, count, dtype, op, options);
 }
 
 }  // namespace collectives

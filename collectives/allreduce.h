@@ -8,6 +8,7 @@
 #include "core/communicator.h"
 #include "core/data_type.h"
 #include "core/reduce_op.h"
+#include "core/request.h"
 
 namespace gradcomm {
 
@@ -37,6 +38,20 @@ struct AllreduceOptions {
 // buffers the same way. Managed memory is also accepted by the host algorithms.
 void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                DataType dtype, ReduceOp op, const AllreduceOptions& options = {});
+
+// The non-blocking form (MPI_Iallreduce's role). Validates like allreduce, so bad input throws
+// here on the rank that passed it, before anything is submitted; then queues the call on the
+// communicator's progress engine (core/progress_engine.h) and returns. Calls on a communicator
+// run in the order they were made, non-blocking or not: every rank must submit them in the same
+// order (as DDP's buckets). The engine runs the call whether or not the request is ever tested;
+// buffers must stay valid and untouched until the request has finished. A mismatch between ranks
+// or an MPI failure is rethrown by Request::wait (or test) on every rank. Needs MPI at
+// MPI_THREAD_MULTIPLE (gradcomm::init asks for it): otherwise throws Unsupported, naming the level.
+// A blocking call on a communicator with requests in flight first waits for them. GPU buffers:
+// the work is ordered on options.stream and the request finishes once the stream has passed it
+// (options.asynchronous is ignored).
+Request iallreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
+                   DataType dtype, ReduceOp op, const AllreduceOptions& options = {});
 
 // Bytes and messages this rank sent inside its group (node) and across groups, counted by
 // gradcomm's own algorithms (MPI_Allreduce's internals are not visible). The first call on a
@@ -75,6 +90,19 @@ template <class T>
 void allreduce(Communicator& comm, std::span<T> inout, ReduceOp op,
                const AllreduceOptions& options = {}) {
   allreduce(comm, inout.data(), inout.data(), inout.size(), dtype_of<T>, op, options);
+}
+
+template <class T>
+Request iallreduce(Communicator& comm, std::span<const T> send, std::span<T> recv, ReduceOp op,
+                   const AllreduceOptions& options = {}) {
+  if (send.size() != recv.size()) detail::throw_span_size_mismatch(comm, send.size(), recv.size());
+  return iallreduce(comm, send.data(), recv.data(), send.size(), dtype_of<T>, op, options);
+}
+
+template <class T>
+Request iallreduce(Communicator& comm, std::span<T> inout, ReduceOp op,
+                   const AllreduceOptions& options = {}) {
+  return iallreduce(comm, inout.data(), inout.data(), inout.size(), dtype_of<T>, op, options);
 }
 
 }  // namespace gradcomm

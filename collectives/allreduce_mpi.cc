@@ -106,6 +106,9 @@ void AllreduceMpi::run(const AllreduceArgs& args, Communicator& comm) {
     auto* out = static_cast<std::byte*>(args.recv) + offset * es;
     const void* in =
         args.in_place() ? MPI_IN_PLACE : static_cast<const std::byte*>(args.send) + offset * es;
+    // Also on a progress engine: MPI_Iallreduce would give other bits (Open MPI reduces in
+    // another order there), and a request must equal the blocking call. So this wait alone
+    // polls inside MPI while the application computes.
     check_mpi(MPI_Allreduce(in, out, len, type, op, comm.mpi_comm()),
               std::string(kCall) + ": MPI_Allreduce", comm.rank());
   }

@@ -5,6 +5,7 @@
 
 #include "core/communicator.h"
 #include "core/data_type.h"
+#include "core/request.h"
 
 namespace gradcomm {
 
@@ -16,6 +17,11 @@ void broadcast(Communicator& comm, void* buffer, std::size_t count, DataType dty
 
 // The same for `bytes` raw bytes.
 void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int root = 0);
+
+// The non-blocking form: validated here, run on the communicator's progress engine in submission
+// order (see iallreduce in collectives/allreduce.h for the contract).
+Request ibroadcast(Communicator& comm, void* buffer, std::size_t count, DataType dtype,
+                   int root = 0);
 
 template <class T>
 void broadcast(Communicator& comm, std::span<T> buffer, int root = 0) {

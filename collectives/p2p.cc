@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/progress_engine.h"
 #include "topology/topology.h"
 
 namespace gradcomm::collectives {
@@ -104,8 +105,7 @@ void wait_all(std::size_t n, MPI_Request* requests, const Caller& call) {
     if (done) return;
     call.context.poll_check();
   }
-  check_mpi(MPI_Waitall(static_cast<int>(n), requests, MPI_STATUSES_IGNORE),
-            what(call, "MPI_Waitall"));
+  check_mpi(wait_all_mpi(static_cast<int>(n), requests), what(call, "MPI_Waitall"));
 }
 
 void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* recv,
@@ -120,7 +120,8 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
         send_bytes > offset ? std::min(kMaxMessageBytes, send_bytes - offset) : 0;
     const std::size_t nr =
         recv_bytes > offset ? std::min(kMaxMessageBytes, recv_bytes - offset) : 0;
-    if (call.context.check_pending()) {
+    // On a progress thread the waits sleep between polls (wait_all_mpi): no blocking MPI call.
+    if (call.context.check_pending() || on_progress_thread()) {
       MPI_Request pair[2] = {irecv_bytes(r + (nr ? offset : 0), nr, source, tag, comm, call),
                              isend_bytes(s + (ns ? offset : 0), ns, dest, tag, comm, call)};
       wait_all(2, pair, call);
@@ -140,7 +141,7 @@ void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communica
                 const Caller& call) {
   const auto* p = static_cast<const std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
-    if (call.context.check_pending()) {
+    if (call.context.check_pending() || on_progress_thread()) {
       MPI_Request request = isend_bytes(p + offset, n, dest, tag, comm, call);
       return wait(request, call);
     }
@@ -155,7 +156,7 @@ void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator&
                 const Caller& call) {
   auto* p = static_cast<std::byte*>(buf);
   for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
-    if (call.context.check_pending()) {
+    if (call.context.check_pending() || on_progress_thread()) {
       MPI_Request request = irecv_bytes(p + offset, n, source, tag, comm, call);
       return wait(request, call);
     }

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/node_comm.h"
+#include "core/timeline.h"
 
 namespace gradcomm {
 namespace {
@@ -52,6 +53,26 @@ void require_mpi_alive(std::string_view call, int rank) {
   }
 }
 
+void require_thread_multiple(std::string_view call, int rank) {
+  static std::atomic<int> known{-1};  // the level cannot change once MPI is initialized
+  int level = known.load(std::memory_order_relaxed);
+  if (level < 0) {
+    check_mpi(MPI_Query_thread(&level), std::string(call) + ": MPI_Query_thread", rank);
+    known.store(level, std::memory_order_relaxed);
+  }
+  if (level >= MPI_THREAD_MULTIPLE) return;
+  const char* names[] = {"MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED"};
+  const std::string name = level >= MPI_THREAD_SINGLE && level <= MPI_THREAD_SERIALIZED
+                               ? names[level - MPI_THREAD_SINGLE]
+                               : "level " + std::to_string(level);
+  throw Unsupported(error_message(
+      call, rank,
+      "MPI was initialized at " + name +
+          ", but non-blocking calls run on a progress thread that calls MPI while the "
+          "application's threads may too: initialize MPI with MPI_Init_thread(..., "
+          "MPI_THREAD_MULTIPLE, ...), or let gradcomm::init() do it, or use the blocking calls"));
+}
+
 bool mpi_ready() {
   int initialized = 0;
   int finalized = 0;
@@ -70,7 +91,7 @@ void init(int* argc, char*** argv) {
     throw InvalidArgument(error_message("init", -1, "MPI was already finalized in this process"));
   }
   int provided = 0;
-  check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "init: MPI_Init_thread");
+  check_mpi(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "init: MPI_Init_thread");
   g_initialized_by_us = true;
 }
 
@@ -105,6 +126,9 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
   check_mpi(MPI_Comm_rank(comm_, &rank_), "Communicator: MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm_, &size_), "Communicator: MPI_Comm_size");
+  int world_rank = 0;
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "Communicator: MPI_Comm_rank");
+  timeline::start_from_environment(world_rank);
   if (config_.watchdog && config_.timeout_seconds > 0) start_watchdog();
 }
 
@@ -158,7 +182,13 @@ std::size_t Communicator::next_attachment_slot() {
   return next.fetch_add(1);
 }
 
+ProgressEngine& Communicator::engine() {
+  if (!engine_) engine_ = std::make_unique<ProgressEngine>();
+  return *engine_;
+}
+
 Communicator::~Communicator() {
+  engine_.reset();  // runs what was submitted to the end
   recorder_.reset();
   attachments_.clear();  // they may hold MPI objects derived from comm_
   if (comm_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&comm_);
@@ -171,6 +201,7 @@ std::byte* Communicator::scratch(std::size_t bytes, int slot) {
 }
 
 RegisteredBuffer Communicator::allocate(std::size_t bytes) {
+  settle();
   require_mpi_alive("allocate", rank_);
   unsigned long long range[2] = {bytes, ~static_cast<unsigned long long>(bytes)};  // max, min
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_),

@@ -12,13 +12,14 @@
 
 #include "core/aligned_buffer.h"
 #include "core/config.h"
+#include "core/progress_engine.h"
 #include "core/shared_memory.h"
 #include "core/watchdog.h"
 
 namespace gradcomm {
 
-// Initializes MPI (MPI_Init_thread, MPI_THREAD_SERIALIZED) unless somebody already has.
-// Safe to call more than once. argc/argv may be null.
+// Initializes MPI (MPI_Init_thread, MPI_THREAD_MULTIPLE: non-blocking calls run on a progress
+// thread) unless somebody already has. Safe to call more than once. argc/argv may be null.
 void init(int* argc = nullptr, char*** argv = nullptr);
 // Finalizes MPI if and only if init() initialized it. Safe to call more than once.
 void finalize();
@@ -30,6 +31,10 @@ bool mpi_finalized();
 // Throws InvalidArgument naming `call` when MPI has been finalized: the first thing every public
 // collective does, before it touches any per-communicator state (which may itself communicate).
 void require_mpi_alive(std::string_view call, int rank);
+// Throws Unsupported naming `call`, the thread level MPI runs at and what to do, unless MPI runs
+// at MPI_THREAD_MULTIPLE (the first thing every non-blocking call checks: its progress thread
+// calls MPI while the application's threads may too).
+void require_thread_multiple(std::string_view call, int rank);
 
 // Per-communicator state owned by a module above core (cached algorithm objects, sub-
 // communicators, ...). Created on first use by Communicator::attachment<T>(), destroyed with the
@@ -117,6 +122,15 @@ class Communicator {
   // Then, once no call is under way: destroys the attachments that do not survive a mismatch.
   void drop_after_mismatch();
 
+  // The progress engine that runs this communicator's non-blocking calls; started on first use.
+  ProgressEngine& engine();
+  // Every call on this communicator that is not itself non-blocking begins here: it waits until
+  // the requests submitted before have finished, so calls run in the order they were made and
+  // never two at a time. One atomic load when nothing is in flight.
+  void settle() {
+    if (engine_ && engine_->busy()) engine_->drain();
+  }
+
   // The flight recorder the stall watchdog reads (null for gradcomm's own sub-communicators and
   // when GRADCOMM_TIMEOUT is 0).
   watchdog::Recorder* recorder() const { return recorder_.get(); }
@@ -145,6 +159,8 @@ class Communicator {
   // so in O(1), not by type name.
   std::vector<std::unique_ptr<Attachment>> attachments_;
   std::shared_ptr<watchdog::Recorder> recorder_;
+  // Declared last, destroyed first: its requests use everything above.
+  std::unique_ptr<ProgressEngine> engine_;
 };
 
 }  // namespace gradcomm

@@ -162,24 +162,46 @@ packing::FusionPlan grouped_allreduce_plan(const Communicator& comm,
   return make_plan(comm, tensors, options);
 }
 
-void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
-                       const GroupedAllreduceOptions& options) {
-  require_mpi_alive("grouped_allreduce", comm.rank());
-  packing::validate_tensors(tensors, "grouped_allreduce", comm.rank());
+namespace {
+
+// Everything local about a call (a bad call fails here, before any message and before a non-
+// blocking call is submitted). Returns the algorithm's registry-owned name.
+std::string_view validate(const char* call, const Communicator& comm,
+                          std::span<const TensorDesc> tensors, ReduceOp op,
+                          const GroupedAllreduceOptions& options) {
+  require_mpi_alive(call, comm.rank());
+  packing::validate_tensors(tensors, call, comm.rank());
   if (!is_valid(op)) {
-    throw InvalidArgument(
-        error_message("grouped_allreduce", comm.rank(),
-                      "invalid reduce op " + std::to_string(static_cast<int>(op))));
+    throw InvalidArgument(error_message(
+        call, comm.rank(), "invalid reduce op " + std::to_string(static_cast<int>(op))));
   }
   // The buckets' algorithm, checked here rather than by the first bucket's all-reduce (after the
   // comparison and the fused buffer's allocation).
   const std::string_view requested =
       options.algorithm.empty() ? std::string_view(comm.config().algorithm) : options.algorithm;
   if (!collectives::is_algorithm_name(requested)) {
-    throw InvalidArgument(
-        error_message("grouped_allreduce", comm.rank(),
-                      collectives::unknown_algorithm(requested, options.algorithm.empty())));
+    throw InvalidArgument(error_message(
+        call, comm.rank(), collectives::unknown_algorithm(requested, options.algorithm.empty())));
   }
+  if (gpu::Runtime* runtime = gpu::active_runtime()) {
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].count == 0) continue;
+      if (runtime->classify(tensors[i].data).kind == gpu::MemoryKind::device) {
+        throw Unsupported(error_message(
+            call, comm.rank(),
+            "tensor " + std::to_string(i) +
+                " is device memory; grouped_allreduce fuses on the host. For GPU tensors, pack "
+                "them with a GradientPacker (device buffers) and allreduce the packed buffers"));
+      }
+      break;  // one packer-like check: the first non-empty tensor decides
+    }
+  }
+  return collectives::algorithm_name_at(collectives::algorithm_index(requested));
+}
+
+// Runs a validated call.
+void execute(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
+             const GroupedAllreduceOptions& options, std::string_view requested) {
   // The call's fingerprint; its sequence number is taken right before its scope opens.
   collectives::CallInfo info;
   info.kind = collectives::CallKind::grouped_allreduce;
@@ -191,19 +213,6 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
     collectives::CallScope scope(comm, info, "grouped_allreduce");
     scope.check_now();
     return scope.finish();
-  }
-  if (gpu::Runtime* runtime = gpu::active_runtime()) {
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].count == 0) continue;
-      if (runtime->classify(tensors[i].data).kind == gpu::MemoryKind::device) {
-        throw Unsupported(error_message(
-            "grouped_allreduce", comm.rank(),
-            "tensor " + std::to_string(i) +
-                " is device memory; grouped_allreduce fuses on the host. For GPU tensors, pack "
-                "them with a GradientPacker (device buffers) and allreduce the packed buffers"));
-      }
-      break;  // one packer-like check: the first non-empty tensor decides
-    }
   }
 
   // The plan is cached by a hash of its inputs, computed in one pass over the tensor list; the
@@ -271,6 +280,35 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
     }
   }
   scope.finish();
+}
+
+}  // namespace
+
+void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
+                       const GroupedAllreduceOptions& options) {
+  comm.settle();
+  const std::string_view requested = validate("grouped_allreduce", comm, tensors, op, options);
+  execute(comm, tensors, op, options, requested);
+}
+
+Request igrouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
+                           const GroupedAllreduceOptions& options) {
+  const char* call = "igrouped_allreduce";
+  const std::string_view requested = validate(call, comm, tensors, op, options);
+  require_thread_multiple(call, comm.rank());
+  auto state = std::make_shared<detail::RequestState>();
+  state->call = call;
+  // The lists are the caller's: the request keeps copies.
+  std::vector<TensorDesc> kept(tensors.begin(), tensors.end());
+  std::vector<std::size_t> order(options.order.begin(), options.order.end());
+  state->work = [&comm, kept = std::move(kept), order = std::move(order), op, options, requested] {
+    GroupedAllreduceOptions o = options;
+    o.algorithm = requested;
+    o.order = order;
+    execute(comm, kept, op, o, requested);
+  };
+  comm.engine().submit(state);
+  return Request(std::move(state));
 }
 
 }  // namespace gradcomm

@@ -7,6 +7,7 @@
 
 #include "core/communicator.h"
 #include "core/reduce_op.h"
+#include "core/request.h"
 #include "packing/fusion_planner.h"
 #include "packing/tensor.h"
 
@@ -38,6 +39,13 @@ struct GroupedAllreduceOptions {
 // list is a no-op.
 void grouped_allreduce(Communicator& comm, std::span<const packing::TensorDesc> tensors,
                        ReduceOp op, const GroupedAllreduceOptions& options = {});
+
+// The non-blocking form: validated here (bad input throws before anything is submitted), run on
+// the communicator's progress engine in submission order; the tensor list is copied, the tensors'
+// data must stay untouched until the request has finished (iallreduce in collectives/allreduce.h
+// has the whole contract).
+Request igrouped_allreduce(Communicator& comm, std::span<const packing::TensorDesc> tensors,
+                           ReduceOp op, const GroupedAllreduceOptions& options = {});
 
 // The buckets grouped_allreduce uses for these tensors and options (for reports and tests).
 packing::FusionPlan grouped_allreduce_plan(const Communicator& comm,

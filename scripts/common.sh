@@ -9,7 +9,7 @@ PACKAGES=(cmake ninja-build g++ pkg-config nlohmann-json3-dev
           openmpi-bin libopenmpi-dev libhwloc-dev hwloc
           libgtest-dev libgmock-dev libbenchmark-dev
           pybind11-dev python3-dev python3-numpy python3-mpi4py python3-torch python3-sklearn
-          python3-pytest valgrind iproute2)
+          python3-pytest python3-matplotlib valgrind iproute2)
 
 install_missing() {
   local missing=() p

@@ -12,6 +12,7 @@
 #include "collectives/select/auto_select.h"
 #include "collectives/select/tuning_table.h"
 #include "core/error.h"
+#include "core/timeline.h"
 #include "trainer/checkpoint.h"
 #include "trainer/random.h"
 
@@ -128,7 +129,9 @@ DataParallelTrainer::DataParallelTrainer(Communicator& comm, Model& model, Optim
                                   options_.interval_steps,
                                   static_cast<std::uint64_t>(options_.compression),
                                   options_.data_seed,
-                                  options_.shuffle ? 1u : 0u};
+                                  options_.shuffle ? 1u : 0u,
+                                  options_.overlap ? 1u : 0u,
+                                  options_.fusion_threshold.value_or(0)};
   h.add(fields, sizeof fields);
   const auto fp = static_cast<std::int64_t>(h.value() >> 1);
   std::int64_t agreed[3] = {fp, -fp, problem.empty() ? 0 : -1};
@@ -144,6 +147,19 @@ DataParallelTrainer::DataParallelTrainer(Communicator& comm, Model& model, Optim
             " here): every rank must pass the same model, optimizer and options");
   }
   broadcast_state(0);
+  if (options_.mode == SyncMode::gradients) {
+    packing::ReducerOptions r;
+    if (options_.fusion_threshold) {
+      r.bucket_cap_bytes = std::max<std::size_t>(1, *options_.fusion_threshold);
+      r.first_bucket_bytes = std::min(r.first_bucket_bytes, r.bucket_cap_bytes);
+    }
+    r.op =
+        options_.gradient_reduction == GradientReduction::average ? ReduceOp::avg : ReduceOp::sum;
+    r.algorithm = options_.algorithm;
+    r.compression = options_.compression;
+    r.overlap = options_.overlap;
+    reducer_ = std::make_unique<packing::Reducer>(comm_, gradient_tensors(), std::move(r));
+  }
 }
 
 DataParallelTrainer::Shard DataParallelTrainer::shard(std::size_t rows) const {
@@ -269,18 +285,14 @@ StepStats DataParallelTrainer::run_step(const Batch& local, std::size_t used) {
   if (options_.mode == SyncMode::gradients) {
     // Every sample's gradient is weighted n / used before the all-reduce averages over n ranks:
     // the result is the mean over the global batch however the rows were split.
-    sums = model_.forward_backward(local, n / static_cast<float>(used));
+    // Each gradient goes to the reducer as soon as backward has produced it (last layer first);
+    // without overlap the reducer only packs, in the same order, and reduces in finish().
+    packing::Reducer& reducer = *reducer_;
+    sums = model_.forward_backward(local, n / static_cast<float>(used),
+                                   [&reducer](std::size_t i) { reducer.mark_ready(i); });
     st.compute_seconds = seconds_since(t0);
     const Clock::time_point t1 = Clock::now();
-    GroupedAllreduceOptions o;
-    o.algorithm = options_.algorithm;
-    o.fusion_threshold = options_.fusion_threshold;
-    o.compression = options_.compression;
-    const auto grads = gradient_tensors();
-    grouped_allreduce(
-        comm_, grads,
-        options_.gradient_reduction == GradientReduction::average ? ReduceOp::avg : ReduceOp::sum,
-        o);
+    reducer.finish();  // an empty shard produced no gradient: finish() takes them as they are
     st.allreduce_seconds = seconds_since(t1);
   } else {
     sums =
@@ -288,7 +300,10 @@ StepStats DataParallelTrainer::run_step(const Batch& local, std::size_t used) {
     st.compute_seconds = seconds_since(t0);
   }
   const Clock::time_point t2 = Clock::now();
-  optimizer_.step(model_.parameters(), static_cast<float>(st.lr));
+  {
+    timeline::Span span("optimizer step", "trainer");
+    optimizer_.step(model_.parameters(), static_cast<float>(st.lr));
+  }
   st.optimizer_seconds = seconds_since(t2);
   ++step_;
   st.step = step_;

@@ -2,12 +2,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/communicator.h"
 #include "packing/grouped_allreduce.h"
+#include "packing/reducer.h"
 #include "trainer/dataset.h"
 #include "trainer/model.h"
 #include "trainer/optimizer.h"
@@ -36,7 +38,12 @@ struct TrainerOptions {
   LossReduction loss_reduction = LossReduction::mean;
   SyncMode mode = SyncMode::gradients;
   std::size_t interval_steps = 1;  // model_averaging: steps between averagings
-  // grouped_allreduce's options for the gradients (and for model averaging's parameters).
+  // The gradients go through a packing::Reducer: buckets of fusion_threshold bytes (default
+  // 25 MiB, the first 1 MiB), in the order backward produces them. With overlap, each bucket is
+  // all-reduced (non-blocking) as soon as backward has produced it, while backward goes on;
+  // without, the same buckets are all-reduced after backward, blocking. Both give bit-identical
+  // results. Model averaging averages the parameters with grouped_allreduce, blocking.
+  bool overlap = true;
   std::string algorithm = {};  // empty: the communicator's Config::algorithm
   std::optional<std::size_t> fusion_threshold = std::nullopt;
   Compression compression = Compression::none;
@@ -60,8 +67,9 @@ struct StepStats {
   std::size_t samples = 0;
   double lr = 0;
   bool averaged = false;  // model_averaging: this step averaged the replicas
-  // This rank's wall time in the forward/backward pass, in communication (gradients, parameter
-  // averaging, the loss reduction) and in the optimizer.
+  // This rank's wall time in the forward/backward pass (with overlap, including packing and
+  // launching buckets), waiting for communication after it (gradients, parameter averaging, the
+  // loss reduction: the exposed communication) and in the optimizer.
   double compute_seconds = 0, allreduce_seconds = 0, optimizer_seconds = 0;
 };
 
@@ -136,7 +144,8 @@ class DataParallelTrainer {
   const Dataset* order_data_ = nullptr;
   std::vector<std::size_t> order_;
   std::vector<float> shard_features_, shard_labels_;
-  std::uint64_t expected_data_rows_ = 0;  // from a loaded checkpoint, checked on the next step
+  std::uint64_t expected_data_rows_ = 0;       // from a loaded checkpoint, checked on the next step
+  std::unique_ptr<packing::Reducer> reducer_;  // gradients mode
 };
 
 }  // namespace gradcomm::trainer

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/timeline.h"
 #include "trainer/dense_kernels.h"
 #include "trainer/random.h"
 
@@ -143,13 +144,18 @@ LossSums DenseNetwork::output_loss(const Batch& batch, float* d_out, float scale
   return sums;
 }
 
-LossSums DenseNetwork::forward_backward(const Batch& batch, float grad_scale) {
+LossSums DenseNetwork::forward_backward(const Batch& batch, float grad_scale,
+                                        const GradientReady& ready) {
   check_batch(batch, "forward_backward");
   for (Parameter& p : parameters_)
     std::fill(p.grad.begin(), p.grad.end(), 0.0f);
   const std::size_t m = batch.rows;
   if (m == 0) return {};
-  forward(batch);
+  {
+    timeline::Span span("forward", "trainer");
+    forward(batch);
+  }
+  timeline::Span span("backward", "trainer");
   delta_.resize(m * widths_.back());
   const LossSums sums = output_loss(batch, delta_.data(), grad_scale);
   for (std::size_t l = layers(); l-- > 0;) {
@@ -160,6 +166,10 @@ LossSums DenseNetwork::forward_backward(const Batch& batch, float grad_scale) {
     for (std::size_t i = 0; i < m; ++i) {
       for (std::size_t j = 0; j < out; ++j)
         db[j] += delta_[i * out + j];
+    }
+    if (ready) {  // this layer's gradients are final
+      ready(2 * l + 1);
+      ready(2 * l);
     }
     if (l == 0) break;
     // delta of the layer below: (delta W^T) masked by the ReLU's derivative.

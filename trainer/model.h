@@ -2,6 +2,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -55,9 +56,18 @@ class Model {
   // the output layer, zero biases).
   virtual void initialize(std::uint64_t seed) = 0;
 
+  // Called with a parameter's index as soon as its gradient is final, while backward goes on
+  // (last layer first): what lets communication overlap the rest of backward.
+  using GradientReady = std::function<void(std::size_t parameter)>;
+
   // Sets every gradient to grad_scale * d(sum of the batch's per-sample losses)/d(parameter) and
-  // returns the sums. Throws InvalidArgument for a batch of the wrong width or a bad label.
-  virtual LossSums forward_backward(const Batch& batch, float grad_scale) = 0;
+  // returns the sums; `ready` (if set) hears of each gradient as soon as it is final (an empty
+  // batch produces none). Throws InvalidArgument for a batch of the wrong width or a bad label.
+  virtual LossSums forward_backward(const Batch& batch, float grad_scale,
+                                    const GradientReady& ready) = 0;
+  LossSums forward_backward(const Batch& batch, float grad_scale) {
+    return forward_backward(batch, grad_scale, GradientReady());
+  }
   // Loss and correct counts only, without touching gradients.
   virtual LossSums evaluate(const Batch& batch) = 0;
   // One prediction per row: the class index (classifiers) or the value (regression).
@@ -82,7 +92,9 @@ class DenseNetwork : public Model {
   bool is_classifier() const override { return loss_ == Loss::softmax_cross_entropy; }
   std::size_t input_dim() const override { return widths_.front(); }
   void initialize(std::uint64_t seed) override;
-  LossSums forward_backward(const Batch& batch, float grad_scale) override;
+  using Model::forward_backward;
+  LossSums forward_backward(const Batch& batch, float grad_scale,
+                            const GradientReady& ready) override;
   LossSums evaluate(const Batch& batch) override;
   void predict(const Batch& batch, std::span<float> out) override;
 

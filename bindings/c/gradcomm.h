@@ -50,6 +50,7 @@ typedef enum gradcomm_op {
 
 typedef struct gradcomm_comm_s* gradcomm_comm;
 typedef struct gradcomm_packer_s* gradcomm_packer;
+typedef struct gradcomm_request_s* gradcomm_request;
 
 /* The version this library was built as (GRADCOMM_VERSION of its header). */
 int gradcomm_version(void);
@@ -85,6 +86,38 @@ gradcomm_status gradcomm_grouped_allreduce(gradcomm_comm comm, void* const* buff
 /* Copies count elements of buffer on root to every rank. */
 gradcomm_status gradcomm_broadcast(gradcomm_comm comm, void* buffer, size_t count,
                                    gradcomm_dtype dtype, int root);
+
+/* Non-blocking forms. The call is validated at once (bad input returns its error here and
+ * nothing is submitted), then runs on the communicator's progress thread in submission order,
+ * whether or not the request is ever tested; every rank submits the same calls in the same
+ * order. Buffers stay untouched until the request has finished. *request receives a handle for
+ * gradcomm_request_test / _wait / _free. Needs MPI at MPI_THREAD_MULTIPLE (gradcomm_init asks for
+ * it); otherwise GRADCOMM_ERROR_UNSUPPORTED, naming the level. A blocking call on a communicator
+ * with requests in flight first waits for them.
+ * stream: for GPU buffers, the cudaStream_t the work is ordered on (NULL: the legacy default
+ * stream); the request finishes once the stream has passed the all-reduce. Ignored for host
+ * buffers. */
+gradcomm_status gradcomm_iallreduce(gradcomm_comm comm, const void* send, void* recv, size_t count,
+                                    gradcomm_dtype dtype, gradcomm_op op, const char* algorithm,
+                                    void* stream, gradcomm_request* request);
+/* gradcomm_grouped_allreduce's non-blocking form (the lists are copied). */
+gradcomm_status gradcomm_grouped_allreduce_start(gradcomm_comm comm, void* const* buffers,
+                                                 const size_t* counts, const gradcomm_dtype* dtypes,
+                                                 size_t n, gradcomm_op op, const char* algorithm,
+                                                 size_t fusion_threshold,
+                                                 gradcomm_request* request);
+/* gradcomm_broadcast's non-blocking form. */
+gradcomm_status gradcomm_ibroadcast(gradcomm_comm comm, void* buffer, size_t count,
+                                    gradcomm_dtype dtype, int root, gradcomm_request* request);
+/* *done = 1 once the call has finished, and then returns the call's own status (its error, if
+ * it failed); *done = 0 and GRADCOMM_SUCCESS while it runs. Never blocks. */
+gradcomm_status gradcomm_request_test(gradcomm_request request, int* done);
+/* Blocks until the call has finished (without spinning) and returns its status. Testing or
+ * waiting again on a finished request returns GRADCOMM_SUCCESS. */
+gradcomm_status gradcomm_request_wait(gradcomm_request request);
+/* Frees the handle (NULL is a no-op), first waiting for an unfinished call: its buffers are in
+ * use until then. An error of a call never waited for is written to stderr. */
+gradcomm_status gradcomm_request_free(gradcomm_request request);
 
 /* Bytes and messages this rank sent inside its node (group) and across nodes, counted by
  * gradcomm's own algorithms. Any output pointer may be NULL. */

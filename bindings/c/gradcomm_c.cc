@@ -31,6 +31,10 @@ struct gradcomm_packer_s {
   std::unique_ptr<gradcomm::packing::GradientPacker> packer;
 };
 
+struct gradcomm_request_s {
+  std::unique_ptr<gradcomm::Request> request;
+};
+
 namespace {
 
 static_assert(GRADCOMM_FLOAT32 == static_cast<int>(gradcomm::DataType::float32) &&
@@ -88,7 +92,7 @@ void require(const T* p, const char* call, const char* name) {
 // error, not a use after free (a double free included). Freeing destroys the object but keeps
 // its 8-byte shell allocated, so that its address is never reused by a later handle and a stale
 // handle stays recognisable. One lock and hash lookup per call.
-enum class HandleKind { comm, packer, freed };
+enum class HandleKind { comm, packer, request, freed };
 
 class Handles {
  public:
@@ -142,6 +146,14 @@ gradcomm::packing::GradientPacker& unwrap(gradcomm_packer packer, const char* ca
   return *packer->packer;
 }
 
+gradcomm::Request& unwrap(gradcomm_request request, const char* call) {
+  if (request == nullptr) invalid(call, "request is NULL");
+  if (!handles().is(request, HandleKind::request)) {
+    invalid(call, "request " + address(request) + " is not a live request (already freed?)");
+  }
+  return *request->request;
+}
+
 // Hands a new object to the caller as a live handle.
 template <class Handle>
 Handle publish(std::unique_ptr<std::remove_pointer_t<Handle>> object, HandleKind kind) {
@@ -158,6 +170,8 @@ void release(Handle h, HandleKind kind, const char* call, const char* what) {
   }
   if constexpr (std::is_same_v<Handle, gradcomm_comm>) {
     h->comm.reset();
+  } else if constexpr (std::is_same_v<Handle, gradcomm_request>) {
+    h->request.reset();  // waits for an unfinished call
   } else {
     h->packer.reset();
   }
@@ -285,6 +299,86 @@ gradcomm_status gradcomm_broadcast(gradcomm_comm comm, void* buffer, size_t coun
     gradcomm::broadcast(unwrap(comm, "gradcomm_broadcast"), buffer, count,
                         static_cast<gradcomm::DataType>(dtype), root);
   });
+}
+
+namespace {
+
+// Publishes a submitted request through `out` (checked before the call is submitted).
+void hand_out(gradcomm::Request request, gradcomm_request* out) {
+  auto shell = std::make_unique<gradcomm_request_s>();
+  shell->request = std::make_unique<gradcomm::Request>(std::move(request));
+  *out = publish<gradcomm_request>(std::move(shell), HandleKind::request);
+}
+
+}  // namespace
+
+gradcomm_status gradcomm_iallreduce(gradcomm_comm comm, const void* send, void* recv, size_t count,
+                                    gradcomm_dtype dtype, gradcomm_op op, const char* algorithm,
+                                    void* stream, gradcomm_request* request) {
+  return guarded([&] {
+    const char* call = "gradcomm_iallreduce";
+    require(request, call, "request");
+    gradcomm::AllreduceOptions o;
+    o.algorithm = algorithm ? std::string_view(algorithm) : std::string_view();
+    o.stream = stream;
+    hand_out(gradcomm::iallreduce(unwrap(comm, call), send, recv, count,
+                                  static_cast<gradcomm::DataType>(dtype),
+                                  static_cast<gradcomm::ReduceOp>(op), o),
+             request);
+  });
+}
+
+gradcomm_status gradcomm_grouped_allreduce_start(gradcomm_comm comm, void* const* buffers,
+                                                 const size_t* counts, const gradcomm_dtype* dtypes,
+                                                 size_t n, gradcomm_op op, const char* algorithm,
+                                                 size_t fusion_threshold,
+                                                 gradcomm_request* request) {
+  return guarded([&] {
+    const char* call = "gradcomm_grouped_allreduce_start";
+    require(request, call, "request");
+    gradcomm::Communicator& c = unwrap(comm, call);
+    const auto tensors = tensors_of(buffers, counts, dtypes, n, call);
+    gradcomm::GroupedAllreduceOptions o;
+    o.algorithm = algorithm ? std::string_view(algorithm) : std::string_view();
+    if (fusion_threshold > 0) o.fusion_threshold = fusion_threshold;
+    hand_out(gradcomm::igrouped_allreduce(c, tensors, static_cast<gradcomm::ReduceOp>(op), o),
+             request);
+  });
+}
+
+gradcomm_status gradcomm_ibroadcast(gradcomm_comm comm, void* buffer, size_t count,
+                                    gradcomm_dtype dtype, int root, gradcomm_request* request) {
+  return guarded([&] {
+    const char* call = "gradcomm_ibroadcast";
+    require(request, call, "request");
+    hand_out(gradcomm::ibroadcast(unwrap(comm, call), buffer, count,
+                                  static_cast<gradcomm::DataType>(dtype), root),
+             request);
+  });
+}
+
+gradcomm_status gradcomm_request_test(gradcomm_request request, int* done) {
+  return guarded([&] {
+    const char* call = "gradcomm_request_test";
+    require(done, call, "done");
+    *done = 0;
+    gradcomm::Request& r = unwrap(request, call);
+    try {
+      *done = r.test() ? 1 : 0;
+    } catch (...) {  // test() throws only a finished call's error
+      *done = 1;
+      throw;
+    }
+  });
+}
+
+gradcomm_status gradcomm_request_wait(gradcomm_request request) {
+  return guarded([&] { unwrap(request, "gradcomm_request_wait").wait(); });
+}
+
+gradcomm_status gradcomm_request_free(gradcomm_request request) {
+  return guarded(
+      [&] { release(request, HandleKind::request, "gradcomm_request_free", "request"); });
 }
 
 gradcomm_status gradcomm_traffic(gradcomm_comm comm, uint64_t* intra_bytes, uint64_t* inter_bytes,

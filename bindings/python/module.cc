@@ -102,6 +102,35 @@ View view_of(const py::object& obj, bool writable, const std::string& call, cons
   return {std::move(info), dtype, count};
 }
 
+// A non-blocking call's handle: wait() (the GIL released while it blocks) returns the result,
+// done() polls without blocking. Both raise the call's error. Destroying an unfinished handle
+// waits for the call, whose buffers it keeps exported until then.
+class PyRequest {
+ public:
+  PyRequest(Request request, std::shared_ptr<Communicator> held, py::object result,
+            std::vector<View> views)
+      : held_(std::move(held)),
+        views_(std::move(views)),
+        result_(std::move(result)),
+        request_(std::move(request)) {}
+
+  py::object wait() {
+    {
+      py::gil_scoped_release release;
+      request_.wait();
+    }
+    return result_;
+  }
+  bool done() { return request_.test(); }
+
+ private:
+  // Destroyed last to first: the request (which waits) before the exports and the communicator.
+  std::shared_ptr<Communicator> held_;
+  std::vector<View> views_;
+  py::object result_;
+  Request request_;
+};
+
 // The communicator handed to Python: owns a gradcomm::Communicator.
 class PyCommunicator {
  public:
@@ -137,11 +166,20 @@ class PyCommunicator {
   int local_size() { return topology::topology_of(*get()).local_size(); }
   void free() { comm_.reset(); }
 
-  py::object allreduce(const py::object& array, const std::string& op,
-                       const std::optional<std::string>& algorithm, const py::object& out) {
-    const std::shared_ptr<Communicator> held = get();
+  // An all-reduce's buffers, exported for the duration of the call.
+  struct Prepared {
+    std::shared_ptr<Communicator> held;
+    ReduceOp op;
+    View send;
+    std::optional<View> recv;  // holds the export of `out` until the call is done
+    py::object result;
+    void* recv_ptr;
+  };
+
+  Prepared prepare(const std::string& call, const py::object& array, const std::string& op,
+                   const py::object& out) {
+    std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
-    const std::string call = "allreduce";
     const ReduceOp rop = parse_op(op, call, c.rank());
     const bool in_place = !out.is_none() && out.is(array);
     View send = view_of(array, in_place, call, "array", c.rank());
@@ -150,7 +188,7 @@ class PyCommunicator {
       result = py::array(py::dtype(send.info), send.info.shape);
     }
     void* recv_ptr = send.info.ptr;
-    std::optional<View> recv_view;  // holds the export of `out` until the call is done
+    std::optional<View> recv_view;
     if (!in_place) {
       const View& recv = recv_view.emplace(view_of(result, true, call, "out", c.rank()));
       if (recv.dtype != send.dtype || recv.count != send.count) {
@@ -162,13 +200,51 @@ class PyCommunicator {
       }
       recv_ptr = recv.info.ptr;
     }
+    return {std::move(held),   rop,     std::move(send), std::move(recv_view),
+            std::move(result), recv_ptr};
+  }
+
+  py::object allreduce(const py::object& array, const std::string& op,
+                       const std::optional<std::string>& algorithm, const py::object& out) {
+    Prepared p = prepare("allreduce", array, op, out);
     const std::string alg = algorithm.value_or("");
     {
       py::gil_scoped_release release;
-      gradcomm::allreduce(c, send.info.ptr, recv_ptr, send.count, send.dtype, rop,
+      gradcomm::allreduce(*p.held, p.send.info.ptr, p.recv_ptr, p.send.count, p.send.dtype, p.op,
                           {.algorithm = alg});
     }
-    return result;
+    return p.result;
+  }
+
+  // The non-blocking form: the handle keeps the arrays exported and the communicator alive.
+  std::unique_ptr<PyRequest> allreduce_async(const py::object& array, const std::string& op,
+                                             const std::optional<std::string>& algorithm,
+                                             const py::object& out) {
+    Prepared p = prepare("allreduce_async", array, op, out);
+    const std::string alg = algorithm.value_or("");
+    Request request = gradcomm::iallreduce(*p.held, p.send.info.ptr, p.recv_ptr, p.send.count,
+                                           p.send.dtype, p.op, {.algorithm = alg});
+    std::vector<View> views;
+    views.push_back(std::move(p.send));
+    if (p.recv) views.push_back(std::move(*p.recv));
+    return std::make_unique<PyRequest>(std::move(request), std::move(p.held), std::move(p.result),
+                                       std::move(views));
+  }
+
+  // Raw form for gradcomm.torch (the caller keeps the tensors alive until the handle is done).
+  std::unique_ptr<PyRequest> allreduce_async_ptr(std::uintptr_t send, std::uintptr_t recv,
+                                                 std::size_t count, const std::string& dtype,
+                                                 const std::string& op,
+                                                 const std::optional<std::string>& algorithm) {
+    std::shared_ptr<Communicator> held = get();
+    const ReduceOp rop = parse_op(op, "allreduce_async", held->rank());
+    const DataType dt = parse_dtype(dtype, "allreduce_async", held->rank());
+    const std::string alg = algorithm.value_or("");
+    Request request =
+        gradcomm::iallreduce(*held, reinterpret_cast<const void*>(send),
+                             reinterpret_cast<void*>(recv), count, dt, rop, {.algorithm = alg});
+    return std::make_unique<PyRequest>(std::move(request), std::move(held), py::none(),
+                                       std::vector<View>{});
   }
 
   // In place on each array of the list; returns the list.
@@ -366,11 +442,19 @@ PYBIND11_MODULE(_gradcomm, m) {
            py::arg("op") = "average", py::arg("algorithm") = py::none(),
            py::arg("fusion_threshold") = py::none())
       .def("broadcast", &PyCommunicator::broadcast, py::arg("array"), py::arg("root") = 0)
+      .def("allreduce_async", &PyCommunicator::allreduce_async, py::arg("array"),
+           py::arg("op") = "average", py::arg("algorithm") = py::none(),
+           py::arg("out") = py::none())
       .def("_allreduce_ptr", &PyCommunicator::allreduce_ptr)
+      .def("_allreduce_async_ptr", &PyCommunicator::allreduce_async_ptr)
       .def("_grouped_allreduce_ptrs", &PyCommunicator::grouped_allreduce_ptrs)
       .def("_broadcast_ptr", &PyCommunicator::broadcast_ptr)
       .def("_bench_allreduce", &PyCommunicator::bench_allreduce, py::arg("array"),
            py::arg("iterations"), py::arg("op") = "sum", py::arg("algorithm") = py::none());
+
+  py::class_<PyRequest>(m, "Request")
+      .def("wait", &PyRequest::wait, "Blocks (GIL released) until done; returns the result")
+      .def("done", &PyRequest::done, "True once finished; never blocks");
 
   py::class_<PyPacker>(m, "GradientPacker")
       .def(py::init<const py::list&, int>(), py::arg("arrays"), py::arg("num_split") = 8)

@@ -16,6 +16,7 @@
 
 #include "collectives/registry.h"
 #include "core/error.h"
+#include "core/progress_engine.h"
 #include "core/shared_memory.h"
 #include "topology/host.h"
 
@@ -183,6 +184,8 @@ void board_poll(CheckState& state, Communicator& comm, const CallScope& scope,
                 std::string_view call, bool wait) {
   const std::uint64_t want = state.board_sequence + 1;
   long polls = 0;
+  BackgroundPause pause;
+  const bool background = on_progress_thread();
   while (state.board_pending) {
     for (int j = 0; j < state.size; ++j) {
       if (state.compared[static_cast<std::size_t>(j)]) continue;
@@ -209,7 +212,12 @@ void board_poll(CheckState& state, Communicator& comm, const CallScope& scope,
     }
     if (state.uncompared == 0) state.board_pending = false;
     if (!wait || !state.board_pending) return;
-    if (++polls > 100) sched_yield();
+    if (background) {
+      pause.pause();  // the application computes meanwhile
+      ++polls;
+    } else if (++polls > 100) {
+      sched_yield();
+    }
     // A peer still in MPI (the previous call's ring) may need this rank's progress to post.
     if (polls % 16 == 0) drive_mpi_progress(comm.mpi_comm());
   }
@@ -253,7 +261,7 @@ void complete(CheckState& state, Communicator& comm, const CallScope& scope,
               std::string_view call) {
   if (state.board_pending) return board_poll(state, comm, scope, call, /*wait=*/true);
   if (state.request == MPI_REQUEST_NULL) return;
-  check_mpi(MPI_Wait(&state.request, MPI_STATUS_IGNORE),
+  check_mpi(wait_all_mpi(1, &state.request),
             std::string(call) + ": MPI_Wait for the call fingerprint", comm.rank());
   verify(state, comm, scope, call);
 }

@@ -368,6 +368,7 @@ void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorith
 namespace gradcomm::collectives {
 
 TuningTable auto_decisions(Communicator& comm) {
+  comm.settle();  // requests in flight may still be deciding
   TuningTable out;
   out.ranks = comm.size();
   AutoState* state = comm.find_attachment<AutoState>();
@@ -397,6 +398,7 @@ TuningTable auto_decisions(Communicator& comm) {
 }
 
 void use_auto_decisions(Communicator& comm, const TuningTable& table) {
+  comm.settle();
   if (table.rows.empty()) return;
   if (table.ranks != comm.size()) {
     throw InvalidArgument(error_message("use_auto_decisions", comm.rank(),

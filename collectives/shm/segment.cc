@@ -12,6 +12,7 @@
 
 #include "collectives/check/consistency.h"
 #include "core/error.h"
+#include "core/progress_engine.h"
 #include "core/stream_copy.h"
 #include "topology/host.h"
 
@@ -101,7 +102,9 @@ void ShmState::wait_for(int j, const ShmCounter& counter, std::uint64_t target,
   // put both here) it would burn the time the other needs: yield at once. The CPU is published
   // only when it changed (peers read that line while they wait).
   long spins = 0;
-  if (spin > 0) {
+  const bool background = on_progress_thread();  // the application computes meanwhile
+  BackgroundPause pause;
+  if (spin > 0 && !background) {
     const int here = sched_getcpu();
     std::atomic<int>& mine = control(rank).cpu;
     if (mine.load(std::memory_order_relaxed) != here) mine.store(here, std::memory_order_relaxed);
@@ -114,7 +117,11 @@ void ShmState::wait_for(int j, const ShmCounter& counter, std::uint64_t target,
       cpu_relax();
       continue;
     }
-    sched_yield();
+    if (background) {
+      pause.pause();
+    } else {
+      sched_yield();
+    }
     // A peer still in MPI (finishing a ring) may need this rank's progress to get here.
     if (polls % 16 == 0) drive_mpi_progress(mpi);
     if (polls % 64 == 0) call.poll_check();  // a peer that made another call never arrives

@@ -192,6 +192,60 @@ int main(int argc, char** argv) {
   }
   CHECK(gradcomm_comm_rank(comm, &my_rank) == GRADCOMM_SUCCESS); /* still usable */
 
+  /* Non-blocking: several requests in flight, tested and waited out of order, a grouped start,
+   * a broadcast, rejected input, and a request freed unwaited (the free waits for it). */
+  {
+    enum { kReqs = 4, kLen = 100003 };
+    float* bufs[kReqs];
+    gradcomm_request reqs[kReqs];
+    for (int k = 0; k < kReqs; ++k) {
+      bufs[k] = malloc(kLen * sizeof(float));
+      for (int i = 0; i < kLen; ++i)
+        bufs[k][i] = (float)(my_rank + k);
+      CHECK(gradcomm_iallreduce(comm, bufs[k], bufs[k], kLen, GRADCOMM_FLOAT32, GRADCOMM_SUM,
+                                k % 2 ? "ring" : NULL, NULL, &reqs[k]) == GRADCOMM_SUCCESS);
+    }
+    int done = 0;
+    while (!done)
+      CHECK(gradcomm_request_test(reqs[kReqs - 1], &done) == GRADCOMM_SUCCESS);
+    for (int k = kReqs - 1; k >= 0; --k) {
+      CHECK(gradcomm_request_wait(reqs[k]) == GRADCOMM_SUCCESS);
+      CHECK(gradcomm_request_wait(reqs[k]) == GRADCOMM_SUCCESS); /* again: finished */
+      CHECK(bufs[k][kLen - 1] == (float)(size * (size - 1) / 2 + size * k));
+      CHECK(gradcomm_request_free(reqs[k]) == GRADCOMM_SUCCESS);
+    }
+    REJECTS(gradcomm_request_wait(reqs[0]), "is not a live request");
+    REJECTS(gradcomm_iallreduce(comm, NULL, bufs[0], 4, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL, NULL,
+                                &reqs[0]),
+            "sendbuf is null");
+    REJECTS(gradcomm_iallreduce(comm, bufs[0], bufs[0], 4, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL,
+                                NULL, NULL),
+            "request is NULL");
+    void* pair[] = {bufs[0], bufs[1]};
+    size_t lens[] = {kLen, 7};
+    gradcomm_dtype types[] = {GRADCOMM_FLOAT32, GRADCOMM_FLOAT32};
+    for (int i = 0; i < kLen; ++i)
+      bufs[0][i] = 1.0f;
+    for (int i = 0; i < 7; ++i)
+      bufs[1][i] = (float)my_rank;
+    gradcomm_request g = NULL;
+    CHECK(gradcomm_grouped_allreduce_start(comm, pair, lens, types, 2, GRADCOMM_AVG, NULL, 0, &g) ==
+          GRADCOMM_SUCCESS);
+    CHECK(gradcomm_request_wait(g) == GRADCOMM_SUCCESS);
+    CHECK(gradcomm_request_free(g) == GRADCOMM_SUCCESS);
+    CHECK(bufs[0][kLen - 1] == 1.0f);
+    CHECK(bufs[1][6] == (float)(size - 1) / 2.0f);
+    for (int i = 0; i < kLen; ++i)
+      bufs[2][i] = my_rank == 0 ? 5.0f : 0.0f;
+    gradcomm_request bc = NULL;
+    CHECK(gradcomm_ibroadcast(comm, bufs[2], kLen, GRADCOMM_FLOAT32, 0, &bc) == GRADCOMM_SUCCESS);
+    CHECK(gradcomm_request_free(bc) == GRADCOMM_SUCCESS); /* waits */
+    CHECK(bufs[2][kLen - 1] == 5.0f);
+    CHECK(gradcomm_request_free(NULL) == GRADCOMM_SUCCESS);
+    for (int k = 0; k < kReqs; ++k)
+      free(bufs[k]);
+  }
+
   /* Grouped all-reduce of mixed dtypes, average. */
   float a[5];
   double b[1000];

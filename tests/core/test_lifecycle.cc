@@ -1,7 +1,10 @@
 // gradcomm::init / finalize own MPI only when they started it. Two modes, one per CTest entry:
 //   owned: gradcomm::init starts MPI, so gradcomm::finalize ends it;
-//   user:  the program starts MPI itself; gradcomm::init and finalize leave it alone, and a
-//          Communicator wrapping the user's MPI_Comm works (how other frameworks link us).
+//   user:  the program starts MPI itself (MPI_Init: MPI_THREAD_SINGLE); gradcomm::init and
+//          finalize leave it alone, a Communicator wrapping the user's MPI_Comm works (how other
+//          frameworks link us), and a non-blocking call is refused, naming the thread level,
+//          while the blocking calls go on working;
+//   owned also checks that gradcomm::init asked for MPI_THREAD_MULTIPLE and non-blocking calls run.
 // Prints "N passed, N failed" and exits non-zero on failure.
 
 #include <mpi.h>
@@ -10,8 +13,11 @@
 #include <cstring>
 #include <vector>
 
+#include <string>
+
 #include "collectives/allreduce.h"
 #include "core/communicator.h"
+#include "core/error.h"
 
 namespace {
 
@@ -42,6 +48,31 @@ void use(MPI_Comm user_comm) {
                       gradcomm::ReduceOp::sum, {.algorithm = "ring"});
   expect(v[4] == 2.0 * world, "allreduce on the wrapped communicator");
   expect(comm.mpi_comm() != user_comm, "the communicator is a duplicate, not the user's");
+  int level = 0;
+  MPI_Query_thread(&level);
+  std::vector<double> w(5, 1.0);
+  if (level == MPI_THREAD_MULTIPLE) {
+    gradcomm::iallreduce(comm, w.data(), w.data(), w.size(), gradcomm::DataType::float64,
+                         gradcomm::ReduceOp::sum, {.algorithm = "ring"})
+        .wait();
+    expect(w[4] == 1.0 * world, "iallreduce at MPI_THREAD_MULTIPLE");
+    return;
+  }
+  bool refused = false;
+  try {
+    gradcomm::iallreduce(comm, w.data(), w.data(), w.size(), gradcomm::DataType::float64,
+                         gradcomm::ReduceOp::sum);
+  } catch (const gradcomm::Unsupported& e) {
+    const std::string what = e.what();
+    refused = what.find("iallreduce(") != std::string::npos &&
+              what.find("MPI_THREAD_SINGLE") != std::string::npos &&
+              what.find("MPI_THREAD_MULTIPLE") != std::string::npos;
+    if (!refused) std::fprintf(stderr, "unexpected message: %s\n", e.what());
+  }
+  expect(refused, "iallreduce refused below MPI_THREAD_MULTIPLE, naming the level");
+  gradcomm::allreduce(comm, w.data(), w.data(), w.size(), gradcomm::DataType::float64,
+                      gradcomm::ReduceOp::sum);
+  expect(w[4] == 1.0 * world, "blocking calls still work after the refusal");
 }
 
 }  // namespace
@@ -64,6 +95,9 @@ int main(int argc, char** argv) {
     gradcomm::init(&argc, &argv);
     gradcomm::init(&argc, &argv);  // idempotent
     expect(gradcomm::mpi_ready(), "gradcomm::init initialized MPI");
+    int level = 0;
+    MPI_Query_thread(&level);
+    expect(level == MPI_THREAD_MULTIPLE, "gradcomm::init asked for MPI_THREAD_MULTIPLE");
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     use(MPI_COMM_WORLD);
     gradcomm::finalize();

@@ -1,5 +1,7 @@
 // Helper of watchdog_test.sh: ranks that stall on purpose, so the watchdog must report and abort.
 //   missing R    every rank but R runs all-reduces; R sleeps in user code from call 3 on
+//   unsubmitted R  the same with non-blocking all-reduces: R never submits call 3, the others
+//                wait on its request
 //   order        ranks disagree on the order of collectives inside shm (run with
 //                GRADCOMM_CHECK=off, so that only the watchdog can see it)
 // A run that is not aborted prints "not aborted" and exits 0, which the script counts as failure.
@@ -19,8 +21,16 @@ int main(int argc, char** argv) {
     gradcomm::Communicator comm(MPI_COMM_WORLD);
     std::vector<float> data(1000, 1.0f);
     for (int i = 0; i < 6; ++i) {
-      if (mode == "missing" && i == 3 && comm.rank() == std::atoi(argv[2])) {
+      if ((mode == "missing" || mode == "unsubmitted") && i == 3 &&
+          comm.rank() == std::atoi(argv[2])) {
         sleep(120);  // busy elsewhere: never arrives at call 3
+      }
+      if (mode == "unsubmitted") {
+        gradcomm::iallreduce(comm, data.data(), data.data(), data.size(),
+                             gradcomm::DataType::float32, gradcomm::ReduceOp::max,
+                             {.algorithm = "ring"})
+            .wait();
+        continue;
       }
       if (mode == "order" && i == 3) {
         if (comm.rank() == 1) {

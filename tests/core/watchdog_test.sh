@@ -38,6 +38,13 @@ run missing0 4 missing 0
 grep -q "rank 0 is not in any collective (newest call: #2) - it never arrived at call #3" \
   "$WORK/missing0" || fail "missing0: rank 0 not named: $(cat "$WORK/missing0")"
 
+# The same for a request: the ranks that submitted it wait in it on their progress engines.
+run unsubmitted1 3 unsubmitted 1
+grep -q "rank 1 is not in any collective (newest call: #2) - it never arrived at call #3" \
+  "$WORK/unsubmitted1" || fail "unsubmitted1: the missing rank is not named: $(cat "$WORK/unsubmitted1")"
+grep -q "ranks 0,2 wait inside allreduce #3: 1000 x float32 max, algorithm ring" \
+  "$WORK/unsubmitted1" || fail "unsubmitted1: waiting ranks not listed"
+
 GRADCOMM_CHECK=off run order 3 order
 grep -q "different calls" "$WORK/order" || fail "order: no verdict on the call order: $(cat "$WORK/order")"
 grep -q "rank 1 waits inside broadcast #3" "$WORK/order" || fail "order: rank 1's call not named"

@@ -195,3 +195,48 @@ def test_every_call_rejects_bad_arrays_before_communicating():
 def test_topology_queries():
     assert 0 <= gradcomm.local_rank() < gradcomm.local_size() <= SIZE
     assert "ring" in gradcomm.algorithm_names()
+
+
+def test_allreduce_async_matches_blocking_and_releases_the_gil():
+    import threading
+    import time
+    xs = [values(RANK, n, np.float32, "sum") for n in (1, 1000, 65537, 300007)]
+    refs = [gradcomm.allreduce(x, op="sum", algorithm="ring") for x in xs]
+    handles = [gradcomm.allreduce_async(x, op="sum", algorithm="ring") for x in xs]
+    inplace = xs[2].copy()
+    h_inplace = gradcomm.allreduce_async(inplace, op="sum", out=inplace)
+    # Another Python thread runs while this one waits: wait() does not hold the GIL.
+    ticks = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    results = [h.wait() for h in reversed(handles)][::-1]
+    h_inplace.wait()
+    stop.set()
+    ticker.join()
+    for got, ref in zip(results, refs):
+        assert np.array_equal(got, ref)
+    assert np.array_equal(inplace, refs[2])
+    assert handles[0].done()  # finished: done() again is True
+    assert len(ticks) > 0
+    # A handle never polled finishes while the caller sleeps.
+    h = gradcomm.allreduce_async(np.ones(100000, dtype=np.float64), op="sum")
+    deadline = time.monotonic() + 60
+    while not h.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert np.all(h.wait() == SIZE)
+
+
+def test_allreduce_async_errors():
+    with pytest.raises(gradcomm.InvalidArgument, match="allreduce_async"):
+        gradcomm.allreduce_async(np.ones(4), op="nope")
+    with pytest.raises(gradcomm.InvalidArgument, match="unknown algorithm"):
+        gradcomm.allreduce_async(np.ones(4), algorithm="nope")
+    # The module is still usable.
+    assert np.all(gradcomm.allreduce_async(np.ones(3), op="sum").wait() == SIZE)

@@ -27,6 +27,7 @@ from ._gradcomm import (  # noqa: F401
     MismatchError,
     Communicator,
     Error,
+    Request,
     GradientPacker,
     InvalidArgument,
     Unsupported,
@@ -35,8 +36,8 @@ from ._gradcomm import (  # noqa: F401
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "allreduce", "grouped_allreduce", "broadcast", "world", "Communicator", "GradientPacker",
-    "Error", "InvalidArgument", "Unsupported", "CommError", "MismatchError", "algorithm_names",
+    "allreduce", "allreduce_async", "grouped_allreduce", "broadcast", "world", "Communicator", "GradientPacker",
+    "Request", "Error", "InvalidArgument", "Unsupported", "CommError", "MismatchError", "algorithm_names",
 ]
 
 _world = None
@@ -96,6 +97,14 @@ def allreduce(array, op="average", algorithm=None, out=None, comm=None):
     """Reduces `array` over all ranks with op ("sum", "average", "min", "max", "prod").
     Returns `out` (a new array when None; in place when `out is array`)."""
     return (comm or world()).allreduce(array, op, algorithm, out)
+
+
+def allreduce_async(array, op="average", algorithm=None, out=None, comm=None):
+    """Starts allreduce(array, ...) and returns at once with a handle: handle.wait() blocks
+    (without holding the GIL) until the result is ready and returns it; handle.done() tells
+    whether it is, without blocking. Both raise the call's error. The arrays must not be
+    changed until the handle is done. Calls run in the order they were made, on every rank."""
+    return (comm or world()).allreduce_async(array, op, algorithm, out)
 
 
 def grouped_allreduce(arrays, op="average", algorithm=None, fusion_threshold=None, comm=None):

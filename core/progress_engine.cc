@@ -1,0 +1,118 @@
+#include "core/progress_engine.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <sys/prctl.h>
+
+#include <algorithm>
+#include <string>
+
+#include "core/timeline.h"
+
+namespace gradcomm {
+namespace {
+
+thread_local bool t_progress_thread = false;
+
+}  // namespace
+
+bool on_progress_thread() {
+  return t_progress_thread;
+}
+
+ProgressEngine::ProgressEngine() {
+  thread_ = std::thread([this] { loop(); });
+}
+
+ProgressEngine::~ProgressEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ProgressEngine::submit(std::shared_ptr<detail::RequestState> state) {
+  if (timeline::enabled()) {
+    static std::atomic<std::uint64_t> next_id{1};
+    state->id = next_id.fetch_add(1, std::memory_order_relaxed);
+    state->submitted_us = timeline::now_us();
+    timeline::instant("submit", "request",
+                      "\"call\":\"" + state->call + "\",\"request\":" + std::to_string(state->id));
+  }
+  pending_.fetch_add(1, std::memory_order_acq_rel);
+  submitted_.fetch_add(1, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(state));
+  }
+  wake_.notify_one();
+}
+
+void ProgressEngine::drain() {
+  if (on_engine_thread()) return;
+  for (std::size_t n = pending_.load(std::memory_order_acquire); n > 0;
+       n = pending_.load(std::memory_order_acquire)) {
+    pending_.wait(n, std::memory_order_acquire);
+  }
+}
+
+void ProgressEngine::loop() {
+  t_progress_thread = true;
+  pthread_setname_np(pthread_self(), "gradcomm-prog");
+  // Short sleeps of the waits (BackgroundPause) last what they ask for, not the default 50 us of
+  // timer slack.
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  for (;;) {
+    std::shared_ptr<detail::RequestState> state;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything submitted has run
+      state = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (timeline::enabled()) {
+      thread_local bool named = false;
+      if (!named) timeline::name_thread("progress engine");
+      named = true;
+      timeline::async_span(
+          "queued", "request", state->id, state->submitted_us, timeline::now_us(),
+          "\"call\":\"" + state->call + "\",\"request\":" + std::to_string(state->id));
+    }
+    try {
+      state->work();
+    } catch (...) {
+      state->error = std::current_exception();
+    }
+    state->work = nullptr;  // what it captured goes now, not when the request is freed
+    state->done.store(true, std::memory_order_release);
+    state->done.notify_all();
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    pending_.notify_all();
+  }
+}
+
+void BackgroundPause::pause() {
+  if (++polls_ <= 8) {
+    sched_yield();
+    return;
+  }
+  timespec ts{0, sleep_ns_};
+  nanosleep(&ts, nullptr);
+  sleep_ns_ = std::min(sleep_ns_ + sleep_ns_ / 2, kMaxPauseMicroseconds * 1000);
+}
+
+int wait_all_mpi(int count, MPI_Request* requests) {
+  if (!on_progress_thread()) return MPI_Waitall(count, requests, MPI_STATUSES_IGNORE);
+  BackgroundPause pause;
+  for (;;) {
+    int done = 0;
+    const int rc = MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS || done) return rc;
+    pause.pause();
+  }
+}
+
+}  // namespace gradcomm

@@ -1,0 +1,78 @@
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string_view>
+#include <thread>
+
+#include "core/request.h"
+
+namespace gradcomm {
+
+// The thread that runs a communicator's non-blocking calls, one at a time, in submission order
+// (docs/design.md, "Threads"). One per communicator, started by its first non-blocking call: a
+// per-process thread would run calls of different communicators in one global order, and two
+// ranks that submit on two communicators in different orders would then wait for each other
+// forever. Idle, it sleeps on a condition variable.
+class ProgressEngine {
+ public:
+  ProgressEngine();
+  // Runs what was submitted to the end, then stops the thread.
+  ~ProgressEngine();
+  ProgressEngine(const ProgressEngine&) = delete;
+  ProgressEngine& operator=(const ProgressEngine&) = delete;
+
+  // Queues `state->work`; the engine runs it after everything submitted before.
+  void submit(std::shared_ptr<detail::RequestState> state);
+  // True while something submitted has not finished (one atomic load).
+  bool busy() const { return pending_.load(std::memory_order_acquire) > 0; }
+  // How many requests were ever submitted.
+  std::uint64_t submitted() const { return submitted_.load(std::memory_order_relaxed); }
+  // Blocks until nothing submitted is queued or running. On the engine's own thread (a request
+  // whose work makes a nested call) it returns at once.
+  void drain();
+  bool on_engine_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+ private:
+  void loop();
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::shared_ptr<detail::RequestState>> queue_;
+  bool stopping_ = false;
+  std::atomic<std::size_t> pending_{0};
+  std::atomic<std::uint64_t> submitted_{0};
+  std::thread thread_;
+};
+
+// True on a progress engine's thread. Waits there give the cores to the application, which
+// computes while its requests run: they poll with growing sleeps instead of spinning, and the
+// library's blocking MPI calls on its data paths become non-blocking calls polled that way. On
+// the caller's thread waits are unchanged.
+bool on_progress_thread();
+
+// The sleeps of one wait loop on a progress thread: a few yields, then sleeps that start at a
+// few microseconds and grow to kMaxPauseMicroseconds (Open MPI moves TCP transfers only inside
+// MPI calls, so the cap bounds how long a socket can sit idle).
+class BackgroundPause {
+ public:
+  static constexpr long kMaxPauseMicroseconds = 200;
+  void pause();
+
+ private:
+  long polls_ = 0;
+  long sleep_ns_ = 2000;
+};
+
+// MPI_Waitall, except on a progress thread: MPI_Testall with BackgroundPause between polls.
+// Returns the MPI error code.
+int wait_all_mpi(int count, MPI_Request* requests);
+
+}  // namespace gradcomm

@@ -1,0 +1,296 @@
+#include "packing/reducer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <string>
+
+#include "collectives/allreduce.h"
+#include "collectives/broadcast.h"
+#include "collectives/registry.h"
+#include "core/error.h"
+#include "core/reduce_kernels.h"
+#include "core/timeline.h"
+#include "topology/host.h"
+
+namespace gradcomm::packing {
+namespace {
+
+constexpr const char* kCall = "Reducer";
+constexpr std::size_t kBucketAlignment = 64;
+
+DataType wire_of(DataType dtype, Compression compression) {
+  if (dtype != DataType::float32) return dtype;
+  switch (compression) {
+    case Compression::float16:
+      return DataType::float16;
+    case Compression::bfloat16:
+      return DataType::bfloat16;
+    case Compression::none:
+      break;
+  }
+  return dtype;
+}
+
+// Throws InvalidArgument naming `call` unless `order` is a permutation of [0, n).
+void check_permutation(std::span<const std::size_t> order, std::size_t n, const char* call,
+                       int rank) {
+  if (order.size() != n) {
+    throw InvalidArgument(error_message(call, rank,
+                                        "order has " + std::to_string(order.size()) +
+                                            " entries for " + std::to_string(n) + " tensors"));
+  }
+  std::vector<char> seen(n, 0);
+  for (std::size_t i : order) {
+    if (i >= n || seen[i]) {
+      throw InvalidArgument(error_message(call, rank,
+                                          "order is not a permutation of the tensor indices (" +
+                                              std::to_string(i) +
+                                              (i >= n ? " is out of range)" : " appears twice)")));
+    }
+    seen[i] = 1;
+  }
+}
+
+}  // namespace
+
+std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tensors,
+                                                std::span<const std::size_t> order,
+                                                const ReducerOptions& options) {
+  struct Open {
+    ReducerBucket bucket;
+    std::size_t bytes = 0;
+    std::size_t first_position = 0;  // in `order`, of the bucket's first tensor
+    bool closed_one = false;         // this dtype has closed a bucket (its cap is the full one)
+  };
+  std::map<int, Open> open;  // by dtype
+  std::vector<std::pair<std::size_t, ReducerBucket>> done;
+  auto close = [&](Open& o) {
+    done.emplace_back(o.first_position, std::move(o.bucket));
+    o.bucket = ReducerBucket{};
+    o.bytes = 0;
+    o.closed_one = true;
+  };
+  for (std::size_t position = 0; position < order.size(); ++position) {
+    const std::size_t index = order[position];
+    const TensorDesc& t = tensors[index];
+    Open& o = open[static_cast<int>(t.dtype)];
+    if (o.bucket.tensors.empty()) {
+      o.bucket.dtype = t.dtype;
+      o.bucket.wire = wire_of(t.dtype, options.compression);
+      o.first_position = position;
+    }
+    o.bucket.tensors.push_back(index);
+    o.bucket.offsets.push_back(o.bucket.count);
+    o.bucket.count += t.count;
+    o.bytes += t.count * element_size(o.bucket.wire);
+    const std::size_t cap = o.closed_one ? options.bucket_cap_bytes : options.first_bucket_bytes;
+    if (o.bytes >= cap) close(o);
+  }
+  for (auto& [dtype, o] : open) {
+    if (!o.bucket.tensors.empty()) close(o);
+  }
+  std::stable_sort(done.begin(), done.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<ReducerBucket> buckets;
+  std::size_t offset = 0;
+  for (auto& [position, bucket] : done) {
+    bucket.byte_offset = offset;
+    const std::size_t bytes = bucket.count * element_size(bucket.wire);
+    offset += (bytes + kBucketAlignment - 1) / kBucketAlignment * kBucketAlignment;
+    buckets.push_back(std::move(bucket));
+  }
+  return buckets;
+}
+
+Reducer::Reducer(Communicator& comm, std::vector<TensorDesc> tensors, ReducerOptions options)
+    : comm_(comm), tensors_(std::move(tensors)), options_(std::move(options)) {
+  require_mpi_alive(kCall, comm.rank());
+  validate_tensors(tensors_, kCall, comm.rank());
+  auto invalid = [&](const std::string& detail) {
+    throw InvalidArgument(error_message(kCall, comm.rank(), detail));
+  };
+  if (!is_valid(options_.op)) {
+    invalid("invalid reduce op " + std::to_string(static_cast<int>(options_.op)));
+  }
+  if (options_.bucket_cap_bytes == 0 || options_.first_bucket_bytes == 0) {
+    invalid("bucket_cap_bytes and first_bucket_bytes must be positive");
+  }
+  if (!options_.algorithm.empty() && !collectives::is_algorithm_name(options_.algorithm)) {
+    invalid(collectives::unknown_algorithm(options_.algorithm, false));
+  }
+  std::vector<std::size_t> order = options_.order;
+  if (order.empty()) {
+    order.resize(tensors_.size());
+    std::iota(order.rbegin(), order.rend(), std::size_t{0});
+  }
+  check_permutation(order, tensors_.size(), kCall, comm.rank());
+  if (options_.overlap) require_thread_multiple(kCall, comm.rank());
+  plan(order);
+}
+
+Reducer::~Reducer() = default;  // requests_ goes first and waits
+
+void Reducer::plan(std::span<const std::size_t> order) {
+  buckets_ = plan_reducer_buckets(tensors_, order, options_);
+  bucket_of_.assign(tensors_.size(), 0);
+  position_of_.assign(tensors_.size(), 0);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    for (std::size_t k = 0; k < buckets_[b].tensors.size(); ++k) {
+      bucket_of_[buckets_[b].tensors[k]] = b;
+      position_of_[buckets_[b].tensors[k]] = k;
+    }
+  }
+  std::size_t bytes = 0;
+  if (!buckets_.empty()) {
+    const ReducerBucket& last = buckets_.back();
+    bytes = last.byte_offset + last.count * element_size(last.wire);
+  }
+  // Every rank plans the same buckets, so every rank (re)allocates alike: the allocation is
+  // collective where the buffer is registered.
+  if (bytes > buffer_bytes_ || buffer_ == nullptr) {
+    registered_ = RegisteredBuffer();
+    private_ = AlignedBuffer();
+    const std::size_t size = std::max<std::size_t>(bytes, 1);
+    if (comm_.size() > 1 && topology::shares_one_host(comm_)) {
+      try {
+        registered_ = comm_.allocate(size);
+      } catch (const CommError& e) {  // thrown on every rank alike: private buckets then
+        comm_.log(LogLevel::warn, std::string("Reducer: private buckets: ") + e.what());
+      }
+    }
+    if (registered_) {
+      buffer_ = registered_.data();
+    } else {
+      private_ = AlignedBuffer(size);
+      buffer_ = private_.data();
+    }
+    buffer_bytes_ = size;
+  }
+  ready_.assign(tensors_.size(), 0);
+  data_.resize(tensors_.size());
+  for (std::size_t i = 0; i < tensors_.size(); ++i)
+    data_[i] = tensors_[i].data;
+  waiting_.resize(buckets_.size());
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    waiting_[b] = buckets_[b].tensors.size();
+  next_launch_ = 0;
+  observed_.clear();
+  requests_.clear();
+  requests_.resize(buckets_.size());
+}
+
+void* Reducer::bucket_view(std::size_t index) {
+  if (index >= tensors_.size()) {
+    throw InvalidArgument(error_message(
+        "Reducer::bucket_view", comm_.rank(),
+        "tensor " + std::to_string(index) + " of " + std::to_string(tensors_.size())));
+  }
+  const ReducerBucket& bucket = buckets_[bucket_of_[index]];
+  if (bucket.wire != bucket.dtype) {
+    throw Unsupported(error_message(
+        "Reducer::bucket_view", comm_.rank(),
+        "tensor " + std::to_string(index) + " travels compressed: its bucket holds another dtype"));
+  }
+  return slot_of(index);
+}
+
+std::byte* Reducer::slot_of(std::size_t index) {
+  const ReducerBucket& bucket = buckets_[bucket_of_[index]];
+  return bucket_data(bucket) + bucket.offsets[position_of_[index]] * element_size(bucket.wire);
+}
+
+void Reducer::mark_ready(std::size_t index) {
+  mark_ready(index, index < tensors_.size() ? tensors_[index].data : nullptr);
+}
+
+void Reducer::mark_ready(std::size_t index, void* data) {
+  const char* call = "Reducer::mark_ready";
+  if (index >= tensors_.size()) {
+    throw InvalidArgument(error_message(call, comm_.rank(),
+                                        "tensor " + std::to_string(index) + " is out of range (" +
+                                            std::to_string(tensors_.size()) + " tensors)"));
+  }
+  if (ready_[index]) {
+    throw InvalidArgument(error_message(
+        call, comm_.rank(),
+        "tensor " + std::to_string(index) + " was already marked ready in this iteration"));
+  }
+  const TensorDesc& t = tensors_[index];
+  if (data == nullptr && t.count > 0) {
+    throw InvalidArgument(
+        error_message(call, comm_.rank(), "tensor " + std::to_string(index) + " has null data"));
+  }
+  ready_[index] = 1;
+  data_[index] = data;
+  observed_.push_back(index);
+  const std::size_t b = bucket_of_[index];
+  const ReducerBucket& bucket = buckets_[b];
+  void* slot = slot_of(index);
+  {
+    timeline::Span span("pack", "reducer");
+    if (span.on()) {
+      span.args("\"tensor\":" + std::to_string(index) + ",\"bucket\":" + std::to_string(b) +
+                ",\"bytes\":" + std::to_string(t.bytes()));
+    }
+    if (data != slot) convert(slot, bucket.wire, data, t.dtype, t.count);
+  }
+  --waiting_[b];
+  launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  if (!options_.overlap) return;  // finish() reduces them
+  const AllreduceOptions call{.algorithm = options_.algorithm};
+  while (next_launch_ < buckets_.size() && waiting_[next_launch_] == 0) {
+    const ReducerBucket& bucket = buckets_[next_launch_];
+    std::byte* p = bucket_data(bucket);
+    requests_[next_launch_] = iallreduce(comm_, p, p, bucket.count, bucket.wire, options_.op, call);
+    ++next_launch_;
+  }
+}
+
+void Reducer::finish() {
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (!ready_[i]) mark_ready(i);
+  }
+  timeline::Span finishing("finish", "reducer");
+  if (options_.overlap) {
+    Request::wait_all(requests_);
+  } else {
+    const AllreduceOptions call{.algorithm = options_.algorithm};
+    for (const ReducerBucket& bucket : buckets_) {
+      std::byte* p = bucket_data(bucket);
+      allreduce(comm_, p, p, bucket.count, bucket.wire, options_.op, call);
+    }
+  }
+  timeline::Span unpacking("unpack", "reducer");
+  for (const ReducerBucket& bucket : buckets_) {
+    for (std::size_t k = 0; k < bucket.tensors.size(); ++k) {
+      const std::size_t index = bucket.tensors[k];
+      const TensorDesc& t = tensors_[index];
+      const std::byte* slot = bucket_data(bucket) + bucket.offsets[k] * element_size(bucket.wire);
+      if (data_[index] != slot) convert(data_[index], t.dtype, slot, bucket.wire, t.count);
+    }
+  }
+  ++iterations_;
+  if (iterations_ == 1 && options_.rebuild_buckets && !tensors_.empty()) {
+    // Rank 0's ready order, so every rank plans the same buckets.
+    std::vector<std::int64_t> order(observed_.begin(), observed_.end());
+    broadcast(comm_, order.data(), order.size(), DataType::int64, 0);
+    const std::vector<std::size_t> agreed(order.begin(), order.end());
+    plan(agreed);
+    rebuilt_ = true;
+    return;
+  }
+  std::fill(ready_.begin(), ready_.end(), 0);
+  for (std::size_t i = 0; i < tensors_.size(); ++i)
+    data_[i] = tensors_[i].data;
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    waiting_[b] = buckets_[b].tensors.size();
+  next_launch_ = 0;
+  observed_.clear();
+}
+
+}  // namespace gradcomm::packing

@@ -1,0 +1,470 @@
+// Non-blocking collectives (iallreduce, igrouped_allreduce, ibroadcast) and the Reducer:
+// - every request's result is bit-identical to the blocking call's on the same input with the
+//   same algorithm, and identical on every rank; exact inputs also match a serial sum;
+// - many requests in flight, two communicators at once (submitted in opposite orders on
+//   alternate ranks), waits in another order than submission, a request destroyed unwaited, a
+//   request never polled, a blocking call behind requests;
+// - errors: bad input at submission, a mismatch between ranks from wait() on every rank;
+// - the Reducer: bucket plans, rebuild from rank 0's order, uneven and mixed-dtype tensors,
+//   results equal to blocking all-reduces of the same buckets.
+
+#include <gmock/gmock.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/allreduce.h"
+#include "collectives/broadcast.h"
+#include "collectives/registry.h"
+#include "core/error.h"
+#include "packing/grouped_allreduce.h"
+#include "packing/reducer.h"
+#include "tests/mpi_test.h"
+
+namespace gradcomm::testing {
+namespace {
+
+using packing::Reducer;
+using packing::ReducerBucket;
+using packing::ReducerOptions;
+using packing::TensorDesc;
+
+class NonBlocking : public MpiTest {};
+class NonBlockingAlgorithm : public MpiTestWithParam<std::string> {};
+
+// Random floats (different on every rank and call): bit-identity with the blocking call is the
+// point, not exactness.
+std::vector<float> random_input(std::size_t count, int rank, unsigned salt) {
+  std::mt19937 rng(1234u + static_cast<unsigned>(rank) * 7919u + salt);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(count);
+  for (float& x : v)
+    x = dist(rng);
+  return v;
+}
+
+bool bits_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Sizes where algorithms split differently: empty, one, below the rank count, primes, a count
+// that no rank count divides, and one past a power of two large enough to take every path.
+constexpr std::size_t kSizes[] = {0, 1, 3, 1009, 65537, (std::size_t{1} << 19) + 3};
+
+TEST_P(NonBlockingAlgorithm, EqualsBlockingBitForBit) {
+  Communicator& comm = world();
+  const std::string algorithm = GetParam();
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+    for (std::size_t count : kSizes) {
+      const unsigned salt = static_cast<unsigned>(count) + 31u * static_cast<unsigned>(op);
+      const std::vector<float> input = random_input(count, comm.rank(), salt);
+      std::vector<float> blocking(count), nonblocking(count), in_place = input;
+      allreduce(comm, input.data(), blocking.data(), count, DataType::float32, op,
+                {.algorithm = algorithm});
+      Request out = iallreduce(comm, input.data(), nonblocking.data(), count, DataType::float32, op,
+                               {.algorithm = algorithm});
+      Request in = iallreduce(comm, in_place.data(), in_place.data(), count, DataType::float32, op,
+                              {.algorithm = algorithm});
+      out.wait();
+      in.wait();
+      EXPECT_FALSE(out.active());
+      EXPECT_TRUE(bits_equal(blocking, nonblocking))
+          << algorithm << " op " << static_cast<int>(op) << " count " << count;
+      EXPECT_TRUE(bits_equal(blocking, in_place))
+          << algorithm << " in place, op " << static_cast<int>(op) << " count " << count;
+      EXPECT_TRUE(same_on_all_ranks(comm.mpi_comm(),
+                                    fingerprint(nonblocking.data(), count * sizeof(float))));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, NonBlockingAlgorithm,
+                         ::testing::ValuesIn(collectives::host_algorithm_names()),
+                         [](const auto& info) { return info.param; });
+
+// Small integers: every order of summation gives the same float, so the serial sum is exact.
+TEST_F(NonBlocking, ManyRequestsInFlightMatchTheSerialSum) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  constexpr int kRequests = 48;
+  std::vector<std::vector<float>> buffers;
+  std::vector<Request> requests;
+  for (int k = 0; k < kRequests; ++k) {
+    const std::size_t count = 1 + static_cast<std::size_t>(k) * 977 % 20011;
+    std::vector<float> v(count);
+    for (std::size_t i = 0; i < count; ++i)
+      v[i] = static_cast<float>((comm.rank() + k + static_cast<int>(i % 13)) % 9);
+    buffers.push_back(std::move(v));
+  }
+  for (int k = 0; k < kRequests; ++k) {
+    std::vector<float>& v = buffers[static_cast<std::size_t>(k)];
+    requests.push_back(iallreduce(comm, v.data(), v.data(), v.size(), DataType::float32,
+                                  ReduceOp::sum, {.algorithm = k % 2 ? "ring" : "auto"}));
+  }
+  Request::wait_all(requests);
+  for (int k = 0; k < kRequests; ++k) {
+    const std::vector<float>& v = buffers[static_cast<std::size_t>(k)];
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      float expected = 0;
+      for (int r = 0; r < n; ++r)
+        expected += static_cast<float>((r + k + static_cast<int>(i % 13)) % 9);
+      ASSERT_EQ(v[i], expected) << "request " << k << " element " << i;
+    }
+  }
+}
+
+// One engine per communicator: ranks that submit on two communicators in opposite orders still
+// finish (one engine for both would run A before B on some ranks and B before A on others).
+TEST_F(NonBlocking, TwoCommunicatorsSubmittedInOppositeOrders) {
+  Communicator& comm = world();
+  Communicator a(comm.mpi_comm());
+  Communicator b(comm.mpi_comm());
+  const int n = comm.size();
+  std::vector<double> x(40000, comm.rank() + 1.0), y(30011, 2.0 * comm.rank());
+  Request rx, ry;
+  if (comm.rank() % 2 == 0) {
+    rx = iallreduce(a, x.data(), x.data(), x.size(), DataType::float64, ReduceOp::sum,
+                    {.algorithm = "ring"});
+    ry = iallreduce(b, y.data(), y.data(), y.size(), DataType::float64, ReduceOp::sum,
+                    {.algorithm = "ring"});
+  } else {
+    ry = iallreduce(b, y.data(), y.data(), y.size(), DataType::float64, ReduceOp::sum,
+                    {.algorithm = "ring"});
+    rx = iallreduce(a, x.data(), x.data(), x.size(), DataType::float64, ReduceOp::sum,
+                    {.algorithm = "ring"});
+  }
+  ry.wait();
+  rx.wait();
+  EXPECT_EQ(x.back(), n * (n + 1) / 2.0);
+  EXPECT_EQ(y.front(), 2.0 * (n * (n - 1) / 2.0));
+}
+
+TEST_F(NonBlocking, WaitedInAnotherOrderThanSubmitted) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  std::vector<std::vector<std::int64_t>> buffers;
+  std::vector<Request> requests;
+  for (int k = 0; k < 8; ++k)
+    buffers.emplace_back(static_cast<std::size_t>(1000 * k + 1), comm.rank() + k);
+  for (auto& v : buffers) {
+    requests.push_back(
+        iallreduce(comm, v.data(), v.data(), v.size(), DataType::int64, ReduceOp::sum));
+  }
+  for (int k = 7; k >= 0; --k) {
+    requests[static_cast<std::size_t>(k)].wait();
+    const std::int64_t expected = n * (n - 1) / 2 + static_cast<std::int64_t>(n) * k;
+    EXPECT_EQ(buffers[static_cast<std::size_t>(k)].back(), expected) << "request " << k;
+  }
+}
+
+TEST_F(NonBlocking, DestroyingAnUnfinishedRequestWaitsForIt) {
+  Communicator& comm = world();
+  std::vector<float> v(1 << 18, 1.0f);
+  {
+    Request r = iallreduce(comm, v.data(), v.data(), v.size(), DataType::float32, ReduceOp::sum,
+                           {.algorithm = "ring"});
+  }  // the destructor waits: the buffer holds the result afterwards
+  EXPECT_EQ(v.front(), static_cast<float>(comm.size()));
+  EXPECT_EQ(v.back(), static_cast<float>(comm.size()));
+  // Assigning over an unfinished request waits for the old one too.
+  std::vector<float> w(1 << 16, 2.0f);
+  Request r = iallreduce(comm, v.data(), v.data(), v.size(), DataType::float32, ReduceOp::sum);
+  r = iallreduce(comm, w.data(), w.data(), w.size(), DataType::float32, ReduceOp::sum);
+  EXPECT_EQ(v.back(), static_cast<float>(comm.size() * comm.size()));
+  r.wait();
+  EXPECT_EQ(w.back(), 2.0f * static_cast<float>(comm.size()));
+}
+
+// test() is one atomic load: no MPI call, no progress made by the caller. The request finishes
+// while the caller sleeps.
+TEST_F(NonBlocking, ARequestNeverPolledCompletesWhileTheCallerSleeps) {
+  Communicator& comm = world();
+  std::vector<float> v(1 << 17, 3.0f);
+  Request r = iallreduce(comm, v.data(), v.data(), v.size(), DataType::float32, ReduceOp::sum,
+                         {.algorithm = "ring"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  bool done = false;
+  while (!done && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    done = r.test();
+  }
+  ASSERT_TRUE(done) << "the request did not finish within 60 s of sleep";
+  EXPECT_EQ(v.back(), 3.0f * static_cast<float>(comm.size()));
+}
+
+TEST_F(NonBlocking, BlockingCallsQueueBehindRequests) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  std::vector<double> v(100003, 1.0);
+  Request r = iallreduce(comm, v.data(), v.data(), v.size(), DataType::float64, ReduceOp::sum,
+                         {.algorithm = "ring"});
+  // Runs after the request: it reads the request's result.
+  allreduce(comm, v.data(), v.data(), v.size(), DataType::float64, ReduceOp::sum,
+            {.algorithm = "ring"});
+  r.wait();  // finished before the blocking call began
+  EXPECT_EQ(v.back(), static_cast<double>(n) * n);
+}
+
+TEST_F(NonBlocking, GroupedAndBroadcastEqualTheirBlockingForms) {
+  Communicator& comm = world();
+  std::vector<float> a = random_input(5003, comm.rank(), 1), b = random_input(17, comm.rank(), 2);
+  std::vector<double> c(1000, comm.rank() * 0.5);
+  std::vector<float> a2 = a, b2 = b;
+  std::vector<double> c2 = c;
+  std::vector<TensorDesc> blocking = {{a.data(), a.size(), DataType::float32},
+                                      {b.data(), b.size(), DataType::float32},
+                                      {c.data(), c.size(), DataType::float64}};
+  std::vector<TensorDesc> nonblocking = {{a2.data(), a2.size(), DataType::float32},
+                                         {b2.data(), b2.size(), DataType::float32},
+                                         {c2.data(), c2.size(), DataType::float64}};
+  grouped_allreduce(comm, blocking, ReduceOp::avg, {.algorithm = "ring"});
+  Request g = igrouped_allreduce(comm, nonblocking, ReduceOp::avg, {.algorithm = "ring"});
+  nonblocking.clear();  // the request keeps its own copy of the list
+  g.wait();
+  EXPECT_TRUE(bits_equal(a, a2));
+  EXPECT_TRUE(bits_equal(b, b2));
+  EXPECT_EQ(std::memcmp(c.data(), c2.data(), c.size() * sizeof(double)), 0);
+
+  const int root = comm.size() - 1;
+  std::vector<std::int32_t> x(70001, comm.rank() == root ? 42 : -1);
+  Request bc = ibroadcast(comm, x.data(), x.size(), DataType::int32, root);
+  bc.wait();
+  EXPECT_EQ(x.front(), 42);
+  EXPECT_EQ(x.back(), 42);
+}
+
+TEST_F(NonBlocking, BadInputIsRejectedAtSubmission) {
+  Communicator& comm = world();
+  const std::uint64_t before = comm.engine().submitted();
+  std::vector<float> v(8);
+  EXPECT_THROW(iallreduce(comm, nullptr, v.data(), 8, DataType::float32, ReduceOp::sum),
+               InvalidArgument);
+  EXPECT_THROW(iallreduce(comm, v.data(), v.data(), 8, DataType::float32, ReduceOp::sum,
+                          {.algorithm = "no-such-algorithm"}),
+               InvalidArgument);
+  EXPECT_THROW(iallreduce(comm, v.data(), v.data() + 1, 7, DataType::float32, ReduceOp::sum),
+               InvalidArgument);
+  EXPECT_THROW(ibroadcast(comm, v.data(), v.size(), DataType::float32, comm.size()),
+               InvalidArgument);
+  std::vector<TensorDesc> overlapping = {{v.data(), 8, DataType::float32},
+                                         {v.data() + 4, 4, DataType::float32}};
+  EXPECT_THROW(igrouped_allreduce(comm, overlapping, ReduceOp::sum), InvalidArgument);
+  try {
+    iallreduce(comm, nullptr, v.data(), 8, DataType::float32, ReduceOp::sum);
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("iallreduce("));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("sendbuf is null"));
+  }
+  EXPECT_EQ(comm.engine().submitted(), before);  // nothing was submitted
+}
+
+// Rank 0 reduces one element more than the others: every rank's wait() throws, and the
+// communicator works afterwards.
+TEST_F(NonBlocking, AMismatchSurfacesFromWaitOnEveryRank) {
+  Communicator& comm = world();
+  if (comm.size() == 1 || comm.config().check == CheckMode::off) GTEST_SKIP();
+  std::vector<float> v(1001, 1.0f);
+  const std::size_t count = comm.rank() == 0 ? 1001 : 1000;
+  Request r = iallreduce(comm, v.data(), v.data(), count, DataType::float32, ReduceOp::sum,
+                         {.algorithm = "ring"});
+  bool threw = false;
+  try {
+    r.wait();
+  } catch (const MismatchError& e) {
+    threw = true;
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("1001"));
+  }
+  EXPECT_TRUE(threw);
+  std::vector<float> w(64, 1.0f);
+  iallreduce(comm, w.data(), w.data(), w.size(), DataType::float32, ReduceOp::sum).wait();
+  EXPECT_EQ(w.back(), static_cast<float>(comm.size()));
+}
+
+// ---- The Reducer ----
+
+std::vector<TensorDesc> descs(std::vector<std::vector<float>>& tensors) {
+  std::vector<TensorDesc> out;
+  for (auto& t : tensors)
+    out.push_back({t.data(), t.size(), DataType::float32});
+  return out;
+}
+
+TEST_F(NonBlocking, ReducerPlansBucketsLikeDdp) {
+  // Sizes in bytes: 400 KiB, 400 KiB, 400 KiB, 4 KiB, 2 MiB (float32), reverse order expected.
+  std::vector<float> t0(102400), t1(102400), t2(102400), t3(1024), t4(524288);
+  std::vector<double> d0(10), d1(131072);
+  std::vector<TensorDesc> tensors = {
+      {t0.data(), t0.size(), DataType::float32}, {t1.data(), t1.size(), DataType::float32},
+      {d0.data(), d0.size(), DataType::float64}, {t2.data(), t2.size(), DataType::float32},
+      {t3.data(), t3.size(), DataType::float32}, {d1.data(), d1.size(), DataType::float64},
+      {t4.data(), t4.size(), DataType::float32}};
+  ReducerOptions o;
+  o.first_bucket_bytes = 1 << 20;
+  o.bucket_cap_bytes = 3 << 20;
+  std::vector<std::size_t> order(tensors.size());
+  std::iota(order.rbegin(), order.rend(), std::size_t{0});
+  const std::vector<ReducerBucket> plan = packing::plan_reducer_buckets(tensors, order, o);
+  // float32 in order 6, 4, 3, 1, 0: {6} closes the first (2 MiB >= 1 MiB); {4, 3, 1, 0} stays
+  // under 3 MiB. float64: {5} (1 MiB >= 1 MiB), then {2}. By first expected tensor: 6, 5, 4.., 2.
+  ASSERT_EQ(plan.size(), 4u);
+  EXPECT_THAT(plan[0].tensors, ::testing::ElementsAre(6));
+  EXPECT_THAT(plan[1].tensors, ::testing::ElementsAre(5));
+  EXPECT_THAT(plan[2].tensors, ::testing::ElementsAre(4, 3, 1, 0));
+  EXPECT_THAT(plan[3].tensors, ::testing::ElementsAre(2));
+  EXPECT_EQ(plan[2].dtype, DataType::float32);
+  EXPECT_EQ(plan[3].dtype, DataType::float64);
+  EXPECT_THAT(plan[2].offsets, ::testing::ElementsAre(0, 1024, 1024 + 102400, 1024 + 204800));
+  for (const ReducerBucket& b : plan)
+    EXPECT_EQ(b.byte_offset % 64, 0u);
+  EXPECT_EQ(plan[1].byte_offset, 2u << 20);
+}
+
+// Uneven float32 and float64 tensors (one empty), marked in rank-dependent orders; three
+// iterations, each compared bit for bit with blocking all-reduces of the same buckets (packed by
+// hand). Iteration 0 reduces small integers and is also checked against the serial sum; the
+// others reduce random floats. Rank 0 marks forward, so the rebuilt buckets follow that order.
+TEST_F(NonBlocking, ReducerEqualsBlockingAllreducesOfItsBuckets) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  const std::size_t counts[] = {7, 1009, 0, 65537, 3, 20011, 4099};
+  const std::size_t m = std::size(counts);
+  std::vector<std::vector<double>> storage;  // float64 storage; float32 tensors use half of it
+  std::vector<TensorDesc> tensors;
+  for (std::size_t k = 0; k < m; ++k) {
+    storage.emplace_back(counts[k]);
+    const DataType dtype = k % 3 == 1 ? DataType::float64 : DataType::float32;
+    tensors.push_back({storage.back().data(), counts[k], dtype});
+  }
+  ReducerOptions o;
+  o.first_bucket_bytes = 4096;
+  o.bucket_cap_bytes = 100000;
+  o.op = ReduceOp::sum;
+  o.algorithm = "ring";
+  Reducer reducer(comm, tensors, o);
+  EXPECT_GT(reducer.buckets().size(), 2u);
+  auto set = [](const TensorDesc& t, std::size_t i, double v) {
+    if (t.dtype == DataType::float64) {
+      static_cast<double*>(t.data)[i] = v;
+    } else {
+      static_cast<float*>(t.data)[i] = static_cast<float>(v);
+    }
+  };
+  auto get = [](const TensorDesc& t, std::size_t i) {
+    return t.dtype == DataType::float64 ? static_cast<double*>(t.data)[i]
+                                        : static_cast<double>(static_cast<float*>(t.data)[i]);
+  };
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    auto exact = [&](int rank, std::size_t k, std::size_t i) {
+      return static_cast<double>((rank * 3 + static_cast<int>(k) + static_cast<int>(i % 11)) % 10);
+    };
+    std::mt19937 values(static_cast<unsigned>(comm.rank() * 131 + iteration));
+    std::uniform_real_distribution<double> dist(-1, 1);
+    for (std::size_t k = 0; k < m; ++k) {
+      for (std::size_t i = 0; i < counts[k]; ++i)
+        set(tensors[k], i, iteration == 0 ? exact(comm.rank(), k, i) : dist(values));
+    }
+    // The reference: this iteration's buckets packed by hand and reduced by the blocking call.
+    std::vector<std::vector<std::byte>> reference;
+    for (const ReducerBucket& b : reducer.buckets()) {
+      const std::size_t es = element_size(b.dtype);
+      std::vector<std::byte> packed(b.count * es);
+      for (std::size_t j = 0; j < b.tensors.size(); ++j) {
+        const TensorDesc& t = tensors[b.tensors[j]];
+        if (t.count) std::memcpy(packed.data() + b.offsets[j] * es, t.data, t.count * es);
+      }
+      allreduce(comm, packed.data(), packed.data(), b.count, b.dtype, ReduceOp::sum,
+                {.algorithm = "ring"});
+      reference.push_back(std::move(packed));
+    }
+    const std::vector<ReducerBucket> used(reducer.buckets().begin(), reducer.buckets().end());
+    std::vector<std::size_t> order(m);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::mt19937 shuffle(static_cast<unsigned>(comm.rank() * 31 + iteration));
+    if (comm.rank() != 0) std::shuffle(order.begin(), order.end(), shuffle);
+    for (std::size_t k : order)
+      reducer.mark_ready(k);
+    reducer.finish();
+    for (std::size_t b = 0; b < used.size(); ++b) {
+      const std::size_t es = element_size(used[b].dtype);
+      for (std::size_t j = 0; j < used[b].tensors.size(); ++j) {
+        const TensorDesc& t = tensors[used[b].tensors[j]];
+        if (t.count == 0) continue;
+        EXPECT_EQ(std::memcmp(t.data, reference[b].data() + used[b].offsets[j] * es, t.count * es),
+                  0)
+            << "iteration " << iteration << " tensor " << used[b].tensors[j];
+      }
+    }
+    if (iteration == 0) {
+      for (std::size_t k = 0; k < m; ++k) {
+        for (std::size_t i = 0; i < counts[k]; ++i) {
+          double expected = 0;
+          for (int r = 0; r < n; ++r)
+            expected += exact(r, k, i);
+          ASSERT_EQ(get(tensors[k], i), expected) << "tensor " << k << " element " << i;
+        }
+      }
+      EXPECT_TRUE(reducer.rebuilt());
+      // The rebuilt plan is rank 0's order (forward) planned afresh.
+      std::vector<std::size_t> forward(m);
+      std::iota(forward.begin(), forward.end(), std::size_t{0});
+      const auto expected = packing::plan_reducer_buckets(tensors, forward, o);
+      ASSERT_EQ(reducer.buckets().size(), expected.size());
+      for (std::size_t b = 0; b < expected.size(); ++b)
+        EXPECT_EQ(reducer.buckets()[b].tensors, expected[b].tensors);
+    }
+    for (std::size_t k = 0; k < m; ++k) {
+      EXPECT_TRUE(
+          same_on_all_ranks(comm.mpi_comm(), fingerprint(tensors[k].data, tensors[k].bytes())));
+    }
+  }
+  EXPECT_EQ(reducer.iterations(), 3u);
+}
+
+// Gradients produced straight into the buckets (bucket_view) are not copied, and results land
+// there; unmarked tensors are reduced as they are at finish(); bad marks are refused.
+TEST_F(NonBlocking, ReducerBucketViewsUnmarkedTensorsAndBadMarks) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  std::vector<float> a(3000, 1.0f), b(5000, 2.0f), c(11, 3.0f);
+  std::vector<std::vector<float>> all = {a, b, c};
+  std::vector<TensorDesc> tensors = descs(all);
+  ReducerOptions o;
+  o.first_bucket_bytes = 8192;
+  Reducer reducer(comm, tensors, o);
+  auto* view = static_cast<float*>(reducer.bucket_view(1));
+  std::fill(view, view + 5000, static_cast<float>(comm.rank()));
+  reducer.mark_ready(1, view);
+  EXPECT_THROW(reducer.mark_ready(1), InvalidArgument);
+  EXPECT_THROW(reducer.mark_ready(3), InvalidArgument);
+  reducer.mark_ready(2);
+  reducer.finish();  // tensor 0 was never marked: reduced as it is
+  const float mean_rank = static_cast<float>(n - 1) / 2.0f;
+  EXPECT_EQ(view[4999], mean_rank);
+  EXPECT_EQ(all[1][0], 2.0f);  // not written: this iteration's gradient lived in the view
+  EXPECT_EQ(all[0][2999], 1.0f);
+  EXPECT_EQ(all[2][10], 3.0f);
+}
+
+TEST_F(NonBlocking, ReducerRejectsBadOptionsBeforeCommunicating) {
+  Communicator& comm = world();
+  std::vector<float> a(10);
+  std::vector<TensorDesc> tensors = {{a.data(), a.size(), DataType::float32}};
+  ReducerOptions o;
+  o.order = {1};
+  EXPECT_THROW(Reducer(comm, tensors, o), InvalidArgument);
+  o.order = {};
+  o.algorithm = "nope";
+  EXPECT_THROW(Reducer(comm, tensors, o), InvalidArgument);
+  o.algorithm = {};
+  o.bucket_cap_bytes = 0;
+  EXPECT_THROW(Reducer(comm, tensors, o), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace gradcomm::testing
