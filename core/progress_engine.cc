@@ -43,11 +43,14 @@ void ProgressEngine::submit(std::shared_ptr<detail::RequestState> state) {
   }
   pending_.fetch_add(1, std::memory_order_acq_rel);
   submitted_.fetch_add(1, std::memory_order_relaxed);
+  bool idle = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(std::move(state));
+    idle = idle_;
   }
-  wake_.notify_one();
+  // A busy engine takes the next request without being woken: no system call then.
+  if (idle) wake_.notify_one();
 }
 
 void ProgressEngine::drain() {
@@ -68,7 +71,9 @@ void ProgressEngine::loop() {
     std::shared_ptr<detail::RequestState> state;
     {
       std::unique_lock<std::mutex> lock(mutex_);
+      idle_ = true;
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      idle_ = false;
       if (queue_.empty()) return;  // stopping, and everything submitted has run
       state = std::move(queue_.front());
       queue_.pop_front();
@@ -87,10 +92,11 @@ void ProgressEngine::loop() {
       state->error = std::current_exception();
     }
     state->work = nullptr;  // what it captured goes now, not when the request is freed
+    // The communicator is free before the request says it is done: a blocking call made right
+    // after wait() then finds nothing in flight (settle()'s one load), instead of draining.
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_all();
     state->done.store(true, std::memory_order_release);
     state->done.notify_all();
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
-    pending_.notify_all();
   }
 }
 

@@ -47,6 +47,7 @@ class ProgressEngine {
   std::condition_variable wake_;
   std::deque<std::shared_ptr<detail::RequestState>> queue_;
   bool stopping_ = false;
+  bool idle_ = false;  // the thread waits on wake_ (guarded by mutex_)
   std::atomic<std::size_t> pending_{0};
   std::atomic<std::uint64_t> submitted_{0};
   std::thread thread_;
