@@ -149,6 +149,8 @@ void execute(const collectives::CallContext* outer, Communicator& comm, const Va
              const void* sendbuf, void* recvbuf, std::size_t count, DataType dtype, ReduceOp op,
              const AllreduceOptions& options) {
   using collectives::AllreduceArgs;
+  // A request queued before MPI_Finalize began and reached after it: an error, not an abort.
+  require_mpi_alive("allreduce", comm.rank());
   const std::string_view requested = v.requested;
   const bool device = v.device;
   const int gpu_index = v.gpu;

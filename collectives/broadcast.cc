@@ -47,6 +47,7 @@ void validate_root_and_buffer(const Communicator& comm, const char* call, const 
 // A validated broadcast.
 void execute(Communicator& comm, void* buffer, std::size_t bytes, int root) {
   const char* call = "broadcast";
+  require_mpi_alive(call, comm.rank());
   collectives::CallInfo info;
   info.sequence = comm.next_sequence();
   info.kind = collectives::CallKind::broadcast;

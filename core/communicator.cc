@@ -24,6 +24,8 @@ bool g_initialized_by_us = false;
 std::atomic<bool> g_mpi_finalized{false};
 
 int on_finalize(MPI_Comm, int, void*, void*) {
+  // MPI is still whole here (MPI-3.1 8.7.1): let requests in flight finish before it goes.
+  drain_all_engines();
   g_mpi_finalized.store(true, std::memory_order_relaxed);
   return MPI_SUCCESS;
 }
@@ -98,6 +100,7 @@ void init(int* argc, char*** argv) {
 void finalize() {
   if (!g_initialized_by_us || !mpi_ready()) return;
   g_initialized_by_us = false;
+  drain_all_engines();
   check_mpi(MPI_Finalize(), "finalize: MPI_Finalize");
 }
 
@@ -188,7 +191,8 @@ ProgressEngine& Communicator::engine() {
 }
 
 Communicator::~Communicator() {
-  engine_.reset();  // runs what was submitted to the end
+  if (engine_) engine_->drain();  // requests still use this communicator (and read engine_)
+  engine_.reset();
   recorder_.reset();
   attachments_.clear();  // they may hold MPI objects derived from comm_
   if (comm_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&comm_);

@@ -5,6 +5,7 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <set>
 #include <string>
 
 #include "core/timeline.h"
@@ -14,7 +15,25 @@ namespace {
 
 thread_local bool t_progress_thread = false;
 
+// Every live engine, for drain_all_engines.
+std::mutex& registry_mutex() {
+  static std::mutex* m = new std::mutex;  // never destroyed: used until the process ends
+  return *m;
+}
+std::set<ProgressEngine*>& registry() {
+  static auto* engines = new std::set<ProgressEngine*>;
+  return *engines;
+}
+
 }  // namespace
+
+void drain_all_engines() {
+  // Engines are created and destroyed by the threads that own their communicators, not by
+  // requests, so holding the lock while draining cannot block a request.
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (ProgressEngine* engine : registry())
+    engine->drain();
+}
 
 bool on_progress_thread() {
   return t_progress_thread;
@@ -22,9 +41,15 @@ bool on_progress_thread() {
 
 ProgressEngine::ProgressEngine() {
   thread_ = std::thread([this] { loop(); });
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().insert(this);
 }
 
 ProgressEngine::~ProgressEngine() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().erase(this);
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;

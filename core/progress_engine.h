@@ -59,6 +59,10 @@ class ProgressEngine {
 // the caller's thread waits are unchanged.
 bool on_progress_thread();
 
+// Waits until every progress engine of the process has run what was submitted to it: what
+// gradcomm::finalize and the start of MPI_Finalize do, so no request calls MPI after it.
+void drain_all_engines();
+
 // The sleeps of one wait loop on a progress thread: a few yields, then sleeps that start at a
 // few microseconds and grow to kMaxPauseMicroseconds (Open MPI moves TCP transfers only inside
 // MPI calls, so the cap bounds how long a socket can sit idle).

@@ -183,6 +183,19 @@ std::string_view validate(const char* call, const Communicator& comm,
     throw InvalidArgument(error_message(
         call, comm.rank(), collectives::unknown_algorithm(requested, options.algorithm.empty())));
   }
+  if (!options.order.empty()) {
+    std::vector<char> seen(tensors.size(), 0);
+    bool ok = options.order.size() == tensors.size();
+    for (std::size_t i : options.order) {
+      ok = ok && i < tensors.size() && !seen[i];
+      if (ok) seen[i] = 1;
+    }
+    if (!ok) {
+      throw InvalidArgument(error_message(call, comm.rank(),
+                                          "order must be a permutation of the " +
+                                              std::to_string(tensors.size()) + " tensor indices"));
+    }
+  }
   if (gpu::Runtime* runtime = gpu::active_runtime()) {
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       if (tensors[i].count == 0) continue;
@@ -202,6 +215,7 @@ std::string_view validate(const char* call, const Communicator& comm,
 // Runs a validated call.
 void execute(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
              const GroupedAllreduceOptions& options, std::string_view requested) {
+  require_mpi_alive("grouped_allreduce", comm.rank());
   // The call's fingerprint; its sequence number is taken right before its scope opens.
   collectives::CallInfo info;
   info.kind = collectives::CallKind::grouped_allreduce;

@@ -106,6 +106,7 @@ std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tens
 
 Reducer::Reducer(Communicator& comm, std::vector<TensorDesc> tensors, ReducerOptions options)
     : comm_(comm), tensors_(std::move(tensors)), options_(std::move(options)) {
+  comm.settle();
   require_mpi_alive(kCall, comm.rank());
   validate_tensors(tensors_, kCall, comm.rank());
   auto invalid = [&](const std::string& detail) {
@@ -256,14 +257,19 @@ void Reducer::finish() {
     if (!ready_[i]) mark_ready(i);
   }
   timeline::Span finishing("finish", "reducer");
-  if (options_.overlap) {
-    Request::wait_all(requests_);
-  } else {
-    const AllreduceOptions call{.algorithm = options_.algorithm};
-    for (const ReducerBucket& bucket : buckets_) {
-      std::byte* p = bucket_data(bucket);
-      allreduce(comm_, p, p, bucket.count, bucket.wire, options_.op, call);
+  try {
+    if (options_.overlap) {
+      Request::wait_all(requests_);
+    } else {
+      const AllreduceOptions call{.algorithm = options_.algorithm};
+      for (const ReducerBucket& bucket : buckets_) {
+        std::byte* p = bucket_data(bucket);
+        allreduce(comm_, p, p, bucket.count, bucket.wire, options_.op, call);
+      }
     }
+  } catch (...) {
+    start_iteration();  // the next iteration starts clean; the tensors keep their gradients
+    throw;
   }
   timeline::Span unpacking("unpack", "reducer");
   for (const ReducerBucket& bucket : buckets_) {
@@ -284,6 +290,10 @@ void Reducer::finish() {
     rebuilt_ = true;
     return;
   }
+  start_iteration();
+}
+
+void Reducer::start_iteration() {
   std::fill(ready_.begin(), ready_.end(), 0);
   for (std::size_t i = 0; i < tensors_.size(); ++i)
     data_[i] = tensors_[i].data;
@@ -291,6 +301,8 @@ void Reducer::finish() {
     waiting_[b] = buckets_[b].tensors.size();
   next_launch_ = 0;
   observed_.clear();
+  for (Request& r : requests_)
+    r = Request();
 }
 
 }  // namespace gradcomm::packing

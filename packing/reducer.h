@@ -106,6 +106,7 @@ class Reducer {
  private:
   void plan(std::span<const std::size_t> order);
   void launch_ready_buckets();
+  void start_iteration();
   std::byte* slot_of(std::size_t index);
   std::byte* bucket_data(const ReducerBucket& bucket) { return buffer_ + bucket.byte_offset; }
 

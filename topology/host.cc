@@ -40,10 +40,12 @@ class HostCount : public Attachment {
 }  // namespace
 
 int ranks_on_this_host(Communicator& comm) {
+  comm.settle();
   return comm.attachment<HostCount>().on_host;
 }
 
 int ranks_on_this_machine(Communicator& comm) {
+  comm.settle();
   return comm.attachment<HostCount>().on_machine;
 }
 

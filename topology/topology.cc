@@ -234,6 +234,7 @@ Topology discover(Communicator& comm) {
 }
 
 const Topology& topology_of(Communicator& comm) {
+  comm.settle();  // requests in flight use the attachments (and may be building this one)
   return comm.attachment<TopologyCache>().topology;
 }
 

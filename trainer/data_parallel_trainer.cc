@@ -79,6 +79,19 @@ std::string share_outcome(Communicator& comm, std::string message, int root = 0)
 DataParallelTrainer::DataParallelTrainer(Communicator& comm, Model& model, Optimizer& optimizer,
                                          TrainerOptions options)
     : comm_(comm), model_(model), optimizer_(optimizer), options_(std::move(options)) {
+  // Overlap runs the all-reduces on a progress thread, which needs MPI_THREAD_MULTIPLE; a program
+  // that initialized MPI lower gets the same buckets reduced after backward instead.
+  if (options_.overlap && options_.mode == SyncMode::gradients) {
+    int level = MPI_THREAD_SINGLE;
+    check_mpi(MPI_Query_thread(&level), "DataParallelTrainer: MPI_Query_thread", comm_.rank());
+    if (level < MPI_THREAD_MULTIPLE) {
+      options_.overlap = false;
+      comm_.log(LogLevel::warn,
+                "DataParallelTrainer: MPI runs below MPI_THREAD_MULTIPLE, so gradients are "
+                "all-reduced after backward (no overlap); initialize MPI with "
+                "MPI_THREAD_MULTIPLE (gradcomm::init does) to overlap");
+    }
+  }
   // Local checks first, but raised only after the ranks have compared notes: a rank whose
   // options differ must not throw alone and leave the others waiting in a collective.
   std::string problem;

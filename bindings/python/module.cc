@@ -12,6 +12,7 @@
 #include <bit>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -117,17 +118,23 @@ class PyRequest {
   py::object wait() {
     {
       py::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mutex_);  // another Python thread may poll meanwhile
       request_.wait();
     }
     return result_;
   }
-  bool done() { return request_.test(); }
+  bool done() {
+    std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+    if (!lock.owns_lock()) return false;  // another thread is in wait(): not known done yet
+    return request_.test();
+  }
 
  private:
   // Destroyed last to first: the request (which waits) before the exports and the communicator.
   std::shared_ptr<Communicator> held_;
   std::vector<View> views_;
   py::object result_;
+  std::mutex mutex_;  // one thread at a time touches request_ (wait() runs without the GIL)
   Request request_;
 };
 

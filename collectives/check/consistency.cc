@@ -219,7 +219,7 @@ void board_poll(CheckState& state, Communicator& comm, const CallScope& scope,
       sched_yield();
     }
     // A peer still in MPI (the previous call's ring) may need this rank's progress to post.
-    if (polls % 16 == 0) drive_mpi_progress(comm.mpi_comm());
+    if (background || polls % 16 == 0) drive_mpi_progress(comm.mpi_comm());
   }
 }
 

@@ -173,6 +173,7 @@ AutoState& state_of(Communicator& comm, const CallContext& call) {
 
 std::optional<double> predicted_allreduce_seconds(Communicator& comm, std::string_view algorithm,
                                                   std::size_t bytes) {
+  comm.settle();
   return state_of(comm, CallContext{}).predict(algorithm, bytes, comm.size());
 }
 
@@ -357,6 +358,7 @@ bool auto_settled(const AllreduceArgs& args, Communicator& comm) {
 }
 
 void scale_auto_timing_for_testing(Communicator& comm, std::string_view algorithm, double factor) {
+  comm.settle();
   AutoState& state = state_of(comm, CallContext{});
   for (const AlgorithmEntry& entry : registered_algorithms()) {
     if (entry.name == algorithm) state.test_scale.emplace_back(entry.name, factor);

@@ -123,7 +123,8 @@ void ShmState::wait_for(int j, const ShmCounter& counter, std::uint64_t target,
       sched_yield();
     }
     // A peer still in MPI (finishing a ring) may need this rank's progress to get here.
-    if (polls % 16 == 0) drive_mpi_progress(mpi);
+    // (Every poll on a progress thread: its polls are sleeps apart.)
+    if (background || polls % 16 == 0) drive_mpi_progress(mpi);
     if (polls % 64 == 0) call.poll_check();  // a peer that made another call never arrives
     if (polls % 4096 != 0) continue;
     const auto now = std::chrono::steady_clock::now();
