@@ -5,23 +5,36 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 
 namespace gradcomm::timeline {
 namespace {
 
-constexpr std::size_t kFlushBytes = std::size_t{1} << 20;
+// Each thread formats its events into a buffer of its own (its own lock, never contended but
+// by stop()), so threads never wait for each other while they trace; a full buffer is written
+// to the file under the file's lock.
+constexpr std::size_t kFlushBytes = std::size_t{256} << 10;
 
 std::atomic<bool> g_enabled{false};
+// Bumped by every start(): a thread's buffer from an earlier timeline is dropped, not written.
+std::atomic<std::uint64_t> g_generation{0};
+
+struct ThreadBuffer {
+  std::mutex mutex;
+  std::string data;
+  std::uint64_t generation = 0;
+  int tid = 0;
+};
 
 struct State {
-  std::mutex mutex;
+  std::mutex mutex;  // the file, the path and the list of buffers
   std::FILE* file = nullptr;
   std::string path;
-  std::string buffer;
-  bool first = true;
   int rank = 0;
+  std::vector<ThreadBuffer*> buffers;
   std::chrono::steady_clock::time_point origin = std::chrono::steady_clock::now();
 };
 
@@ -31,58 +44,102 @@ State& state() {
 }
 
 std::atomic<int> g_next_thread{1};
+std::atomic<int> g_rank{0};
 
-int thread_id() {
-  thread_local const int id = g_next_thread.fetch_add(1);
-  return id;
+// Writes `b`'s events (if they belong to the open timeline) and empties it. Needs both locks.
+void write_locked(State& s, ThreadBuffer& b) {
+  if (s.file && !b.data.empty() && b.generation == g_generation.load(std::memory_order_relaxed)) {
+    std::fwrite(b.data.data(), 1, b.data.size(), s.file);
+  }
+  b.data.clear();
 }
 
-void flush_locked(State& s) {
-  if (s.file && !s.buffer.empty()) {
-    std::fwrite(s.buffer.data(), 1, s.buffer.size(), s.file);
-    std::fflush(s.file);
+// This thread's buffer, registered with the state while the thread lives; at thread exit what
+// is left is written.
+struct Registered {
+  ThreadBuffer buffer;
+  Registered() {
+    buffer.tid = g_next_thread.fetch_add(1);
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.buffers.push_back(&buffer);
   }
-  s.buffer.clear();
+  ~Registered() {
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    {
+      std::lock_guard<std::mutex> own(buffer.mutex);
+      write_locked(s, buffer);
+    }
+    std::erase(s.buffers, &buffer);
+  }
+};
+
+ThreadBuffer& my_buffer() {
+  thread_local Registered registered;
+  return registered.buffer;
 }
 
 void stop_locked(State& s) {
   if (!s.file) return;
   g_enabled.store(false, std::memory_order_relaxed);
-  s.buffer += "\n]\n";
-  flush_locked(s);
+  for (ThreadBuffer* b : s.buffers) {
+    std::lock_guard<std::mutex> own(b->mutex);
+    write_locked(s, *b);
+  }
+  std::fputs("\n]\n", s.file);
   std::fclose(s.file);
   s.file = nullptr;
   s.path.clear();
 }
 
-// Appends one event; `body` holds its members after name, cat and ph.
-void append(std::string_view name, std::string_view cat, char ph, std::string_view rest) {
-  State& s = state();
-  const int tid = thread_id();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  if (!s.file) return;
-  std::string& b = s.buffer;
-  b += s.first ? "\n" : ",\n";
-  s.first = false;
-  b += "{\"name\":\"";
-  b += name;
-  b += "\",\"cat\":\"";
-  b += cat;
-  b += "\",\"ph\":\"";
-  b += ph;
-  b += "\",\"pid\":";
-  b += std::to_string(s.rank);
-  b += ",\"tid\":";
-  b += std::to_string(tid);
-  b += rest;
-  b += "}";
-  if (b.size() >= kFlushBytes) flush_locked(s);
+void append_number(std::string& b, double v) {
+  char text[32];
+  const int n = std::snprintf(text, sizeof text, "%.3f", v);
+  b.append(text, static_cast<std::size_t>(n));
 }
 
-std::string number(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.3f", v);
-  return text;
+void append_int(std::string& b, long long v) {
+  char text[24];
+  const int n = std::snprintf(text, sizeof text, "%lld", v);
+  b.append(text, static_cast<std::size_t>(n));
+}
+
+// Appends one event to this thread's buffer: name, cat, ph, pid, tid, then `fill` adds the rest
+// (starting with a comma).
+template <class Fill>
+void append(std::string_view name, std::string_view cat, char ph, Fill fill) {
+  ThreadBuffer& b = my_buffer();
+  bool full = false;
+  {
+    std::lock_guard<std::mutex> own(b.mutex);
+    const std::uint64_t generation = g_generation.load(std::memory_order_relaxed);
+    if (b.generation != generation) {
+      b.data.clear();
+      b.generation = generation;
+    }
+    std::string& d = b.data;
+    d.append(",\n{\"name\":\"").append(name).append("\",\"cat\":\"").append(cat);
+    d.append("\",\"ph\":\"").push_back(ph);
+    d.append("\",\"pid\":");
+    append_int(d, g_rank.load(std::memory_order_relaxed));
+    d.append(",\"tid\":");
+    append_int(d, b.tid);
+    fill(d);
+    d.push_back('}');
+    full = d.size() >= kFlushBytes;
+  }
+  if (full) {
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    std::lock_guard<std::mutex> own(b.mutex);
+    write_locked(s, b);
+  }
+}
+
+void append_args(std::string& d, std::string_view args) {
+  if (args.empty()) return;
+  d.append(",\"args\":{").append(args).push_back('}');
 }
 
 std::string file_for(const std::string& path, int rank) {
@@ -122,8 +179,13 @@ void start(const std::string& path, int rank) {
     }
     s.path = file;
     s.rank = rank;
-    s.first = true;
-    s.buffer.assign(1, '[');
+    g_rank.store(rank, std::memory_order_relaxed);
+    g_generation.fetch_add(1, std::memory_order_relaxed);
+    // The first element, so that every event after it starts with a comma.
+    std::fprintf(s.file,
+                 "[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,"
+                 "\"args\":{\"name\":\"rank %d\"}}",
+                 rank, rank);
     static std::once_flag at_exit;
     std::call_once(at_exit, [] { std::atexit([] { stop(); }); });
     g_enabled.store(true, std::memory_order_relaxed);
@@ -154,55 +216,44 @@ std::string path() {
 void complete(std::string_view name, std::string_view cat, double start_us, double dur_us,
               std::string_view args) {
   if (!enabled()) return;
-  // Built by appending: GCC 12 warns (falsely, -Wrestrict) on "literal" + std::string.
-  std::string rest = ",\"ts\":";
-  rest += number(start_us);
-  rest += ",\"dur\":";
-  rest += number(dur_us);
-  if (!args.empty()) {
-    rest += ",\"args\":{";
-    rest += args;
-    rest += "}";
-  }
-  append(name, cat, 'X', rest);
+  append(name, cat, 'X', [&](std::string& d) {
+    d.append(",\"ts\":");
+    append_number(d, start_us);
+    d.append(",\"dur\":");
+    append_number(d, dur_us);
+    append_args(d, args);
+  });
 }
 
 void async_span(std::string_view name, std::string_view cat, std::uint64_t id, double start_us,
                 double end_us, std::string_view args) {
   if (!enabled()) return;
   for (const bool begin : {true, false}) {
-    std::string rest = ",\"ts\":";
-    rest += number(begin ? start_us : end_us);
-    rest += ",\"id\":";
-    rest += std::to_string(id);
-    if (begin && !args.empty()) {
-      rest += ",\"args\":{";
-      rest += args;
-      rest += "}";
-    }
-    append(name, cat, begin ? 'b' : 'e', rest);
+    append(name, cat, begin ? 'b' : 'e', [&](std::string& d) {
+      d.append(",\"ts\":");
+      append_number(d, begin ? start_us : end_us);
+      d.append(",\"id\":");
+      append_int(d, static_cast<long long>(id));
+      if (begin) append_args(d, args);
+    });
   }
 }
 
 void instant(std::string_view name, std::string_view cat, std::string_view args) {
   if (!enabled()) return;
-  std::string rest = ",\"ts\":";
-  rest += number(now_us());
-  rest += ",\"s\":\"t\"";
-  if (!args.empty()) {
-    rest += ",\"args\":{";
-    rest += args;
-    rest += "}";
-  }
-  append(name, cat, 'i', rest);
+  const double now = now_us();
+  append(name, cat, 'i', [&](std::string& d) {
+    d.append(",\"ts\":");
+    append_number(d, now);
+    d.append(",\"s\":\"t\"");
+    append_args(d, args);
+  });
 }
 
 void name_thread(std::string_view name) {
   if (!enabled()) return;
-  std::string rest = ",\"args\":{\"name\":\"";
-  rest += name;
-  rest += "\"}";
-  append("thread_name", "__metadata", 'M', rest);
+  append("thread_name", "__metadata", 'M',
+         [&](std::string& d) { d.append(",\"args\":{\"name\":\"").append(name).append("\"}"); });
 }
 
 }  // namespace gradcomm::timeline
