@@ -148,6 +148,34 @@ TEST_F(MpiTest, AutoPicksNcclForDeviceBuffersAndStreamsWork) {
   gpu->stream_destroy(stream);
 }
 
+// A request on device buffers wraps the stream: it finishes once the stream has passed the
+// all-reduce, its result equals the blocking call's bit for bit, and several may be in flight.
+TEST_F(MpiTest, IallreduceOnDeviceBuffersEqualsTheBlockingCall) {
+  REQUIRE_GPU();
+  Communicator comm(MPI_COMM_WORLD);
+  void* stream = gpu->stream_create();
+  for (std::size_t count : kCounts) {
+    const std::size_t bytes = count * sizeof(float);
+    std::vector<float> host(count);
+    for (std::size_t i = 0; i < count; ++i)
+      host[i] = static_cast<float>(value(ReduceOp::sum, comm.rank(), i)) * 0.37f;
+    DeviceBuffer a(gpu, bytes), b(gpu, bytes);
+    gpu->copy_async(a.data, host.data(), bytes, nullptr);
+    gpu->copy_async(b.data, host.data(), bytes, nullptr);
+    gpu->stream_synchronize(nullptr);
+    allreduce(comm, a.data, a.data, count, DataType::float32, ReduceOp::sum, {.algorithm = "nccl"});
+    Request r = iallreduce(comm, b.data, b.data, count, DataType::float32, ReduceOp::sum,
+                           {.algorithm = "nccl", .stream = stream});
+    r.wait();  // no stream synchronisation needed after it
+    std::vector<float> want(count), got(count);
+    gpu->copy_async(want.data(), a.data, bytes, nullptr);
+    gpu->copy_async(got.data(), b.data, bytes, nullptr);
+    gpu->stream_synchronize(nullptr);
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), bytes), 0) << "count " << count;
+  }
+  gpu->stream_destroy(stream);
+}
+
 TEST_F(MpiTest, GpuHierarchicalMatchesTheHostReference) {
   REQUIRE_GPU();
   for (int ranks_per_node : {1, 2}) {
