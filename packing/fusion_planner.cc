@@ -15,14 +15,10 @@ std::uint64_t mix(std::uint64_t hash, std::uint64_t value) {
   return hash;
 }
 
-// The ready order: options.order validated, or reverse registration order.
-std::vector<std::size_t> ready_order(std::size_t n, const FusionOptions& options) {
-  std::vector<std::size_t> order(options.order.begin(), options.order.end());
-  if (order.empty()) {
-    for (std::size_t i = n; i-- > 0;)
-      order.push_back(i);
-    return order;
-  }
+}  // namespace
+
+void check_order(std::span<const std::size_t> order, std::size_t n, std::string_view call,
+                 int rank) {
   std::vector<bool> seen(n, false);
   bool ok = order.size() == n;
   for (std::size_t i : order) {
@@ -31,9 +27,21 @@ std::vector<std::size_t> ready_order(std::size_t n, const FusionOptions& options
   }
   if (!ok) {
     throw InvalidArgument(error_message(
-        "plan_fusion", -1,
-        "order must be a permutation of the " + std::to_string(n) + " tensor indices"));
+        call, rank, "order must be a permutation of the " + std::to_string(n) + " tensor indices"));
   }
+}
+
+namespace {
+
+// The ready order: options.order validated, or reverse registration order.
+std::vector<std::size_t> ready_order(std::size_t n, const FusionOptions& options) {
+  std::vector<std::size_t> order(options.order.begin(), options.order.end());
+  if (order.empty()) {
+    for (std::size_t i = n; i-- > 0;)
+      order.push_back(i);
+    return order;
+  }
+  check_order(order, n, "plan_fusion", -1);
   return order;
 }
 

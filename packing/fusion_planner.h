@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "packing/tensor.h"
@@ -40,6 +41,11 @@ struct FusionPlan {
 // bucket if the bucket stays within the threshold, else the bucket closes and a new one opens.
 // A tensor larger than the threshold gets a bucket of its own. Zero-size tensors are skipped.
 // Throws InvalidArgument when `order` is not a permutation of the tensor indices.
+// Throws InvalidArgument naming `call` unless `order` is a permutation of [0, n) (the ready
+// order of n tensors).
+void check_order(std::span<const std::size_t> order, std::size_t n, std::string_view call,
+                 int rank);
+
 FusionPlan plan_fusion(std::span<const TensorDesc> tensors, const FusionOptions& options);
 
 // plan_fusion(tensors, options).hash without building the plan (cheap: one pass, no buckets).

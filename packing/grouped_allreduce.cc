@@ -56,19 +56,6 @@ class PlanCache : public Attachment {
   RegisteredBuffer registered;
 };
 
-DataType wire_dtype(DataType dtype, Compression compression) {
-  if (dtype != DataType::float32) return dtype;
-  switch (compression) {
-    case Compression::float16:
-      return DataType::float16;
-    case Compression::bfloat16:
-      return DataType::bfloat16;
-    case Compression::none:
-      break;
-  }
-  return dtype;
-}
-
 packing::FusionOptions fusion_options(const Communicator& comm,
                                       const GroupedAllreduceOptions& options) {
   packing::FusionOptions fusion;
@@ -156,6 +143,19 @@ FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tenso
 
 }  // namespace
 
+DataType wire_dtype(DataType dtype, Compression compression) {
+  if (dtype != DataType::float32) return dtype;
+  switch (compression) {
+    case Compression::float16:
+      return DataType::float16;
+    case Compression::bfloat16:
+      return DataType::bfloat16;
+    case Compression::none:
+      break;
+  }
+  return dtype;
+}
+
 packing::FusionPlan grouped_allreduce_plan(const Communicator& comm,
                                            std::span<const TensorDesc> tensors,
                                            const GroupedAllreduceOptions& options) {
@@ -183,19 +183,8 @@ std::string_view validate(const char* call, const Communicator& comm,
     throw InvalidArgument(error_message(
         call, comm.rank(), collectives::unknown_algorithm(requested, options.algorithm.empty())));
   }
-  if (!options.order.empty()) {
-    std::vector<char> seen(tensors.size(), 0);
-    bool ok = options.order.size() == tensors.size();
-    for (std::size_t i : options.order) {
-      ok = ok && i < tensors.size() && !seen[i];
-      if (ok) seen[i] = 1;
-    }
-    if (!ok) {
-      throw InvalidArgument(error_message(call, comm.rank(),
-                                          "order must be a permutation of the " +
-                                              std::to_string(tensors.size()) + " tensor indices"));
-    }
-  }
+  if (!options.order.empty())
+    packing::check_order(options.order, tensors.size(), call, comm.rank());
   if (gpu::Runtime* runtime = gpu::active_runtime()) {
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       if (tensors[i].count == 0) continue;

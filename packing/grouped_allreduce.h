@@ -20,6 +20,9 @@ namespace gradcomm {
 // 2^-8 (bfloat16); float16 also overflows to infinity above 65504. Other dtypes are unaffected.
 enum class Compression { none, float16, bfloat16 };
 
+// The dtype a tensor of `dtype` travels as under `compression` (only float32 is compressed).
+DataType wire_dtype(DataType dtype, Compression compression);
+
 struct GroupedAllreduceOptions {
   std::string_view algorithm = {};  // empty: Config::algorithm
   // Bucket size in bytes; nullopt: Config::fusion_threshold (GRADCOMM_FUSION_THRESHOLD).

@@ -20,39 +20,6 @@ namespace {
 constexpr const char* kCall = "Reducer";
 constexpr std::size_t kBucketAlignment = 64;
 
-DataType wire_of(DataType dtype, Compression compression) {
-  if (dtype != DataType::float32) return dtype;
-  switch (compression) {
-    case Compression::float16:
-      return DataType::float16;
-    case Compression::bfloat16:
-      return DataType::bfloat16;
-    case Compression::none:
-      break;
-  }
-  return dtype;
-}
-
-// Throws InvalidArgument naming `call` unless `order` is a permutation of [0, n).
-void check_permutation(std::span<const std::size_t> order, std::size_t n, const char* call,
-                       int rank) {
-  if (order.size() != n) {
-    throw InvalidArgument(error_message(call, rank,
-                                        "order has " + std::to_string(order.size()) +
-                                            " entries for " + std::to_string(n) + " tensors"));
-  }
-  std::vector<char> seen(n, 0);
-  for (std::size_t i : order) {
-    if (i >= n || seen[i]) {
-      throw InvalidArgument(error_message(call, rank,
-                                          "order is not a permutation of the tensor indices (" +
-                                              std::to_string(i) +
-                                              (i >= n ? " is out of range)" : " appears twice)")));
-    }
-    seen[i] = 1;
-  }
-}
-
 }  // namespace
 
 std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tensors,
@@ -78,7 +45,7 @@ std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tens
     Open& o = open[static_cast<int>(t.dtype)];
     if (o.bucket.tensors.empty()) {
       o.bucket.dtype = t.dtype;
-      o.bucket.wire = wire_of(t.dtype, options.compression);
+      o.bucket.wire = wire_dtype(t.dtype, options.compression);
       o.first_position = position;
     }
     o.bucket.tensors.push_back(index);
@@ -126,7 +93,7 @@ Reducer::Reducer(Communicator& comm, std::vector<TensorDesc> tensors, ReducerOpt
     order.resize(tensors_.size());
     std::iota(order.rbegin(), order.rend(), std::size_t{0});
   }
-  check_permutation(order, tensors_.size(), kCall, comm.rank());
+  check_order(order, tensors_.size(), kCall, comm.rank());
   if (options_.overlap) require_thread_multiple(kCall, comm.rank());
   plan(order);
 }
