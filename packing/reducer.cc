@@ -211,7 +211,10 @@ void Reducer::mark_ready(std::size_t index, void* data) {
 void Reducer::launch_ready_buckets() {
   if (!options_.overlap) return;  // finish() reduces them
   const AllreduceOptions call{.algorithm = options_.algorithm};
-  while (next_launch_ < buckets_.size() && waiting_[next_launch_] == 0) {
+  // The last bucket is complete only once every gradient is: nothing is left to overlap it with,
+  // so finish() reduces it on the caller's thread, without the hand-off to the engine (a model
+  // whose gradients fit one bucket then pays nothing for overlap).
+  while (next_launch_ + 1 < buckets_.size() && waiting_[next_launch_] == 0) {
     const ReducerBucket& bucket = buckets_[next_launch_];
     std::byte* p = bucket_data(bucket);
     requests_[next_launch_] = iallreduce(comm_, p, p, bucket.count, bucket.wire, options_.op, call);
@@ -225,14 +228,12 @@ void Reducer::finish() {
   }
   timeline::Span finishing("finish", "reducer");
   try {
-    if (options_.overlap) {
-      Request::wait_all(requests_);
-    } else {
-      const AllreduceOptions call{.algorithm = options_.algorithm};
-      for (const ReducerBucket& bucket : buckets_) {
-        std::byte* p = bucket_data(bucket);
-        allreduce(comm_, p, p, bucket.count, bucket.wire, options_.op, call);
-      }
+    // Blocking calls queue behind the requests (settle), so buckets still run in order.
+    Request::wait_all(requests_);
+    const AllreduceOptions call{.algorithm = options_.algorithm};
+    for (std::size_t b = options_.overlap ? next_launch_ : 0; b < buckets_.size(); ++b) {
+      std::byte* p = bucket_data(buckets_[b]);
+      allreduce(comm_, p, p, buckets_[b].count, buckets_[b].wire, options_.op, call);
     }
   } catch (...) {
     start_iteration();  // the next iteration starts clean; the tensors keep their gradients

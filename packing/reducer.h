@@ -60,7 +60,8 @@ std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tens
 // Built once from the list of gradient tensors; each iteration the caller marks every tensor
 // ready as backward produces it, and a bucket is all-reduced (iallreduce on the communicator's
 // progress engine) as soon as all its tensors are ready and every bucket before it has been
-// launched. finish() waits for all buckets and writes the results back into the tensors.
+// launched; the last bucket, complete only when backward is, is reduced by finish() on the
+// caller's thread. finish() waits for all buckets and writes the results back into the tensors.
 //
 // Packing is the copy-in: where the ranks share one host the buckets are registered memory
 // (Communicator::allocate), which shm reads in place. Results are bit-identical on every rank,
