@@ -122,6 +122,22 @@ template <class C, class Op, class S = typename C::Storage>
   }
 }
 
+// Calls f with the functor of `op` (avg reduces as a sum; the division comes after).
+template <class F>
+[[gnu::always_inline]] inline void with_op(ReduceOp op, F f) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      return f(Sum{});
+    case ReduceOp::prod:
+      return f(Prod{});
+    case ReduceOp::min:
+      return f(Min{});
+    case ReduceOp::max:
+      return f(Max{});
+  }
+}
+
 template <class C, class S = typename C::Storage>
 [[gnu::always_inline]] inline void both_typed(void* d0, void* d1, const void* a, const void* b,
                                               std::size_t n, ReduceOp op) {
@@ -129,17 +145,8 @@ template <class C, class S = typename C::Storage>
   auto* x1 = static_cast<S*>(d1);
   const auto* x = static_cast<const S*>(a);
   const auto* y = static_cast<const S*>(b);
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg:
-      return both_loop<C>(x0, x1, x, y, n, Sum{});
-    case ReduceOp::prod:
-      return both_loop<C>(x0, x1, x, y, n, Prod{});
-    case ReduceOp::min:
-      return both_loop<C>(x0, x1, x, y, n, Min{});
-    case ReduceOp::max:
-      return both_loop<C>(x0, x1, x, y, n, Max{});
-  }
+  with_op(
+      op, [&](auto f) __attribute__((always_inline)) { both_loop<C>(x0, x1, x, y, n, f); });
 }
 
 template <class C, class S = typename C::Storage>
@@ -173,17 +180,8 @@ template <class C, class S = typename C::Storage>
   auto* d = static_cast<S*>(dst);
   const auto* x = static_cast<const S*>(a);
   const auto* y = static_cast<const S*>(b);
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg:
-      return reduce_form<C>(d, x, y, n, form, Sum{});
-    case ReduceOp::prod:
-      return reduce_form<C>(d, x, y, n, form, Prod{});
-    case ReduceOp::min:
-      return reduce_form<C>(d, x, y, n, form, Min{});
-    case ReduceOp::max:
-      return reduce_form<C>(d, x, y, n, form, Max{});
-  }
+  with_op(
+      op, [&](auto f) __attribute__((always_inline)) { reduce_form<C>(d, x, y, n, form, f); });
 }
 
 // The clones: one function per dtype, each compiled for every x86-64 level of the list above.
