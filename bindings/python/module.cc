@@ -22,8 +22,10 @@
 #include "collectives/registry.h"
 #include "core/communicator.h"
 #include "core/error.h"
+#include "core/timeline.h"
 #include "packing/gradient_packer.h"
 #include "packing/grouped_allreduce.h"
+#include "packing/reducer.h"
 #include "topology/topology.h"
 
 namespace py = pybind11;
@@ -171,6 +173,9 @@ class PyCommunicator {
   int size() { return get()->size(); }
   int local_rank() { return topology::topology_of(*get()).local_rank(); }
   int local_size() { return topology::topology_of(*get()).local_size(); }
+  // The node this rank is on, and how many nodes there are (Horovod's cross_rank, cross_size).
+  int node() { return topology::topology_of(*get()).node(); }
+  int node_count() { return static_cast<int>(topology::topology_of(*get()).nodes.size()); }
   void free() { comm_.reset(); }
 
   // An all-reduce's buffers, exported for the duration of the call.
@@ -281,16 +286,55 @@ class PyCommunicator {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
     const std::string call = "grouped_allreduce";
-    if (ptrs.size() != counts.size() || ptrs.size() != dtypes.size()) {
-      invalid(call, "ptrs, counts and dtypes differ in length", c.rank());
-    }
+    const std::vector<packing::TensorDesc> tensors =
+        tensor_list(ptrs, counts, dtypes, call, c.rank());
     const ReduceOp rop = parse_op(op, call, c.rank());
+    run_grouped(c, tensors, rop, algorithm, fusion_threshold);
+  }
+
+  // Data pointers, element counts and dtype names as tensor descriptions.
+  static std::vector<packing::TensorDesc> tensor_list(const std::vector<std::uintptr_t>& ptrs,
+                                                      const std::vector<std::size_t>& counts,
+                                                      const std::vector<std::string>& dtypes,
+                                                      const std::string& call, int rank) {
+    if (ptrs.size() != counts.size() || ptrs.size() != dtypes.size()) {
+      invalid(call, "ptrs, counts and dtypes differ in length", rank);
+    }
     std::vector<packing::TensorDesc> tensors;
     for (std::size_t i = 0; i < ptrs.size(); ++i) {
       tensors.push_back(
-          {reinterpret_cast<void*>(ptrs[i]), counts[i], parse_dtype(dtypes[i], call, c.rank())});
+          {reinterpret_cast<void*>(ptrs[i]), counts[i], parse_dtype(dtypes[i], call, rank)});
     }
-    run_grouped(c, tensors, rop, algorithm, fusion_threshold);
+    return tensors;
+  }
+
+  // The non-blocking form of grouped_allreduce_ptrs (the caller keeps the tensors alive).
+  std::unique_ptr<PyRequest> grouped_allreduce_async_ptrs(
+      const std::vector<std::uintptr_t>& ptrs, const std::vector<std::size_t>& counts,
+      const std::vector<std::string>& dtypes, const std::string& op,
+      const std::optional<std::string>& algorithm, std::optional<std::size_t> fusion_threshold) {
+    std::shared_ptr<Communicator> held = get();
+    const std::string call = "grouped_allreduce_async";
+    const std::vector<packing::TensorDesc> tensors =
+        tensor_list(ptrs, counts, dtypes, call, held->rank());
+    const ReduceOp rop = parse_op(op, call, held->rank());
+    const std::string alg = algorithm.value_or("");
+    GroupedAllreduceOptions o;
+    o.algorithm = alg;
+    o.fusion_threshold = fusion_threshold;
+    Request request = gradcomm::igrouped_allreduce(*held, tensors, rop, o);
+    return std::make_unique<PyRequest>(std::move(request), std::move(held), py::none(),
+                                       std::vector<View>{});
+  }
+
+  std::unique_ptr<PyRequest> broadcast_async_ptr(std::uintptr_t data, std::size_t count,
+                                                 const std::string& dtype, int root) {
+    std::shared_ptr<Communicator> held = get();
+    const DataType dt = parse_dtype(dtype, "broadcast_async", held->rank());
+    Request request =
+        gradcomm::ibroadcast(*held, reinterpret_cast<void*>(data), count, dt, root);
+    return std::make_unique<PyRequest>(std::move(request), std::move(held), py::none(),
+                                       std::vector<View>{});
   }
 
   void allreduce_ptr(std::uintptr_t send, std::uintptr_t recv, std::size_t count,
@@ -383,6 +427,84 @@ class PyPacker {
   std::unique_ptr<packing::GradientPacker> packer_;
 };
 
+// packing::Reducer over raw tensors (gradcomm.torch's DistributedDataParallel and
+// DistributedOptimizer feed it from autograd hooks). Its bucket memory is exported through the
+// buffer protocol (bytes), so torch.frombuffer can view buckets (gradient_as_bucket_view).
+class PyReducer {
+ public:
+  PyReducer(PyCommunicator& comm, const std::vector<std::uintptr_t>& ptrs,
+            const std::vector<std::size_t>& counts, const std::vector<std::string>& dtypes,
+            const std::string& op, const std::optional<std::string>& algorithm,
+            std::size_t bucket_cap_bytes, std::size_t first_bucket_bytes,
+            const std::string& compression, const std::vector<std::size_t>& order,
+            const std::vector<std::vector<std::size_t>>& groups, bool rebuild_buckets,
+            bool overlap)
+      : held_(comm.get()) {
+    const std::string call = "Reducer";
+    const int rank = held_->rank();
+    std::vector<packing::TensorDesc> tensors =
+        PyCommunicator::tensor_list(ptrs, counts, dtypes, call, rank);
+    packing::ReducerOptions o;
+    o.op = parse_op(op, call, rank);
+    o.algorithm = algorithm.value_or("");
+    o.bucket_cap_bytes = bucket_cap_bytes;
+    o.first_bucket_bytes = first_bucket_bytes;
+    if (compression == "none") {
+      o.compression = Compression::none;
+    } else if (compression == "float16") {
+      o.compression = Compression::float16;
+    } else if (compression == "bfloat16") {
+      o.compression = Compression::bfloat16;
+    } else {
+      invalid(call, "unknown compression '" + compression + "' (none, float16, bfloat16)", rank);
+    }
+    o.order = order;
+    o.groups = groups;
+    o.rebuild_buckets = rebuild_buckets;
+    o.overlap = overlap;
+    py::gil_scoped_release release;  // collective: allocates the buckets
+    reducer_ = std::make_unique<packing::Reducer>(*held_, std::move(tensors), std::move(o));
+  }
+
+  void mark_ready(std::size_t index, std::optional<std::uintptr_t> data) {
+    py::gil_scoped_release release;
+    if (data) {
+      reducer_->mark_ready(index, reinterpret_cast<void*>(*data));
+    } else {
+      reducer_->mark_ready(index);
+    }
+  }
+  void finish() {
+    py::gil_scoped_release release;
+    reducer_->finish();
+  }
+  // Byte offset of tensor `index` in buffer() (its slot in its bucket).
+  std::size_t view_offset(std::size_t index) {
+    const auto* view = static_cast<std::byte*>(reducer_->bucket_view(index));
+    return static_cast<std::size_t>(view - reducer_->buffer().data());
+  }
+  // The buckets: (dtype, wire dtype, tensor indices, element count).
+  py::list buckets() const {
+    py::list out;
+    for (const packing::ReducerBucket& b : reducer_->buckets()) {
+      out.append(py::make_tuple(std::string(to_string(b.dtype)), std::string(to_string(b.wire)),
+                                b.tensors, b.count));
+    }
+    return out;
+  }
+  std::size_t iterations() const { return reducer_->iterations(); }
+  bool rebuilt() const { return reducer_->rebuilt(); }
+  py::buffer_info buffer() {
+    const std::span<std::byte> b = reducer_->buffer();
+    return py::buffer_info(b.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                           {static_cast<py::ssize_t>(b.size())}, {py::ssize_t{1}});
+  }
+
+ private:
+  std::shared_ptr<Communicator> held_;  // destroyed after the reducer
+  std::unique_ptr<packing::Reducer> reducer_;
+};
+
 py::dtype numpy_dtype(DataType d) {
   switch (d) {
     case DataType::float32:
@@ -442,6 +564,8 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("size", &PyCommunicator::size)
       .def("local_rank", &PyCommunicator::local_rank)
       .def("local_size", &PyCommunicator::local_size)
+      .def("node", &PyCommunicator::node)
+      .def("node_count", &PyCommunicator::node_count)
       .def("free", &PyCommunicator::free)
       .def("allreduce", &PyCommunicator::allreduce, py::arg("array"), py::arg("op") = "average",
            py::arg("algorithm") = py::none(), py::arg("out") = py::none())
@@ -456,12 +580,39 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("_allreduce_async_ptr", &PyCommunicator::allreduce_async_ptr)
       .def("_grouped_allreduce_ptrs", &PyCommunicator::grouped_allreduce_ptrs)
       .def("_broadcast_ptr", &PyCommunicator::broadcast_ptr)
+      .def("_grouped_allreduce_async_ptrs", &PyCommunicator::grouped_allreduce_async_ptrs)
+      .def("_broadcast_async_ptr", &PyCommunicator::broadcast_async_ptr)
       .def("_bench_allreduce", &PyCommunicator::bench_allreduce, py::arg("array"),
            py::arg("iterations"), py::arg("op") = "sum", py::arg("algorithm") = py::none());
 
   py::class_<PyRequest>(m, "Request")
       .def("wait", &PyRequest::wait, "Blocks (GIL released) until done; returns the result")
       .def("done", &PyRequest::done, "True once finished; never blocks");
+
+  py::class_<PyReducer>(m, "_Reducer", py::buffer_protocol())
+      .def(py::init<PyCommunicator&, const std::vector<std::uintptr_t>&,
+                    const std::vector<std::size_t>&, const std::vector<std::string>&,
+                    const std::string&, const std::optional<std::string>&, std::size_t,
+                    std::size_t, const std::string&, const std::vector<std::size_t>&,
+                    const std::vector<std::vector<std::size_t>>&, bool, bool>(),
+           py::arg("comm"), py::arg("ptrs"), py::arg("counts"), py::arg("dtypes"), py::arg("op"),
+           py::arg("algorithm"), py::arg("bucket_cap_bytes"), py::arg("first_bucket_bytes"),
+           py::arg("compression"), py::arg("order"), py::arg("groups"),
+           py::arg("rebuild_buckets"), py::arg("overlap"))
+      .def("mark_ready", &PyReducer::mark_ready, py::arg("index"), py::arg("data") = py::none())
+      .def("finish", &PyReducer::finish)
+      .def("view_offset", &PyReducer::view_offset)
+      .def("buckets", &PyReducer::buckets)
+      .def("iterations", &PyReducer::iterations)
+      .def("rebuilt", &PyReducer::rebuilt)
+      .def_buffer(&PyReducer::buffer);
+
+  m.def(
+      "_timeline_start",
+      [](const std::string& path, int rank) { timeline::start(path, rank); }, py::arg("path"),
+      py::arg("rank"));
+  m.def("_timeline_stop", [] { timeline::stop(); });
+  m.def("_timeline_path", [] { return timeline::path(); });
 
   py::class_<PyPacker>(m, "GradientPacker")
       .def(py::init<const py::list&, int>(), py::arg("arrays"), py::arg("num_split") = 8)

@@ -41,15 +41,17 @@ __all__ = [
 ]
 
 _world = None
+_world_mpi = None  # the mpi4py communicator _world was made from
 _communicators = []
 
 
 def init(comm=None):
     """Creates the default communicator (over MPI.COMM_WORLD, or the given mpi4py one).
     Safe to call more than once. Collective."""
-    global _world
+    global _world, _world_mpi
     if _world is None:
         _world = Communicator.world() if comm is None else Communicator(comm)
+        _world_mpi = _MPI.COMM_WORLD if comm is None else comm
         _communicators.append(_world)
     return _world
 
@@ -60,11 +62,12 @@ def is_initialized():
 
 def shutdown():
     """Frees gradcomm's communicators (MPI itself is finalized by mpi4py at exit)."""
-    global _world
+    global _world, _world_mpi
     for c in _communicators:
         c.free()
     _communicators.clear()
     _world = None
+    _world_mpi = None
 
 
 # Runs before mpi4py's own exit handler (registered earlier): communicators go before MPI.
@@ -75,6 +78,12 @@ def world():
     if _world is None:
         raise InvalidArgument("gradcomm: call gradcomm.init() first")
     return _world
+
+
+def world_mpi():
+    """The mpi4py communicator the default communicator was made from."""
+    world()
+    return _world_mpi
 
 
 def rank():

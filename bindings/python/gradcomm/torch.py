@@ -1,169 +1,950 @@
-"""gradcomm for PyTorch (CPU tensors): in-place all-reduce, parameter broadcast and a
-DistributedOptimizer that averages gradients, fused, before every step (Horovod's shape)::
+"""gradcomm for PyTorch (CPU tensors), in Horovod's shape: a script written for
+``horovod.torch`` runs on gradcomm by changing its import line::
 
-    import gradcomm, gradcomm.torch as gt
-    gradcomm.init()
-    gt.broadcast_parameters(model.state_dict(), root=0)
-    optimizer = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters())
-    for x, y in batches:              # each rank its own shard
+    import gradcomm.torch as hvd          # was: import horovod.torch as hvd
+    hvd.init()
+    model = Net()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()),
+                                         named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    for x, y in batches:                  # each rank its own shard
         optimizer.zero_grad()
-        loss_fn(model(x), y).backward()
-        optimizer.step()              # all-reduces the gradients, then steps
+        loss_fn(model(x), y).backward()   # gradients all-reduced while backward runs
+        optimizer.step()
 
-Tensors are used in place through their data pointers: no copies for contiguous CPU tensors.
-The in-place calls refuse tensors that autograd tracks (requires_grad, outside torch.no_grad()):
-writes through a data pointer bypass autograd. They cannot tell memory that is read-only to the
-OS (a tensor over a read-only mmap, or over ``bytes`` via torch.frombuffer): do not pass those.
+and torch's DDP by changing one line: ``gradcomm.torch.DistributedDataParallel(model)``.
+
+Tensors are reduced in place through their data pointers (no copies for contiguous CPU tensors),
+of dtype float32, float64, float16, bfloat16, int32 or int64. What Horovod has and gradcomm
+cannot honour (Adasum, process sets, elastic training, join, alltoall, reducescatter, GPU
+tensors) raises NotImplementedError or InvalidArgument naming it; nothing silently does
+something else. docs/coming-from-horovod.md lists the differences.
 """
 
+import contextlib
+import itertools
+import math
+import warnings
+
 import torch
+from mpi4py import MPI
 
-from . import InvalidArgument, world
+from . import InvalidArgument, world, world_mpi
+from . import init as _init
+from . import is_initialized as _is_initialized
+from . import shutdown as _shutdown
+from . import _gradcomm
+from ._torch_common import (GradientReducer, broadcast_coalesced, check_tensor,
+                            grad_accumulator)
+from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
+                         fp16_compress_hook)
 
-__all__ = ["allreduce_", "allreduce", "grouped_allreduce_", "broadcast_", "broadcast_parameters",
-           "broadcast_optimizer_state", "DistributedOptimizer"]
+__all__ = [
+    # set-up and introspection
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
+    "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+    # ops and compression
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression",
+    # collectives
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "allgather", "allgather_async",
+    "synchronize", "poll", "barrier", "join", "broadcast_object", "allgather_object",
+    "broadcast_parameters", "broadcast_optimizer_state",
+    # training
+    "DistributedOptimizer", "DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
+    "bf16_compress_hook",
+    # refused
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "alltoall",
+    "reducescatter", "SyncBatchNorm", "elastic",
+]
 
-_DTYPES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
+# ---- ops -----------------------------------------------------------------------------------
+# Horovod's reduction ops. gradcomm's own names ("sum", "average", ...) are accepted as well.
+Average = "average"
+Sum = "sum"
+Adasum = "adasum"
+Min = "min"
+Max = "max"
+Product = "product"
+
+_OPS = {"average": "average", "avg": "average", "mean": "average", "sum": "sum", "min": "min",
+        "max": "max", "product": "product", "prod": "product"}
 
 
-def _check(tensor, call, what="tensor", writes=False):
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidArgument(f"{call}: {what} is a {type(tensor).__name__}, not a torch.Tensor")
-    if tensor.device.type != "cpu":
-        raise InvalidArgument(f"{call}: {what} is on {tensor.device}; gradcomm.torch takes CPU "
-                              "tensors (the nccl path is separate)")
-    if tensor.layout != torch.strided:
-        raise InvalidArgument(f"{call}: {what} has layout {tensor.layout}; gradcomm takes dense "
-                              "(strided) tensors (call .to_dense())")
-    if writes and tensor.requires_grad and torch.is_grad_enabled():
-        raise InvalidArgument(f"{call}: {what} requires grad, and an in-place write through its "
-                              "data pointer would bypass autograd; pass tensor.detach() (or "
-                              "its .grad), or call under torch.no_grad()")
-    if not tensor.is_contiguous():
-        raise InvalidArgument(f"{call}: {what} is not contiguous (call .contiguous())")
-    if tensor.dtype not in _DTYPES:
-        raise InvalidArgument(f"{call}: {what} has unsupported dtype {tensor.dtype}")
-    return _DTYPES[tensor.dtype]
+def _resolve_op(op, average, call):
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{call}: the op parameter supersedes average; pass one of them")
+        warnings.warn(f"{call}: average is deprecated in Horovod; pass op=Average or op=Sum",
+                      DeprecationWarning, stacklevel=3)
+        op = Average if average else Sum
+    if op is None:
+        return "average"
+    name = op.lower() if isinstance(op, str) else None
+    if name == "adasum":
+        raise NotImplementedError(f"{call}: op=Adasum is not implemented by gradcomm (use "
+                                  "Average or Sum)")
+    if name not in _OPS:
+        raise InvalidArgument(f"{call}: unknown op {op!r} (Average, Sum, Min, Max, Product)")
+    return _OPS[name]
 
 
-def allreduce_(tensor, op="average", algorithm=None, comm=None):
-    """Reduces `tensor` over all ranks, in place. Returns it."""
-    dtype = _check(tensor, "allreduce_", writes=True)
+# ---- process sets: refused -----------------------------------------------------------------
+class ProcessSet:
+    """Horovod's process sets are not implemented by gradcomm; only the global one exists (use
+    gradcomm.Communicator over an mpi4py sub-communicator and pass comm= instead)."""
+
+    def __init__(self, ranks_or_comm=None, _global=False):
+        if not _global:
+            raise NotImplementedError("ProcessSet: Horovod's process sets are not implemented by "
+                                      "gradcomm; pass comm=gradcomm.Communicator(mpi4py_comm) to "
+                                      "the calls instead")
+
+    def __repr__(self):
+        return "ProcessSet(global)"
+
+
+global_process_set = ProcessSet(_global=True)
+
+
+def add_process_set(process_set):
+    raise NotImplementedError("add_process_set: Horovod's process sets are not implemented by "
+                              "gradcomm")
+
+
+def remove_process_set(process_set):
+    raise NotImplementedError("remove_process_set: Horovod's process sets are not implemented "
+                              "by gradcomm")
+
+
+def _check_process_set(process_set, call):
+    if process_set is not None and process_set is not global_process_set:
+        raise NotImplementedError(f"{call}: process sets are not implemented by gradcomm")
+
+
+# ---- set-up and introspection --------------------------------------------------------------
+def init(comm=None, process_sets=None):
+    """Starts gradcomm over MPI.COMM_WORLD, an mpi4py communicator, or a list of ranks of
+    COMM_WORLD (every rank of COMM_WORLD calls it then). Safe to call more than once."""
+    if process_sets is not None:
+        raise NotImplementedError("init: process_sets are not implemented by gradcomm")
+    if isinstance(comm, (list, tuple)):
+        ranks = sorted(set(int(r) for r in comm))
+        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
+        comm = MPI.COMM_WORLD.Create(group)
+        group.Free()
+        if comm == MPI.COMM_NULL:
+            return None  # this rank is not in the list
+    return _init(comm)
+
+
+def shutdown():
+    _shutdown()
+
+
+def is_initialized():
+    return _is_initialized()
+
+
+def rank():
+    return world().rank()
+
+
+def size():
+    return world().size()
+
+
+def local_rank():
+    return world().local_rank()
+
+
+def local_size():
+    return world().local_size()
+
+
+def cross_rank():
+    """The index of this rank's host (its node) among the hosts."""
+    return world().node()
+
+
+def cross_size():
+    """How many hosts (nodes) the ranks are on."""
+    return world().node_count()
+
+
+def is_homogeneous():
+    """True when every host runs the same number of ranks."""
+    counts = world_mpi().allgather(local_size())
+    return len(set(counts)) == 1
+
+
+def mpi_built():
+    return True
+
+
+def mpi_enabled():
+    return True
+
+
+def mpi_threads_supported():
+    """True when MPI runs at MPI_THREAD_MULTIPLE (which gradcomm's overlap needs)."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def gloo_built():
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def nccl_built():
+    """False: gradcomm.torch reduces CPU tensors (gradcomm's NCCL module serves its C++ and C
+    APIs, not torch tensors)."""
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def cuda_built():
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Writes gradcomm's timeline (a Chrome trace) of this rank to file_path with ".rank<r>"
+    before its ".json" ending: every rank writes its own file (Horovod writes one, on rank 0).
+    mark_cycles is accepted and has no effect (gradcomm has no cycles)."""
+    _gradcomm._timeline_start(str(file_path), rank())
+
+
+def stop_timeline():
+    _gradcomm._timeline_stop()
+
+
+# ---- compression ---------------------------------------------------------------------------
+class Compressor:
+    """Horovod's compressor interface: compress(tensor) -> (tensor, ctx), decompress(tensor,
+    ctx) -> tensor."""
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    wire = "none"
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Floating-point tensors travel as float16."""
+    wire = "float16"
+    dtype = torch.float16
+
+    @classmethod
+    def compress(cls, tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != cls.dtype:
+            return tensor.to(cls.dtype), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class BF16Compressor(FP16Compressor):
+    """Floating-point tensors travel as bfloat16."""
+    wire = "bfloat16"
+    dtype = torch.bfloat16
+
+
+class Compression:
+    """Horovod's Compression.none and Compression.fp16 (and bf16)."""
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+
+# ---- handles ---------------------------------------------------------------------------------
+_handles = {}
+_next_handle = itertools.count(1)
+
+
+class _Pending:
+    __slots__ = ("request", "finish", "keep")
+
+    def __init__(self, request, finish, keep):
+        self.request = request
+        self.finish = finish  # called once the request is done; returns the result
+        self.keep = keep      # tensors whose memory the request uses
+
+
+def _register(request, finish, keep):
+    handle = next(_next_handle)
+    _handles[handle] = _Pending(request, finish, keep)
+    return handle
+
+
+def _pending(handle, call):
+    try:
+        return _handles[handle]
+    except (KeyError, TypeError):
+        raise InvalidArgument(f"{call}: {handle!r} is not a handle of a call in flight "
+                              "(already synchronized?)") from None
+
+
+def poll(handle):
+    """True once the call behind `handle` has finished (never blocks)."""
+    return _pending(handle, "poll").request.done()
+
+
+def synchronize(handle):
+    """Waits for the call behind `handle` and returns its result (a tensor, or a list for the
+    grouped calls). Raises the call's error."""
+    pending = _pending(handle, "synchronize")
+    try:
+        pending.request.wait()
+    finally:
+        del _handles[handle]
+    return pending.finish()
+
+
+def _scale_(tensor, factor):
+    if factor == 1.0:
+        return
+    with torch.no_grad():
+        if tensor.dtype.is_floating_point:
+            tensor.mul_(factor)
+        else:  # as Horovod: in double, truncated back toward zero
+            tensor.copy_(tensor.to(torch.float64).mul_(factor))
+
+
+def _comm(comm):
+    return comm or world()
+
+
+# ---- all-reduce --------------------------------------------------------------------------------
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
+                     comm=None):
+    """Starts an in-place all-reduce of `tensor`; returns a handle for synchronize()/poll().
+    Calls run in the order they are made, on every rank."""
+    call = "allreduce_async_"
+    _check_process_set(process_set, call)
+    dtype = check_tensor(tensor, call, writes=True)
+    opname = _resolve_op(op, average, call)
+    c = _comm(comm)
+    _scale_(tensor, prescale_factor)
     ptr = tensor.data_ptr()
-    (comm or world())._allreduce_ptr(ptr, ptr, tensor.numel(), dtype, op, algorithm)
+    request = c._allreduce_async_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
+
+    def finish():
+        _scale_(tensor, postscale_factor)
+        return tensor
+    return _register(request, finish, (tensor,))
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
+                    comm=None):
+    """Starts an all-reduce of `tensor` into a new tensor (synchronize() returns it)."""
+    call = "allreduce_async"
+    _check_process_set(process_set, call)
+    dtype = check_tensor(tensor, call)
+    opname = _resolve_op(op, average, call)
+    c = _comm(comm)
+    src = tensor.detach()
+    if prescale_factor != 1.0:
+        src = src.clone()
+        _scale_(src, prescale_factor)
+    out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    request = c._allreduce_async_ptr(src.data_ptr(), out.data_ptr(), src.numel(), dtype, opname,
+                                     algorithm)
+
+    def finish():
+        _scale_(out, postscale_factor)
+        return out
+    return _register(request, finish, (src, out))
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
+               comm=None):
+    """All-reduces `tensor` in place (default op Average). Returns it."""
+    call = "allreduce_"
+    _check_process_set(process_set, call)
+    dtype = check_tensor(tensor, call, writes=True)
+    opname = _resolve_op(op, average, call)
+    c = _comm(comm)
+    _scale_(tensor, prescale_factor)
+    ptr = tensor.data_ptr()
+    c._allreduce_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
+    _scale_(tensor, postscale_factor)
     return tensor
 
 
-def allreduce(tensor, op="average", algorithm=None, comm=None):
-    """Returns a new tensor holding the reduction of `tensor` over all ranks."""
-    dtype = _check(tensor, "allreduce")
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    (comm or world())._allreduce_ptr(tensor.data_ptr(), out.data_ptr(), tensor.numel(), dtype, op,
-                                     algorithm)
+def _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, call):
+    dtype = check_tensor(tensor, call)
+    src = tensor.detach()
+    if prescale != 1.0:
+        src = src.clone()
+        _scale_(src, prescale)
+    out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    c._allreduce_ptr(src.data_ptr(), out.data_ptr(), src.numel(), dtype, opname, algorithm)
+    _scale_(out, postscale)
     return out
 
 
-def grouped_allreduce_(tensors, op="average", algorithm=None, fusion_threshold=None, comm=None):
-    """All-reduces every tensor of the list in place, fused into buckets. Returns the list."""
+class _AllreduceGrad(torch.autograd.Function):
+    """Sum and Average are linear: the gradient of the result is all-reduced the same way."""
+
+    @staticmethod
+    def forward(ctx, tensor, opname, prescale, postscale, algorithm, c):
+        ctx.args = (opname, prescale, postscale, algorithm, c)
+        return _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, "allreduce")
+
+    @staticmethod
+    def backward(ctx, grad):
+        opname, prescale, postscale, algorithm, c = ctx.args
+        return (_allreduce_new(grad.contiguous(), opname, prescale, postscale, algorithm, c,
+                               "allreduce (backward)"), None, None, None, None, None)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set, *,
+              algorithm=None, comm=None):
+    """Returns a new tensor holding the all-reduce of `tensor` (default op Average). With Sum
+    or Average the result has a gradient (the all-reduce of the result's gradient), as in
+    Horovod; Min, Max and Product results are not differentiable."""
+    call = "allreduce"
+    _check_process_set(process_set, call)
+    opname = _resolve_op(op, average, call)
+    c = _comm(comm)
+    check_tensor(tensor, call)
+    compressed, ctx = compression.compress(tensor)
+    if (compressed.requires_grad and torch.is_grad_enabled() and
+            opname in ("sum", "average")):
+        out = _AllreduceGrad.apply(compressed, opname, prescale_factor, postscale_factor,
+                                   algorithm, c)
+    else:
+        out = _allreduce_new(compressed, opname, prescale_factor, postscale_factor, algorithm, c,
+                             call)
+    return compression.decompress(out, ctx)
+
+
+# ---- grouped all-reduce -------------------------------------------------------------------------
+def _grouped_args(tensors, call, writes):
     tensors = list(tensors)
-    dtypes = [_check(t, "grouped_allreduce_", f"tensor {i}", writes=True)
-              for i, t in enumerate(tensors)]
-    (comm or world())._grouped_allreduce_ptrs([t.data_ptr() for t in tensors],
-                                              [t.numel() for t in tensors], dtypes, op, algorithm,
-                                              fusion_threshold)
+    dtypes = [check_tensor(t, call, f"tensor {i}", writes=writes) for i, t in enumerate(tensors)]
+    return tensors, dtypes
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set, *,
+                             algorithm=None, fusion_threshold=None, comm=None):
+    """Starts an in-place all-reduce of every tensor of the list, fused; returns a handle
+    (synchronize() returns the list)."""
+    call = "grouped_allreduce_async_"
+    _check_process_set(process_set, call)
+    tensors, dtypes = _grouped_args(tensors, call, True)
+    opname = _resolve_op(op, average, call)
+    c = _comm(comm)
+    for t in tensors:
+        _scale_(t, prescale_factor)
+    request = c._grouped_allreduce_async_ptrs([t.data_ptr() for t in tensors],
+                                              [t.numel() for t in tensors], dtypes, opname,
+                                              algorithm, fusion_threshold)
+
+    def finish():
+        for t in tensors:
+            _scale_(t, postscale_factor)
+        return tensors
+    return _register(request, finish, tensors)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set, *,
+                            algorithm=None, fusion_threshold=None, comm=None):
+    """Starts a fused all-reduce of the list into new tensors (synchronize() returns them)."""
+    call = "grouped_allreduce_async"
+    _grouped_args(tensors, call, False)
+    copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    return grouped_allreduce_async_(copies, None, name, _resolve_op(op, average, call),
+                                    prescale_factor, postscale_factor, process_set,
+                                    algorithm=algorithm, fusion_threshold=fusion_threshold,
+                                    comm=comm)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
+                       fusion_threshold=None, comm=None):
+    """All-reduces every tensor of the list in place, fused into buckets. Returns the list."""
+    call = "grouped_allreduce_"
+    _check_process_set(process_set, call)
+    tensors, dtypes = _grouped_args(tensors, call, True)
+    opname = _resolve_op(op, average, call)
+    c = _comm(comm)
+    for t in tensors:
+        _scale_(t, prescale_factor)
+    c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], [t.numel() for t in tensors],
+                              dtypes, opname, algorithm, fusion_threshold)
+    for t in tensors:
+        _scale_(t, postscale_factor)
     return tensors
 
 
-def broadcast_(tensor, root=0, comm=None):
-    """Copies root's `tensor` into `tensor` on every rank. Returns it."""
-    dtype = _check(tensor, "broadcast_", writes=True)
-    (comm or world())._broadcast_ptr(tensor.data_ptr(), tensor.numel(), dtype, root)
+class _GroupedAllreduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, opname, prescale, postscale, algorithm, c, *tensors):
+        ctx.args = (opname, prescale, postscale, algorithm, c)
+        copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+        return tuple(grouped_allreduce_(copies, op=opname, prescale_factor=prescale,
+                                        postscale_factor=postscale, algorithm=algorithm,
+                                        comm=c))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        opname, prescale, postscale, algorithm, c = ctx.args
+        copies = [g.detach().clone(memory_format=torch.contiguous_format) for g in grads]
+        grouped_allreduce_(copies, op=opname, prescale_factor=prescale,
+                           postscale_factor=postscale, algorithm=algorithm, comm=c)
+        return (None, None, None, None, None, *copies)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      *, algorithm=None, fusion_threshold=None, comm=None):
+    """Returns new tensors holding the all-reduce of every tensor of the list, fused.
+    Differentiable for Sum and Average."""
+    call = "grouped_allreduce"
+    _check_process_set(process_set, call)
+    tensors, _ = _grouped_args(tensors, call, False)
+    opname = _resolve_op(op, average, call)
+    c = _comm(comm)
+    compressed = [compression.compress(t) for t in tensors]
+    inputs = [t for t, _ in compressed]
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in inputs) and
+            opname in ("sum", "average")):
+        outs = list(_GroupedAllreduceGrad.apply(opname, prescale_factor, postscale_factor,
+                                                algorithm, c, *inputs))
+    else:
+        outs = [t.detach().clone(memory_format=torch.contiguous_format) for t in inputs]
+        grouped_allreduce_(outs, op=opname, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, algorithm=algorithm,
+                           fusion_threshold=fusion_threshold, comm=c)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
+
+
+# ---- broadcast -----------------------------------------------------------------------------------
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *,
+                     comm=None):
+    """Starts copying root_rank's `tensor` into every rank's, in place; returns a handle."""
+    call = "broadcast_async_"
+    _check_process_set(process_set, call)
+    dtype = check_tensor(tensor, call, writes=True)
+    request = _comm(comm)._broadcast_async_ptr(tensor.data_ptr(), tensor.numel(), dtype,
+                                               int(root_rank))
+    return _register(request, lambda: tensor, (tensor,))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
+    """Starts a broadcast into a new tensor (synchronize() returns it)."""
+    check_tensor(tensor, "broadcast_async")
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return broadcast_async_(out, root_rank, name, process_set, comm=comm)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
+    """Copies root_rank's `tensor` into `tensor` on every rank. Returns it."""
+    call = "broadcast_"
+    _check_process_set(process_set, call)
+    dtype = check_tensor(tensor, call, writes=True)
+    _comm(comm)._broadcast_ptr(tensor.data_ptr(), tensor.numel(), dtype, int(root_rank))
     return tensor
 
 
-def broadcast_parameters(params, root=0, comm=None):
-    """Broadcasts root's values of a state_dict (or named_parameters(), or a list of
-    (name, tensor)) into every rank's tensors, in place, in name order."""
+class _BroadcastGrad(torch.autograd.Function):
+    """As Horovod: the gradient is the average of the result's gradients, on the root only."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, c):
+        ctx.root_rank, ctx.c = root_rank, c
+        out = tensor.detach().clone(memory_format=torch.contiguous_format)
+        return broadcast_(out, root_rank, comm=c)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = _allreduce_new(grad.contiguous(), "average", 1.0, 1.0, None, ctx.c,
+                                 "broadcast (backward)")
+        if ctx.c.rank() != ctx.root_rank:
+            reduced.zero_()
+        return reduced, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
+    """Returns a new tensor holding root_rank's `tensor` (differentiable, as in Horovod)."""
+    call = "broadcast"
+    _check_process_set(process_set, call)
+    check_tensor(tensor, call)
+    c = _comm(comm)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _BroadcastGrad.apply(tensor, int(root_rank), c)
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return broadcast_(out, root_rank, comm=c)
+
+
+# ---- allgather and objects (MPI through mpi4py, on the communicator gradcomm was started on) ----
+def _mpi(comm):
+    if comm is None:
+        return world_mpi()
+    raise NotImplementedError("allgather/barrier/objects run on the communicator gradcomm was "
+                              "initialized with; comm= is not supported for them")
+
+
+def _allgather_impl(tensor, call, mpi):
+    # Every rank sees every rank's shape and dtype, so a mismatch raises on every rank.
+    meta = mpi.allgather((tuple(tensor.shape), str(tensor.dtype)))
+    me = mpi.Get_rank()
+    for r, (shape, dtype) in enumerate(meta):
+        if dtype != str(tensor.dtype) or len(shape) != tensor.dim() or tuple(shape[1:]) != \
+                tuple(tensor.shape[1:]) or len(shape) == 0:
+            raise InvalidArgument(
+                f"{call}: rank {r} passed a {dtype} tensor of shape {list(shape)}, rank {me} a "
+                f"{tensor.dtype} tensor of shape {list(tensor.shape)}; tensors must agree in "
+                "dtype and in every dimension but the first (and have at least one)")
+    src = tensor.detach().contiguous()
+    row_bytes = src.element_size() * math.prod(src.shape[1:])
+    counts = [shape[0] * row_bytes for shape, _ in meta]
+    out = torch.empty((sum(s[0] for s, _ in meta), *src.shape[1:]), dtype=src.dtype)
+    send = src.reshape(-1).view(torch.uint8).numpy() if src.numel() else bytearray(0)
+    recv = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else bytearray(0)
+    mpi.Allgatherv(send, [recv, counts, None, MPI.BYTE])
+    return out, [s[0] for s, _ in meta]
+
+
+class _AllgatherGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, mpi):
+        out, rows = _allgather_impl(tensor, "allgather", mpi)
+        ctx.rows, ctx.rank = rows, mpi.Get_rank()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # as Horovod: average the gradients, keep this rank's rows
+        reduced = _allreduce_new(grad.contiguous(), "average", 1.0, 1.0, None, world(),
+                                 "allgather (backward)")
+        offset = sum(ctx.rows[:ctx.rank])
+        return reduced.narrow(0, offset, ctx.rows[ctx.rank]), None
+
+
+def allgather(tensor, name=None, process_set=global_process_set, *, comm=None):
+    """Concatenates every rank's tensor along dimension 0 (first dimensions may differ)."""
+    call = "allgather"
+    _check_process_set(process_set, call)
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        raise InvalidArgument(f"{call}: expected a CPU torch.Tensor")
+    mpi = _mpi(comm)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllgatherGrad.apply(tensor, mpi)
+    return _allgather_impl(tensor, call, mpi)[0]
+
+
+class _Done:
+    def done(self):
+        return True
+
+    def wait(self):
+        return None
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=None):
+    """allgather, returning a handle (the gather runs at once; synchronize() returns it)."""
+    out = allgather(tensor, name, process_set, comm=comm)
+    return _register(_Done(), lambda: out, ())
+
+
+def barrier(process_set=global_process_set):
+    _check_process_set(process_set, "barrier")
+    world_mpi().Barrier()
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Returns root_rank's `obj` (pickled) on every rank."""
+    _check_process_set(process_set, "broadcast_object")
+    return world_mpi().bcast(obj, root=root_rank)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Returns the list of every rank's `obj` (pickled), in rank order."""
+    _check_process_set(process_set, "allgather_object")
+    return world_mpi().allgather(obj)
+
+
+def join(device=-1):
+    raise NotImplementedError("join: gradcomm has no join (a rank out of data cannot stand in "
+                              "for the others' collectives); give every rank the same number of "
+                              "batches (drop_last, or a DistributedSampler)")
+
+
+def _refused(name, why):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(f"{name}: {why}")
+    refuse.__name__ = name
+    return refuse
+
+
+alltoall = _refused("alltoall", "not implemented by gradcomm")
+alltoall_async = _refused("alltoall_async", "not implemented by gradcomm")
+reducescatter = _refused("reducescatter", "not implemented by gradcomm")
+reducescatter_async = _refused("reducescatter_async", "not implemented by gradcomm")
+sparse_allreduce_async = _refused("sparse_allreduce_async", "gradcomm reduces dense tensors")
+SyncBatchNorm = _refused("SyncBatchNorm", "not implemented by gradcomm")
+
+
+class _Elastic:
+    def __getattr__(self, attr):
+        raise NotImplementedError(f"elastic.{attr}: Horovod's elastic training is not "
+                                  "implemented by gradcomm")
+
+
+elastic = _Elastic()
+
+
+# ---- parameters and optimizer state ----------------------------------------------------------
+def broadcast_parameters(params, root_rank=0, *, comm=None, root=None):
+    """Broadcasts root_rank's values of a state_dict (or named_parameters(), or a list of
+    (name, tensor)) into every rank's tensors, in place, in name order, packed into few
+    broadcasts."""
+    if root is not None:  # gradcomm's earlier keyword
+        root_rank = root
     items = params.items() if hasattr(params, "items") else params
-    named = sorted(((n, t) for n, t in items if isinstance(t, torch.Tensor)),
-                   key=lambda nt: nt[0])
+    named = sorted(((n, t) for n, t in items if isinstance(t, torch.Tensor)), key=lambda x: x[0])
     # Every tensor is checked before the first is sent: a bad one fails on every rank (they all
-    # hold the same list) before any broadcast, instead of leaving the ranks out of step.
-    targets = [t.data if t.requires_grad else t for _, t in named]
-    for (name, _), target in zip(named, targets):
-        _check(target, "broadcast_parameters", name)
-    with torch.no_grad():
-        for target in targets:
-            broadcast_(target, root, comm)
+    # hold the same list) before any broadcast.
+    for n, t in named:
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            raise InvalidArgument(f"broadcast_parameters: {n} is not a dense CPU tensor")
+    c = _comm(comm)
+    if not 0 <= int(root_rank) < c.size():
+        raise InvalidArgument(f"broadcast_parameters: root {root_rank} is outside the "
+                              f"communicator's {c.size()} ranks")
+    broadcast_coalesced([t for _, t in named], int(root_rank), c)
 
 
-def broadcast_optimizer_state(optimizer, root=0, comm=None):
-    """Broadcasts root's optimizer state tensors (momentum buffers, Adam moments, steps) and
-    hyper-parameters. Every rank must have the same state layout (e.g. after one step, or
-    freshly created)."""
-    state = optimizer.state_dict()
-    tensors = []
-    for pid in sorted(state["state"]):
-        for key in sorted(state["state"][pid]):
-            value = state["state"][pid][key]
-            if isinstance(value, torch.Tensor):
-                tensors.append((f"state.{pid}.{key}", value))
-    broadcast_parameters(tensors, root, comm)
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None, *, root=None):
+    """Gives every rank root_rank's optimizer state and hyper-parameters (state_dict() pickled
+    from the root, then load_state_dict), whatever state the other ranks hold."""
+    if root is not None:
+        root_rank = root
+    state = world_mpi().bcast(optimizer.state_dict() if rank() == root_rank else None,
+                              root=root_rank)
     optimizer.load_state_dict(state)
 
 
+# ---- DistributedOptimizer ------------------------------------------------------------------
 class _DistributedOptimizerMixin:
-    def _gradcomm_setup(self, named_parameters, op, algorithm, fusion_threshold, comm):
-        params = [p for group in self.param_groups for p in group["params"]]
-        names = {}
+    def _gradcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                        gradient_predivide_factor, num_groups, groups, algorithm,
+                        fusion_threshold, comm, overlap):
+        call = "DistributedOptimizer"
+        params = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and all(p is not q for q in params):
+                    params.append(p)
         if named_parameters is not None:
-            names = {id(p): n for n, p in named_parameters}
-            missing = [i for i, p in enumerate(params) if id(p) not in names]
+            named = list(named_parameters)
+            if any(not isinstance(nt, tuple) or len(nt) != 2 for nt in named):
+                raise InvalidArgument(f"{call}: named_parameters must be (name, parameter) "
+                                      "pairs, as model.named_parameters() gives")
+            names_of = {id(p): n for n, p in named}
+            if len(set(n for n, _ in named)) != len(named):
+                raise InvalidArgument(f"{call}: named_parameters has duplicate names")
+            missing = [i for i, p in enumerate(params) if id(p) not in names_of]
             if missing:
-                raise InvalidArgument("DistributedOptimizer: named_parameters does not cover "
-                                      f"the optimizer's parameters (indices {missing[:5]})")
+                raise InvalidArgument(f"{call}: named_parameters does not cover the optimizer's "
+                                      f"parameters (indices {missing[:5]})")
+            names = [names_of[id(p)] for p in params]
+        else:
+            names = [f"allreduce.noname.{i}" for i in range(len(params))]
+        if backward_passes_per_step < 1:
+            raise InvalidArgument(f"{call}: backward_passes_per_step must be at least 1")
+        if gradient_predivide_factor <= 0:
+            raise InvalidArgument(f"{call}: gradient_predivide_factor must be positive")
+        opname = _resolve_op(op, None, call)
+        if opname not in ("average", "sum"):
+            raise InvalidArgument(f"{call}: op must be Average or Sum")
+        if gradient_predivide_factor != 1.0 and opname != "average":
+            raise InvalidArgument(f"{call}: gradient_predivide_factor needs op=Average")
+        if compression not in (Compression.none, Compression.fp16, Compression.bf16):
+            raise NotImplementedError(f"{call}: compression {compression!r}: gradcomm runs "
+                                      "Compression.none, .fp16 and .bf16 inside its reducer; "
+                                      "custom compressors are not supported")
+        index_of = {id(p): i for i, p in enumerate(params)}
+        group_lists = None
+        if groups is not None:
+            if num_groups:
+                raise ValueError(f"{call}: pass num_groups or groups, not both")
+            if not isinstance(groups, (list, tuple)):
+                raise InvalidArgument(f"{call}: groups must be a list of lists of parameters")
+            group_lists = []
+            for g in groups:
+                indices = []
+                for p in g:
+                    if id(p) not in index_of:
+                        raise InvalidArgument(f"{call}: groups holds a tensor that is not one of "
+                                              "the optimizer's trainable parameters")
+                    indices.append(index_of[id(p)])
+                group_lists.append(indices)
+        elif num_groups:
+            if num_groups < 0:
+                raise InvalidArgument(f"{call}: num_groups must not be negative")
+            # As Horovod: the parameters in order, split into num_groups nearly equal runs.
+            k, extra = divmod(len(params), num_groups)
+            group_lists, start = [], 0
+            for g in range(num_groups):
+                end = start + k + (1 if g < extra else 0)
+                if end > start:
+                    group_lists.append(list(range(start, end)))
+                start = end
+        cap = fusion_threshold if fusion_threshold is not None else 25 << 20
+        self._gradcomm_call = call
         self._gradcomm_params = params
         self._gradcomm_names = names
-        self._gradcomm_op = op
-        self._gradcomm_algorithm = algorithm
-        self._gradcomm_fusion = fusion_threshold
-        self._gradcomm_comm = comm
+        self._gradcomm_passes = backward_passes_per_step
+        self._gradcomm_delay = [backward_passes_per_step] * len(params)
+        self._gradcomm_prediv = gradient_predivide_factor
+        self._gradcomm_should_sync = True
+        self._gradcomm_synchronized = False
+        self._gradcomm_reducer = GradientReducer(
+            params, names, call, comm, opname, algorithm, cap, min(cap, 1 << 20),
+            compression.wire, group_lists, overlap)
+        self._gradcomm_hooks = []
+        self._gradcomm_accumulators = []
+        for i, p in enumerate(params):
+            acc = grad_accumulator(p)
+            self._gradcomm_hooks.append(acc.register_hook(self._gradcomm_hook(i)))
+            self._gradcomm_accumulators.append(acc)
+
+    def _gradcomm_hook(self, i):
+        def hook(*_):
+            self._gradcomm_on_gradient(i)
+        return hook
+
+    def _gradcomm_on_gradient(self, i):
+        reducer = self._gradcomm_reducer
+        if reducer.is_marked(i) or self._gradcomm_delay[i] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+        self._gradcomm_delay[i] -= 1
+        if self._gradcomm_delay[i] == 0:
+            self._gradcomm_mark(i)
+
+    def _gradcomm_mark(self, i):
+        p = self._gradcomm_params[i]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif not p.grad.is_contiguous():
+            p.grad = p.grad.contiguous()
+        grad = p.grad.detach()  # same memory; a create_graph gradient is reduced as data
+        if self._gradcomm_prediv != 1.0:
+            _scale_(grad, 1.0 / self._gradcomm_prediv)
+        self._gradcomm_reducer.mark(i, grad)
 
     def synchronize(self):
-        """All-reduces the gradients now (step() does it when not done since the last step)."""
-        grads = []
-        for p in self._gradcomm_params:
-            if p.grad is None:  # every rank must send the same list: absent gradients are zero
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            elif not p.grad.is_contiguous():
-                p.grad = p.grad.contiguous()
-            grads.append(p.grad.detach())  # same memory; a create_graph grad is reduced as data
-        grouped_allreduce_(grads, self._gradcomm_op, self._gradcomm_algorithm,
-                           self._gradcomm_fusion, self._gradcomm_comm)
+        """Waits for the gradients' all-reduce (starting it for gradients backward has not
+        produced: they count as zeros). step() calls it unless done since the last step."""
+        reducer = self._gradcomm_reducer
+        for i in range(len(self._gradcomm_params)):
+            if not reducer.is_marked(i):
+                self._gradcomm_mark(i)
+        try:
+            reducer.finish()
+        finally:
+            self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
+        if self._gradcomm_prediv != 1.0:
+            for p in self._gradcomm_params:
+                _scale_(p.grad.detach(), self._gradcomm_prediv)
+        self._gradcomm_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """step() inside this context does not synchronize (call synchronize() yourself
+        first, e.g. to clip the averaged gradients)."""
+        self._gradcomm_should_sync = False
+        try:
+            yield
+        finally:
+            self._gradcomm_should_sync = True
 
     def step(self, closure=None):
-        self.synchronize()
+        if self._gradcomm_should_sync:
+            if self._gradcomm_synchronized:
+                warnings.warn("optimizer.step() called without skip_synchronize() after "
+                              "optimizer.synchronize(); the gradients are all-reduced again",
+                              stacklevel=2)
+            self.synchronize()
+        self._gradcomm_synchronized = False
         return self._gradcomm_base.step(self, closure)
 
+    def zero_grad(self, *args, **kwargs):
+        if self._gradcomm_reducer.busy:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition.")
+        return self._gradcomm_base.zero_grad(self, *args, **kwargs)
 
-def DistributedOptimizer(optimizer, named_parameters=None, op="average", algorithm=None,
-                         fusion_threshold=None, comm=None):
-    """Wraps a torch.optim optimizer so that step() first all-reduces every parameter's
-    gradient (op "average" or "sum"; fused into buckets of fusion_threshold bytes, default
-    GRADCOMM_FUSION_THRESHOLD). The result is an instance of the optimizer's own class
-    (lr schedulers accept it) sharing its parameter groups and state."""
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set, *, algorithm=None,
+                         fusion_threshold=None, comm=None, overlap=True):
+    """Wraps a torch.optim optimizer so that each gradient is all-reduced as backward produces
+    it (fused into buckets: fusion_threshold bytes, default 25 MiB, the first 1 MiB; or
+    Horovod's num_groups / groups, one bucket per group), and step() waits for them first.
+    Compression.fp16 / .bf16 send float32 gradients as float16 / bfloat16. With
+    backward_passes_per_step=k, gradients accumulate locally for k backward passes before they
+    are all-reduced. The result is an instance of the optimizer's own class (lr schedulers accept
+    it) sharing its parameter groups and state."""
+    _check_process_set(process_set, "DistributedOptimizer")
+    if sparse_as_dense:
+        raise NotImplementedError("DistributedOptimizer: sparse_as_dense: gradcomm reduces dense "
+                                  "gradients only (sparse gradients are refused)")
     base = optimizer.__class__
     cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"_gradcomm_base": base})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._gradcomm_setup(list(named_parameters) if named_parameters is not None else None, op,
-                            algorithm, fusion_threshold, comm)
+    wrapped._gradcomm_setup(named_parameters, compression, backward_passes_per_step, op,
+                            gradient_predivide_factor, num_groups, groups, algorithm,
+                            fusion_threshold, comm, overlap)
     return wrapped
+

@@ -1,0 +1,174 @@
+"""What gradcomm.torch's front ends share: tensor checks, coalesced broadcasts, a check that
+every rank holds the same model, and the gradient reducer that autograd hooks feed (the
+compiled packing::Reducer: buckets all-reduced on the progress engine while backward runs)."""
+
+import hashlib
+
+import torch
+
+from . import InvalidArgument, world
+from . import _gradcomm
+
+DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+
+def check_tensor(tensor, call, what="tensor", writes=False):
+    """The gradcomm dtype name of a tensor gradcomm can reduce in place; InvalidArgument
+    naming the call and the problem otherwise."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgument(f"{call}: {what} is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.device.type != "cpu":
+        raise InvalidArgument(f"{call}: {what} is on {tensor.device}; gradcomm.torch takes CPU "
+                              "tensors (the nccl path is separate)")
+    if tensor.layout != torch.strided:
+        raise InvalidArgument(f"{call}: {what} has layout {tensor.layout}; gradcomm takes dense "
+                              "(strided) tensors (call .to_dense())")
+    if writes and tensor.requires_grad and torch.is_grad_enabled():
+        raise InvalidArgument(f"{call}: {what} requires grad, and an in-place write through its "
+                              "data pointer would bypass autograd; pass tensor.detach() (or "
+                              "its .grad), or call under torch.no_grad()")
+    if not tensor.is_contiguous():
+        raise InvalidArgument(f"{call}: {what} is not contiguous (call .contiguous())")
+    if tensor.dtype not in DTYPES:
+        raise InvalidArgument(f"{call}: {what} has unsupported dtype {tensor.dtype} (supported: "
+                              "float32, float64, float16, bfloat16, int32, int64)")
+    return DTYPES[tensor.dtype]
+
+
+def check_parameter(p, call, name):
+    """Parameters a reducer takes: dense CPU tensors of a gradcomm dtype."""
+    if p.device.type != "cpu":
+        raise InvalidArgument(f"{call}: parameter {name} is on {p.device}; gradcomm.torch trains "
+                              "CPU models")
+    if p.layout != torch.strided:
+        raise InvalidArgument(f"{call}: parameter {name} has layout {p.layout}; only dense "
+                              "parameters are supported")
+    if p.dtype not in DTYPES:
+        raise InvalidArgument(f"{call}: parameter {name} has unsupported dtype {p.dtype}")
+
+
+def _byte_view(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def broadcast_coalesced(tensors, root, comm, chunk_bytes=64 << 20):
+    """Copies root's values of `tensors` (any dtypes, the same shapes on every rank) into every
+    rank's, in place, packed into few broadcasts of at most chunk_bytes."""
+    tensors = [t.detach() for t in tensors if t.numel() > 0]
+    rank = comm.rank()
+    align = 8  # every tensor starts 8-byte aligned in the packed buffer (views by dtype)
+    start = 0
+    while start < len(tensors):
+        end, nbytes = start, 0
+        while end < len(tensors) and (end == start or nbytes + tensors[end].numel() *
+                                      tensors[end].element_size() <= chunk_bytes):
+            nbytes += (tensors[end].numel() * tensors[end].element_size() + align - 1) // align * align
+            end += 1
+        group = tensors[start:end]
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+        offsets, offset = [], 0
+        for t in group:
+            offsets.append(offset)
+            offset += (t.numel() * t.element_size() + align - 1) // align * align
+        if rank == root:
+            for t, o in zip(group, offsets):
+                b = t.numel() * t.element_size()
+                flat[o:o + b].copy_(_byte_view(t.contiguous()))
+        comm._broadcast_ptr(flat.data_ptr(), nbytes // 8, "int64", root)
+        if rank != root:
+            with torch.no_grad():
+                for t, o in zip(group, offsets):
+                    b = t.numel() * t.element_size()
+                    t.copy_(flat[o:o + b].view(t.dtype).view(t.shape))
+        start = end
+
+
+def verify_same_across_ranks(description, call, what, comm):
+    """Raises InvalidArgument on every rank (one small all-reduce, no hang) unless every rank
+    passed the same `description` string."""
+    digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
+    t = torch.tensor([digest, -digest], dtype=torch.int64)
+    comm._allreduce_ptr(t.data_ptr(), t.data_ptr(), 2, "int64", "min", None)
+    if t[0].item() != -t[1].item():
+        raise InvalidArgument(f"{call}: the ranks differ in {what} (rank {comm.rank()} has "
+                              f"{description[:200]}{'...' if len(description) > 200 else ''})")
+
+
+class GradientReducer:
+    """The compiled Reducer over a list of parameters' gradients. mark(i, grad) hands it
+    parameter i's gradient tensor (kept alive until finish()); finish() waits for every bucket
+    and writes the averaged gradients back into those tensors. Every parameter must be marked
+    before finish() (the front ends mark the ones backward did not reach themselves)."""
+
+    def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
+                 bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",
+                 groups=None, overlap=True):
+        self.comm = comm or world()
+        for p, n in zip(params, names):
+            check_parameter(p, call, n)
+        self.params = params
+        self.names = names
+        # Placeholders only: every tensor is marked with explicit memory before finish().
+        self._reducer = _gradcomm._Reducer(
+            self.comm, [p.data_ptr() for p in params], [p.numel() for p in params],
+            [DTYPES[p.dtype] for p in params], op, algorithm, int(bucket_cap_bytes),
+            int(first_bucket_bytes), compression, [], [list(g) for g in (groups or [])],
+            True, overlap)
+        self._pending = {}  # index -> the tensor whose memory was marked
+        self._flat = None
+        self._views = {}
+
+    def mark(self, index, grad):
+        """Hands the reducer `grad` (contiguous, parameter index's shape and dtype)."""
+        self._pending[index] = grad
+        self._reducer.mark_ready(index, grad.data_ptr())
+
+    def is_marked(self, index):
+        return index in self._pending
+
+    @property
+    def busy(self):
+        """True between the first mark and finish()."""
+        return bool(self._pending)
+
+    def finish(self):
+        try:
+            self._reducer.finish()
+        finally:
+            self._pending.clear()
+
+    def iterations(self):
+        return self._reducer.iterations()
+
+    def buckets(self):
+        return self._reducer.buckets()
+
+    def view(self, index):
+        """Parameter index's slot in its bucket, as a tensor of its shape (None before the first
+        iteration has finished: the buckets may still be planned again then)."""
+        if self._reducer.iterations() < 1:
+            return None
+        v = self._views.get(index)
+        if v is None:
+            if self._flat is None:
+                self._flat = torch.frombuffer(self._reducer, dtype=torch.uint8)
+            p = self.params[index]
+            offset = self._reducer.view_offset(index)
+            nbytes = p.numel() * p.element_size()
+            v = self._flat[offset:offset + nbytes].view(p.dtype).view(p.shape)
+            self._views[index] = v
+        return v
+
+
+def grad_accumulator(p):
+    """The AccumulateGrad node of leaf `p` (its post hooks run once p.grad holds the new
+    gradient)."""
+    with torch.enable_grad():
+        return p.expand_as(p).grad_fn.next_functions[0][0]

@@ -1,0 +1,288 @@
+"""gradcomm.torch.DistributedDataParallel: torch's DDP, with gradcomm underneath.
+
+    model = gradcomm.torch.DistributedDataParallel(model)   # was torch.nn.parallel.DDP(model)
+
+Autograd hooks on every parameter's gradient accumulator hand each gradient to gradcomm's
+reducer as backward produces it; buckets (25 MiB, the first 1 MiB, planned again after the
+first iteration from the order the gradients arrived on rank 0) are all-reduced on the
+communicator's progress engine while backward still runs, and backward() returns with every
+gradient averaged over the ranks, bit-identical on every rank."""
+
+import contextlib
+import functools
+
+import torch
+from torch.autograd import Variable
+
+from . import InvalidArgument, world
+from ._torch_common import (GradientReducer, broadcast_coalesced, grad_accumulator,
+                            verify_same_across_ranks)
+
+__all__ = ["DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
+           "bf16_compress_hook"]
+
+_CALL = "DistributedDataParallel"
+
+
+class _BuiltinHook:
+    """A communication hook gradcomm runs itself, inside its reducer: pass it to
+    DistributedDataParallel.register_comm_hook (torch's own default_hooks functions of the same
+    names are accepted too)."""
+
+    def __init__(self, name, compression):
+        self.__name__ = name
+        self.compression = compression
+
+    def __call__(self, state, bucket):
+        raise NotImplementedError(f"gradcomm.torch.{self.__name__} runs inside gradcomm's "
+                                  "reducer; pass it to register_comm_hook instead of calling it")
+
+    def __repr__(self):
+        return f"gradcomm.torch.{self.__name__}"
+
+
+allreduce_hook = _BuiltinHook("allreduce_hook", "none")
+fp16_compress_hook = _BuiltinHook("fp16_compress_hook", "float16")
+bf16_compress_hook = _BuiltinHook("bf16_compress_hook", "bfloat16")
+
+
+def _torch_builtin_hooks():
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    except ImportError:  # torch built without distributed
+        return {}
+    return {default_hooks.allreduce_hook: "none", default_hooks.fp16_compress_hook: "float16",
+            default_hooks.bf16_compress_hook: "bfloat16"}
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_in(o)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """torch.nn.parallel.DistributedDataParallel's call shape and behaviour over gradcomm
+    (CPU modules). Supported: bucket_cap_mb, broadcast_buffers, find_unused_parameters,
+    gradient_as_bucket_view, no_sync(), register_comm_hook with the built-in allreduce, fp16 and
+    bf16 compression hooks. Not supported, with an error that says so: device_ids /
+    output_device (GPU modules), process_group (pass comm=), static_graph, custom comm hooks,
+    join(). gradcomm's own keywords: comm (a gradcomm.Communicator; default the world),
+    algorithm, first_bucket_mb (1), overlap (False: the same buckets reduced after backward,
+    the baseline overlap is measured against)."""
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                 process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
+                 check_reduction=False, gradient_as_bucket_view=False, static_graph=False, *,
+                 comm=None, algorithm=None, first_bucket_mb=1.0, overlap=True):
+        super().__init__()
+        if device_ids or output_device is not None:
+            raise InvalidArgument(f"{_CALL}: device_ids / output_device place a GPU module; "
+                                  "gradcomm.torch trains CPU modules (leave them unset)")
+        if process_group is not None:
+            raise NotImplementedError(f"{_CALL}: process_group is torch.distributed's; pass "
+                                      "comm=gradcomm.Communicator(mpi4py_comm) instead")
+        if static_graph:
+            raise NotImplementedError(f"{_CALL}: static_graph=True is not supported by gradcomm "
+                                      "(its reducer expects each gradient once per backward)")
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise InvalidArgument(f"{_CALL}: bucket_cap_mb and first_bucket_mb must be positive")
+        self.module = module
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._comm = comm or world()
+        self._algorithm = algorithm
+        self._bucket_cap = int(bucket_cap_mb * (1 << 20))
+        self._first_bucket = int(first_bucket_mb * (1 << 20))
+        self._overlap = overlap
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._buffers_list = [b for b in module.buffers()]
+        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
+        layout += "|" + ";".join(f"{tuple(b.shape)}:{b.dtype}" for b in self._buffers_list)
+        verify_same_across_ranks(layout, _CALL, "the module's parameters or buffers", self._comm)
+        # Every rank starts from rank 0's parameters and buffers (torch's DDP does the same).
+        broadcast_coalesced(list(module.parameters()) + self._buffers_list, 0, self._comm)
+
+        self._compression = "none"
+        self._reducer = self._make_reducer()
+        self._require_sync = True   # outside no_sync()
+        self._sync_pending = False  # the last forward asked its backward to all-reduce
+        self._in_backward = False
+        self._unused = []           # parameters the last forward did not reach
+        self._used_unsynced = set()  # parameters given gradients inside no_sync since last sync
+        self._scratch = {}
+        self._hooks = []
+        self._accumulators = []
+        for i, p in enumerate(self._params):
+            acc = grad_accumulator(p)
+            self._hooks.append(acc.register_hook(functools.partial(self._on_gradient, i)))
+            self._accumulators.append(acc)  # the node must outlive the hook
+
+    # ---- torch.nn.Module -------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self._reducer.busy:
+            raise RuntimeError(f"{_CALL}: forward called while the previous backward's reduction "
+                               "has not finished (a backward pass raised part way?)")
+        if self.broadcast_buffers and self._buffers_list and self._comm.size() > 1:
+            broadcast_coalesced(self._buffers_list, 0, self._comm)
+        output = self.module(*inputs, **kwargs)
+        self._sync_pending = torch.is_grad_enabled() and self._require_sync
+        self._unused = []
+        if self._sync_pending and self.find_unused_parameters:
+            self._unused = self._unreached(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside this context accumulate gradients locally;
+        the first backward after it all-reduces the sum."""
+        old = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    def register_comm_hook(self, state, hook):
+        """Built-in hooks only: gradcomm.torch.allreduce_hook, fp16_compress_hook,
+        bf16_compress_hook (or torch's default_hooks functions of those names): float32
+        gradients travel as float16 / bfloat16. Call once, before the first backward."""
+        compression = hook.compression if isinstance(hook, _BuiltinHook) else \
+            _torch_builtin_hooks().get(hook)
+        if compression is None:
+            raise NotImplementedError(
+                f"{_CALL}.register_comm_hook: {getattr(hook, '__name__', hook)!r} is not one of "
+                "gradcomm's built-in hooks (allreduce_hook, fp16_compress_hook, "
+                "bf16_compress_hook); gradcomm does not run custom Python comm hooks")
+        if self._reducer.iterations() > 0 or self._reducer.busy:
+            raise RuntimeError(f"{_CALL}.register_comm_hook must be called before the first "
+                               "backward")
+        if compression != "none" and self.gradient_as_bucket_view:
+            raise NotImplementedError(f"{_CALL}: gradient_as_bucket_view with a compression hook "
+                                      "is not supported (the buckets hold the compressed dtype)")
+        self._compression = compression
+        self._reducer = self._make_reducer()  # collective, as register_comm_hook is
+
+    def join(self, *args, **kwargs):
+        raise NotImplementedError(f"{_CALL}.join (uneven inputs) is not supported by gradcomm: "
+                                  "give every rank the same number of batches (drop_last)")
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _make_reducer(self):
+        return GradientReducer(self._params, self._names, _CALL, self._comm, "average",
+                               self._algorithm, self._bucket_cap, self._first_bucket,
+                               self._compression, overlap=self._overlap)
+
+    def _unreached(self, output):
+        """Indices of parameters the autograd graph of `output` does not reach."""
+        reached, seen = set(), set()
+        stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)
+            if variable is not None:
+                reached.add(id(variable))
+            stack.extend(f for f, _ in fn.next_functions if f is not None)
+        return [i for i, p in enumerate(self._params) if id(p) not in reached]
+
+    def _scratch_for(self, i):
+        """Memory that stands in for parameter i's gradient where backward gave it none this
+        iteration: its current gradient (accumulated in no_sync) or zeros."""
+        p = self._params[i]
+        s = self._scratch.get(i)
+        if s is None:
+            s = self._scratch[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        if p.grad is not None and i in self._used_unsynced:
+            s.copy_(p.grad)
+        else:
+            s.zero_()
+        return s
+
+    def _on_gradient(self, i, *_):
+        if not self._sync_pending:
+            self._used_unsynced.add(i)
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            for j in self._unused:
+                self._reducer.mark(j, self._scratch_for(j))
+        if self._reducer.is_marked(i):
+            raise RuntimeError(
+                f"{_CALL}: parameter {self._names[i]} got a gradient twice in one backward, or "
+                "after its forward found it unused (is it used outside the module's forward, or "
+                "with reentrant checkpointing?); gradcomm's DDP expects one gradient per "
+                "parameter per backward")
+        p = self._params[i]
+        grad = p.grad
+        if not grad.is_contiguous():
+            grad = p.grad = grad.contiguous()
+        if self.gradient_as_bucket_view:
+            view = self._reducer.view(i)
+            if view is not None and grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                grad = p.grad = view
+        self._reducer.mark(i, grad)
+
+    def _finish_backward(self):
+        missing = []
+        try:
+            standing_in = [i for i in self._unused]
+            for i in range(len(self._params)):
+                if not self._reducer.is_marked(i):
+                    missing.append(i)
+                    standing_in.append(i)
+                    self._reducer.mark(i, self._scratch_for(i))
+            used = None
+            if self.find_unused_parameters:
+                # Which parameters got a gradient on some rank (this backward, or in no_sync
+                # since the last all-reduce): the others keep theirs untouched, as in torch.
+                flags = torch.ones(len(self._params), dtype=torch.int32)
+                for i in standing_in:
+                    if i not in self._used_unsynced:
+                        flags[i] = 0
+                self._comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(),
+                                          "int32", "max", None)
+                used = flags.tolist()
+            self._reducer.finish()
+            with torch.no_grad():
+                for i in standing_in:
+                    if used is not None and not used[i]:
+                        continue
+                    if used is None and i in missing:
+                        continue  # an error below; the gradient stays as it was
+                    p, s = self._params[i], self._scratch[i]
+                    if p.grad is None:
+                        p.grad = s.clone()
+                    else:
+                        p.grad.copy_(s)
+        finally:
+            self._in_backward = False
+            self._sync_pending = False
+            self._unused = []
+            self._used_unsynced.clear()
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self._names[i] for i in missing[:8])
+            raise RuntimeError(
+                f"{_CALL}: on rank {self._comm.rank()} these parameters got no gradient in this "
+                f"backward: {names}{' ...' if len(missing) > 8 else ''}. Pass "
+                "find_unused_parameters=True when forward does not use every parameter, or set "
+                "requires_grad=False on those that never train.")
+
+    def _gradcomm_buckets(self):
+        """The reducer's buckets: (dtype, wire dtype, parameter indices, elements)."""
+        return self._reducer.buckets()
+

@@ -1,0 +1,207 @@
+"""gradcomm.torch.DistributedDataParallel against torch's own DDP (gloo) trained side by side on
+the same data from the same seed: parameters after N steps with SGD+momentum and Adam, no_sync
+accumulation, unused parameters, gradient_as_bucket_view, compression hooks, buffers, and the
+errors. Every rank checks its own replica, and that replicas are bit-identical across ranks."""
+
+import pytest
+import torch
+from conftest import same_on_every_rank
+from mpi4py import MPI
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import gradcomm
+import gradcomm.torch as gt
+
+gradcomm.init()
+RANK = gradcomm.rank()
+SIZE = gradcomm.size()
+torch.set_num_threads(1)  # ranks share the cores
+
+# Both sum the same per-rank float32 gradients; only the order of the additions can differ
+# (gloo's ring against gradcomm's algorithm): ~1e-7 relative per step.
+TOLERANCE = 1e-5
+
+
+class Net(torch.nn.Module):
+    """Layers of several sizes, so small buckets split them; `extra` can be left out."""
+
+    def __init__(self, seed, batchnorm=False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(20, 64)
+        self.bn = torch.nn.BatchNorm1d(64) if batchnorm else torch.nn.Identity()
+        self.b = torch.nn.Linear(64, 48)
+        self.extra = torch.nn.Linear(48, 48)
+        self.c = torch.nn.Linear(48, 5)
+
+    def forward(self, x, use_extra=True):
+        h = torch.relu(self.b(torch.relu(self.bn(self.a(x)))))
+        if use_extra:
+            h = torch.relu(self.extra(h))
+        return self.c(h)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def data(step, rows=12):
+    g = torch.Generator().manual_seed(1000 * step + RANK)
+    return torch.randn(rows, 20, generator=g), torch.randint(0, 5, (rows,), generator=g)
+
+
+def optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@pytest.mark.parametrize("optimizer_name,bucket_view", [("sgd", False), ("adam", False),
+                                                         ("sgd", True)])
+def test_matches_torch_ddp(gloo, optimizer_name, bucket_view):
+    ours = gt.DistributedDataParallel(Net(5 + RANK), bucket_cap_mb=0.01, first_bucket_mb=0.004,
+                                      gradient_as_bucket_view=bucket_view)
+    ref = torch.nn.parallel.DistributedDataParallel(Net(5 + RANK), bucket_cap_mb=0.01,
+                                                    gradient_as_bucket_view=bucket_view)
+    # Both start from rank 0's parameters.
+    assert torch.equal(flat(ours), flat(ref))
+    assert same_on_every_rank(flat(ours))
+    assert len(ours._gradcomm_buckets()) > 1
+    opt_ours = optimizer(optimizer_name, ours.parameters())
+    opt_ref = optimizer(optimizer_name, ref.parameters())
+    for step in range(8):
+        x, y = data(step)
+        for model, opt in [(ours, opt_ours), (ref, opt_ref)]:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        if bucket_view and step >= 1:  # after the first step, gradients live in the buckets
+            view = ours._reducer.view(ours._names.index("a.weight"))
+            assert ours.module.a.weight.grad.data_ptr() == view.data_ptr()
+    assert relative(flat(ours), flat(ref)) <= TOLERANCE
+    assert same_on_every_rank(flat(ours))
+
+
+def test_no_sync_accumulates_then_reduces_the_sum(gloo):
+    ours = gt.DistributedDataParallel(Net(9))
+    ref = torch.nn.parallel.DistributedDataParallel(Net(9))
+    for model in (ours, ref):
+        model.zero_grad()
+        with model.no_sync():
+            for step in range(2):
+                x, y = data(step)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        inside = model.module.a.weight.grad.clone()
+        x, y = data(2)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.inside = inside
+    # Inside no_sync nothing was reduced: the local sums differ across ranks (different data).
+    assert torch.equal(ours.inside, ref.inside)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert relative(p.grad, q.grad) <= TOLERANCE
+        assert same_on_every_rank(p.grad)
+
+
+def test_unused_parameters_as_torch(gloo):
+    ours = gt.DistributedDataParallel(Net(11), find_unused_parameters=True)
+    ref = torch.nn.parallel.DistributedDataParallel(Net(11), find_unused_parameters=True)
+    # Step 0: no rank uses `extra` (its gradient stays None); step 1: only rank 0 does, so every
+    # rank gets the average in which the others count zero.
+    for step, use in [(0, False), (1, RANK == 0)]:
+        x, y = data(step)
+        for model in (ours, ref):
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x, use_extra=use), y).backward()
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), (step, name)
+            if p.grad is not None:
+                assert relative(p.grad, q.grad) <= TOLERANCE, (step, name)
+                assert same_on_every_rank(p.grad)
+    assert ours.module.extra.weight.grad is not None
+
+
+def test_a_missing_gradient_without_find_unused_parameters_is_an_error():
+    model = gt.DistributedDataParallel(Net(12))
+    x, y = data(0)
+    with pytest.raises(RuntimeError, match=r"extra.weight, extra.bias.*find_unused_parameters"):
+        torch.nn.functional.cross_entropy(model(x, use_extra=False), y).backward()
+    # The ranks stayed in step: the next iteration works.
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert same_on_every_rank(model.module.extra.weight.grad)
+
+
+@pytest.mark.parametrize("ours_hook,torch_hook,tolerance", [
+    (gt.fp16_compress_hook, default_hooks.fp16_compress_hook, 2e-3),
+    (gt.bf16_compress_hook, default_hooks.bf16_compress_hook, 2e-2)])
+def test_compression_hooks(gloo, ours_hook, torch_hook, tolerance):
+    ours = gt.DistributedDataParallel(Net(13))
+    ours.register_comm_hook(None, ours_hook)
+    also = gt.DistributedDataParallel(Net(13))
+    also.register_comm_hook(None, torch_hook)  # torch's function is accepted as the same hook
+    plain = torch.nn.parallel.DistributedDataParallel(Net(13))
+    models = [ours, also, plain]
+    # torch 1.13's DDP runs its bf16 hook only with CUDA: the fp16 one is the reference.
+    if torch_hook is default_hooks.fp16_compress_hook:
+        ref = torch.nn.parallel.DistributedDataParallel(Net(13))
+        ref.register_comm_hook(None, torch_hook)
+        models.append(ref)
+    x, y = data(0)
+    for model in models:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert {b[1] for b in ours._gradcomm_buckets()} == {
+        "float16" if ours_hook is gt.fp16_compress_hook else "bfloat16"}
+    for i, (p, a, exact) in enumerate(zip(ours.parameters(), also.parameters(),
+                                          plain.parameters())):
+        assert torch.equal(p.grad, a.grad)
+        assert relative(p.grad, exact.grad) <= tolerance
+        assert same_on_every_rank(p.grad)
+        if len(models) == 4:
+            assert relative(list(models[3].parameters())[i].grad, exact.grad) <= tolerance
+
+
+def test_buffers_follow_rank_0():
+    model = gt.DistributedDataParallel(Net(14 + RANK, batchnorm=True))
+    x, _ = data(0, rows=8)
+    model(x)  # every rank updates its running stats from its own data ...
+    model.eval()
+    model(x)  # ... and the next forward (in eval mode: no update) starts from rank 0's
+    assert same_on_every_rank(model.module.bn.running_mean)
+    unsynced = gt.DistributedDataParallel(Net(14, batchnorm=True), broadcast_buffers=False)
+    unsynced(x)
+    unsynced.eval()
+    unsynced(x)
+    assert SIZE == 1 or not same_on_every_rank(unsynced.module.bn.running_mean)
+
+
+def test_errors():
+    net = Net(15)
+    with pytest.raises(gradcomm.Error, match="device_ids"):
+        gt.DistributedDataParallel(net, device_ids=[0])
+    with pytest.raises(NotImplementedError, match="process_group"):
+        gt.DistributedDataParallel(net, process_group=object())
+    with pytest.raises(NotImplementedError, match="static_graph"):
+        gt.DistributedDataParallel(net, static_graph=True)
+    model = gt.DistributedDataParallel(net)
+    with pytest.raises(NotImplementedError, match="custom Python comm hooks"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(NotImplementedError, match="join"):
+        model.join()
+    x, y = data(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        model.register_comm_hook(None, gt.fp16_compress_hook)
+    with pytest.raises(NotImplementedError, match="gradient_as_bucket_view"):
+        gt.DistributedDataParallel(Net(15), gradient_as_bucket_view=True).register_comm_hook(
+            None, gt.bf16_compress_hook)
+    # A model that differs on one rank: an error on every rank, before any gradient moves.
+    torch.manual_seed(0)
+    other = torch.nn.Linear(20, 5 if RANK == SIZE - 1 and SIZE > 1 else 4)
+    if SIZE > 1:
+        with pytest.raises(gradcomm.Error, match="ranks differ"):
+            gt.DistributedDataParallel(other)
+    # Still usable.
+    assert MPI.COMM_WORLD.allreduce(1) == SIZE
