@@ -1,0 +1,155 @@
+"""Step time of gradcomm's PyTorch front ends against torch's DDP with gloo, in one run, the
+variants' steps alternated so all see the same machine state:
+
+  compute        the model alone, no communication (what exposed communication is measured from)
+  gradcomm-ddp   gradcomm.torch.DistributedDataParallel
+  gradcomm-hvd   gradcomm.torch.DistributedOptimizer (Horovod's API)
+  torch-ddp      torch.nn.parallel.DistributedDataParallel, gloo backend
+
+    mpirun -np 2 /usr/bin/python3 bench/torch_ddp_bench.py
+    scripts/hosts up 2 && scripts/hosts shape 1gbit && \\
+        GLOO_SOCKET_IFNAME=eth0 scripts/mpirun-hosts 2x1 -- /usr/bin/python3 bench/torch_ddp_bench.py
+
+A step is: zero_grad, forward, backward, optimizer step (SGD with momentum), each rank on its own
+batch; ranks start every step together (a barrier outside the timing). Rank 0 prints the median
+step time and range of each variant, each front end's ratio to torch-ddp, and the exposed
+communication ((step - compute) / step); --json appends one JSON object per run to a file.
+The default model is an MLP 1024-2048-2048-1024-10 (8.4 M parameters, 33.6 MB of gradients),
+batch 256 per rank: at 1 Gbit/s its gradients' all-reduce takes about as long as its backward.
+"""
+
+import argparse
+import fcntl
+import json
+import os
+import socket
+import statistics
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+import gradcomm.torch as hvd
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--layers", default="1024,2048,2048,1024,10", help="MLP widths")
+parser.add_argument("--batch", type=int, default=256, help="per rank")
+parser.add_argument("--steps", type=int, default=12, help="timed steps per variant")
+parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--variants", default="compute,gradcomm-ddp,gradcomm-hvd,torch-ddp")
+parser.add_argument("--algorithm", default=None, help="gradcomm algorithm (default: auto)")
+parser.add_argument("--json", default=None, help="append the results to this file")
+args = parser.parse_args()
+
+torch.set_num_threads(1)  # one core per rank
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+world = MPI.COMM_WORLD
+variants = args.variants.split(",")
+
+
+def interface_address(name):
+    """The IPv4 address of network interface `name` (SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+
+
+def init_gloo():
+    ifname = os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    address, port = None, None
+    if rank == 0:
+        address = interface_address(ifname)
+        with socket.socket() as s:
+            s.bind((address, 0))
+            port = s.getsockname()[1]
+    address, port = world.bcast((address, port), root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=size)
+
+
+widths = [int(w) for w in args.layers.split(",")]
+
+
+def make_model():
+    torch.manual_seed(1)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+
+runs = {}
+for name in variants:
+    model = make_model()
+    if name == "compute":
+        runs[name] = (model, sgd(model.parameters()))
+    elif name == "gradcomm-ddp":
+        ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm)
+        runs[name] = (ddp, sgd(ddp.parameters()))
+    elif name == "gradcomm-ddp-no-overlap":
+        ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm, overlap=False)
+        runs[name] = (ddp, sgd(ddp.parameters()))
+    elif name == "gradcomm-hvd":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                       named_parameters=model.named_parameters(),
+                                       algorithm=args.algorithm)
+        runs[name] = (model, opt)
+    elif name == "torch-ddp":
+        if not dist.is_initialized():
+            init_gloo()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        runs[name] = (ddp, sgd(ddp.parameters()))
+    else:
+        raise SystemExit(f"unknown variant {name}")
+
+g = torch.Generator().manual_seed(rank)
+x = torch.randn(args.batch, widths[0], generator=g)
+y = torch.randint(0, widths[-1], (args.batch,), generator=g)
+loss_fn = torch.nn.CrossEntropyLoss()
+times = {name: [] for name in runs}
+for step in range(args.warmup + args.steps):
+    for name, (model, opt) in runs.items():
+        world.Barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        elapsed = time.perf_counter() - t0
+        if step >= args.warmup:
+            times[name].append(elapsed)
+
+# A step is as slow as its slowest rank.
+slowest = {name: [max(v) for v in zip(*world.allgather(t))] for name, t in times.items()}
+if rank == 0:
+    params = sum(p.numel() for p in make_model().parameters())
+    print(f"{size} ranks ({hvd.cross_size()} hosts), MLP {args.layers} ({params / 1e6:.1f} M "
+          f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
+          f"{args.steps} steps per variant, alternated; gradcomm algorithm "
+          f"{args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
+    med = {name: statistics.median(t) for name, t in slowest.items()}
+    result = {"ranks": size, "hosts": hvd.cross_size(), "layers": args.layers,
+              "batch": args.batch, "steps": args.steps, "variants": {}}
+    for name, t in slowest.items():
+        line = (f"  {name:24s} median {1e3 * med[name]:8.1f} ms  range {1e3 * min(t):7.1f}-"
+                f"{1e3 * max(t):7.1f}")
+        entry = {"median_ms": 1e3 * med[name], "min_ms": 1e3 * min(t), "max_ms": 1e3 * max(t)}
+        if "compute" in med and name != "compute":
+            exposed = max(0.0, (med[name] - med["compute"]) / med[name])
+            line += f"  exposed comm {100 * exposed:5.1f}%"
+            entry["exposed"] = exposed
+        if "torch-ddp" in med and name.startswith("gradcomm"):
+            line += f"  / torch-ddp {med[name] / med['torch-ddp']:.2f}"
+            entry["vs_torch_ddp"] = med[name] / med["torch-ddp"]
+        result["variants"][name] = entry
+        print(line)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")

@@ -1,0 +1,307 @@
+"""gradcomm.torch as horovod.torch: every call of Horovod's PyTorch API that gradcomm implements,
+against references computed on every rank from every rank's known input (each rank's input is
+a function of its rank), in every dtype, in place and not, blocking and async; the refusals;
+and DistributedOptimizer against gradcomm's DistributedDataParallel."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import same_on_every_rank
+from mpi4py import MPI
+
+import gradcomm.torch as hvd
+
+hvd.init()
+RANK = hvd.rank()
+SIZE = hvd.size()
+torch.set_num_threads(1)
+
+DTYPES = [torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.bfloat16]
+OPS = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
+
+
+def input_of(rank, count, dtype):
+    """Small integers (exact in every dtype, products included) that differ per rank."""
+    values = (torch.arange(count, dtype=torch.int64) * 7 + rank * 3) % 5 - 2 + (rank % 2)
+    return values.to(dtype)
+
+
+def reference(op, count, dtype):
+    """The result computed here from every rank's input, in float64 then cast (NumPy)."""
+    inputs = np.stack([input_of(r, count, torch.float64).numpy() for r in range(SIZE)])
+    if op == hvd.Sum:
+        out = inputs.sum(axis=0)
+    elif op == hvd.Average:
+        out = inputs.sum(axis=0)
+        out = np.trunc(out / SIZE) if not dtype.is_floating_point else out / SIZE
+    elif op == hvd.Min:
+        out = inputs.min(axis=0)
+    elif op == hvd.Max:
+        out = inputs.max(axis=0)
+    else:
+        out = inputs.prod(axis=0)
+    return torch.from_numpy(out).to(dtype)
+
+
+def close(a, b):
+    if a.dtype.is_floating_point:
+        tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(a.dtype, 1e-12)
+        return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol)
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce_every_form(dtype, op):
+    for count in (0, 1, 13, 1000):
+        expected = reference(op, count, dtype)
+        x = input_of(RANK, count, dtype)
+        out = hvd.allreduce(x, op=op)
+        assert torch.equal(x, input_of(RANK, count, dtype))  # the input is untouched
+        assert close(out, expected), (count, out, expected)
+        y = input_of(RANK, count, dtype)
+        assert hvd.allreduce_(y, op=op) is y and close(y, expected)
+        h = hvd.allreduce_async(input_of(RANK, count, dtype), op=op)
+        assert close(hvd.synchronize(h), expected)
+        z = input_of(RANK, count, dtype)
+        h = hvd.allreduce_async_(z, op=op)
+        while not hvd.poll(h):
+            pass
+        assert hvd.synchronize(h) is z and close(z, expected)
+        assert same_on_every_rank(z)
+
+
+def test_average_flag_scale_factors_and_compression():
+    x = input_of(RANK, 100, torch.float32)
+    with pytest.deprecated_call():
+        assert close(hvd.allreduce(x, average=False), reference(hvd.Sum, 100, torch.float32))
+    with pytest.raises(ValueError, match="supersedes"):
+        hvd.allreduce(x, average=True, op=hvd.Sum)
+    scaled = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    assert close(scaled, reference(hvd.Sum, 100, torch.float32) * 1.5)
+    ints = hvd.allreduce(input_of(RANK, 100, torch.int64), op=hvd.Sum, postscale_factor=0.5)
+    assert torch.equal(ints, (reference(hvd.Sum, 100, torch.float64) * 0.5).to(torch.int64))
+    fp16 = hvd.allreduce(x * 0.1, op=hvd.Average, compression=hvd.Compression.fp16)
+    assert fp16.dtype == torch.float32
+    assert torch.allclose(fp16, reference(hvd.Average, 100, torch.float32) * 0.1, atol=1e-3)
+
+
+def test_grouped_allreduce_every_form():
+    shapes = [(3, 5), (0,), (1,), (17,), (4, 4, 2)]
+    dtypes = [torch.float32, torch.int32, torch.float64, torch.bfloat16, torch.int64]
+    inputs = [input_of(RANK, int(np.prod(s)), d).reshape(s) for s, d in zip(shapes, dtypes)]
+    expected = [reference(hvd.Sum, int(np.prod(s)), d).reshape(s) for s, d in zip(shapes, dtypes)]
+    outs = hvd.grouped_allreduce(inputs, op=hvd.Sum)
+    assert all(close(o, e) for o, e in zip(outs, expected))
+    copies = [t.clone() for t in inputs]
+    assert hvd.grouped_allreduce_(copies, op=hvd.Sum) == copies
+    assert all(close(o, e) for o, e in zip(copies, expected))
+    h = hvd.grouped_allreduce_async(inputs, op=hvd.Sum)
+    assert all(close(o, e) for o, e in zip(hvd.synchronize(h), expected))
+    copies = [t.clone() for t in inputs]
+    h = hvd.grouped_allreduce_async_(copies, op=hvd.Sum)
+    assert all(close(o, e) for o, e in zip(hvd.synchronize(h), expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_every_form(dtype):
+    root = SIZE - 1
+    for count in (0, 1, 31):
+        x = input_of(RANK, count, dtype)
+        assert torch.equal(hvd.broadcast(x, root), input_of(root, count, dtype))
+        assert torch.equal(x, input_of(RANK, count, dtype))
+        y = input_of(RANK, count, dtype)
+        assert hvd.broadcast_(y, root_rank=root) is y
+        assert torch.equal(y, input_of(root, count, dtype))
+        h = hvd.broadcast_async(input_of(RANK, count, dtype), root)
+        assert torch.equal(hvd.synchronize(h), input_of(root, count, dtype))
+        z = input_of(RANK, count, dtype)
+        assert hvd.synchronize(hvd.broadcast_async_(z, root)) is z
+        assert torch.equal(z, input_of(root, count, dtype))
+
+
+def test_allgather_objects_and_barrier():
+    # Every rank a different number of rows (rank 0 none at 2+ ranks).
+    rows = RANK if SIZE > 1 else 2
+    x = torch.full((rows, 3), float(RANK))
+    out = hvd.allgather(x)
+    sizes = [r if SIZE > 1 else 2 for r in range(SIZE)]
+    assert out.shape == (sum(sizes), 3)
+    assert torch.equal(out, torch.cat([torch.full((s, 3), float(r)) for r, s in
+                                       enumerate(sizes)]))
+    assert torch.equal(hvd.synchronize(hvd.allgather_async(x)), out)
+    bf = hvd.allgather(torch.full((1,), RANK, dtype=torch.bfloat16))
+    assert torch.equal(bf, torch.arange(SIZE).to(torch.bfloat16))
+    if SIZE > 1:
+        with pytest.raises(hvd.InvalidArgument, match="agree in dtype"):
+            hvd.allgather(torch.zeros(2, 3 + (RANK == 1)))
+    assert hvd.broadcast_object({"rank": RANK, "s": "x" * RANK}, root_rank=SIZE - 1) == {
+        "rank": SIZE - 1, "s": "x" * (SIZE - 1)}
+    assert hvd.allgather_object(("r", RANK)) == [("r", r) for r in range(SIZE)]
+    hvd.barrier()
+
+
+def test_autograd():
+    x = torch.full((4,), float(RANK + 1), requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum) * (RANK + 1)).sum().backward()
+    # d/dx_r of sum_s (s+1) * sum_q x_q = sum_s (s+1)
+    assert torch.allclose(x.grad, torch.full((4,), float(SIZE * (SIZE + 1) / 2)))
+    x.grad = None
+    hvd.allreduce(x).sum().backward()  # Average: the gradient is averaged too
+    assert torch.allclose(x.grad, torch.ones(4))
+    x.grad = None
+    outs = hvd.grouped_allreduce([x, x * 2], op=hvd.Sum)
+    (outs[0] + outs[1]).sum().backward()
+    assert torch.allclose(x.grad, torch.full((4,), 3.0 * SIZE))
+    x.grad = None
+    hvd.broadcast(x, root_rank=0).sum().backward()  # as Horovod: averaged, on the root only
+    assert torch.allclose(x.grad, torch.full((4,), 1.0 if RANK == 0 else 0.0))
+    x.grad = None
+    g = hvd.allgather(x.view(2, 2))
+    (g * torch.arange(g.numel()).view_as(g)).sum().backward()
+    mine = torch.arange(4 * RANK, 4 * RANK + 4).float()
+    assert torch.allclose(x.grad, mine)
+    assert not hvd.allreduce(x, op=hvd.Max).requires_grad
+
+
+def test_errors_and_refusals():
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(torch.ones(3), op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match="process sets"):
+        hvd.ProcessSet([0])
+    with pytest.raises(NotImplementedError, match="process sets"):
+        hvd.allreduce(torch.ones(3), process_set=object())
+    for refused in (hvd.join, hvd.alltoall, hvd.reducescatter):
+        with pytest.raises(NotImplementedError):
+            refused(torch.ones(3))
+    with pytest.raises(NotImplementedError, match="elastic"):
+        hvd.elastic.run
+    with pytest.raises(hvd.InvalidArgument, match="not a handle"):
+        hvd.synchronize(123456)
+    with pytest.raises(hvd.InvalidArgument, match="unsupported dtype torch.uint8"):
+        hvd.allreduce(torch.ones(3, dtype=torch.uint8))
+    # Shapes that differ across ranks: an error on every rank, not a hang.
+    if SIZE > 1:
+        with pytest.raises(hvd.MismatchError):
+            hvd.allreduce(torch.ones(5 + RANK))
+        with pytest.raises(hvd.MismatchError):
+            hvd.synchronize(hvd.allreduce_async_(torch.ones(5 if RANK else 6)))
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(SIZE)))
+
+
+def test_introspection_and_timeline(tmp_path_factory):
+    assert hvd.is_initialized() and hvd.mpi_built() and hvd.mpi_enabled()
+    assert hvd.mpi_threads_supported() == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    assert not hvd.gloo_built() and not hvd.nccl_built() and not hvd.ccl_built()
+    assert 0 <= hvd.local_rank() < hvd.local_size() <= SIZE
+    assert 0 <= hvd.cross_rank() < hvd.cross_size()
+    assert hvd.cross_size() * hvd.local_size() == SIZE or not hvd.is_homogeneous()
+    path = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("tl") / "t.json"))
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(10))
+    hvd.stop_timeline()
+    with open(path.replace(".json", f".rank{RANK}.json")) as f:
+        events = json.load(f)
+    # One rank has nothing to reduce: the trace then only names the process and threads.
+    assert any(e.get("name") == "allreduce" for e in events) or SIZE == 1
+    assert any(e.get("name") == "process_name" for e in events)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(21)
+        self.a = torch.nn.Linear(20, 64)
+        self.b = torch.nn.Linear(64, 48)
+        self.c = torch.nn.Linear(48, 5)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def data(step):
+    g = torch.Generator().manual_seed(77 * step + RANK)
+    return torch.randn(12, 20, generator=g), torch.randint(0, 5, (12,), generator=g)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("options", [{}, {"num_groups": 2}, {"backward_passes_per_step": 2},
+                                     {"gradient_predivide_factor": 2.0},
+                                     {"compression": hvd.Compression.fp16}])
+def test_distributed_optimizer_matches_the_ddp_wrapper(options):
+    passes = options.get("backward_passes_per_step", 1)
+    ours = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=ours.named_parameters(), **options)
+    ddp = hvd.DistributedDataParallel(Net())
+    if "compression" in options:
+        ddp.register_comm_hook(None, hvd.fp16_compress_hook)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(6):
+        opt.zero_grad()
+        ddp_opt.zero_grad()
+        for k in range(passes):
+            x, y = data(step * passes + k)
+            torch.nn.functional.cross_entropy(ours(x), y).backward()
+            if k + 1 < passes:
+                with ddp.no_sync():
+                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            else:
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        ddp_opt.step()
+    tolerance = 1e-3 if "compression" in options else 1e-6
+    assert ((flat(ours) - flat(ddp)).norm() / flat(ddp).norm()).item() <= tolerance
+    assert same_on_every_rank(flat(ours))
+
+
+def test_distributed_optimizer_rules():
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = data(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()  # gradients backward did not reach count as zeros
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+    with pytest.raises(hvd.InvalidArgument, match="named_parameters"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[:1])
+    with pytest.raises(NotImplementedError, match="custom compressors"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 compression=object())
+
+
+def test_broadcast_parameters_and_optimizer_state():
+    torch.manual_seed(100 + RANK)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    model(torch.randn(4, 8))  # running stats and num_batches_tracked (int64) differ per rank
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for t in model.state_dict().values():
+        assert same_on_every_rank(t)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3 * (RANK + 1))
+    if RANK == 0:  # only the root has state
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 1e-3
+    for p in model.parameters():
+        assert same_on_every_rank(opt.state[p]["exp_avg"])
+
+
+def test_import_line_is_the_only_change():
+    assert hvd.__name__ == "gradcomm.torch"
+    missing = [name for name in hvd.__all__ if not hasattr(hvd, name)]
+    assert not missing
