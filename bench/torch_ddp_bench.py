@@ -40,6 +40,9 @@ parser.add_argument("--steps", type=int, default=12, help="timed steps per varia
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--variants", default="compute,gradcomm-ddp,gradcomm-hvd,torch-ddp")
 parser.add_argument("--algorithm", default=None, help="gradcomm algorithm (default: auto)")
+parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="bucket cap of every variant (DDP's bucket_cap_mb; the optimizer's "
+                         "fusion threshold)")
 parser.add_argument("--json", default=None, help="append the results to this file")
 args = parser.parse_args()
 
@@ -91,21 +94,24 @@ for name in variants:
     if name == "compute":
         runs[name] = (model, sgd(model.parameters()))
     elif name == "gradcomm-ddp":
-        ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm)
+        ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm,
+                                          bucket_cap_mb=args.bucket_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
     elif name == "gradcomm-ddp-no-overlap":
-        ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm, overlap=False)
+        ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm, overlap=False,
+                                          bucket_cap_mb=args.bucket_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
     elif name == "gradcomm-hvd":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(sgd(model.parameters()),
                                        named_parameters=model.named_parameters(),
-                                       algorithm=args.algorithm)
+                                       algorithm=args.algorithm,
+                                       fusion_threshold=int(args.bucket_cap_mb * (1 << 20)))
         runs[name] = (model, opt)
     elif name == "torch-ddp":
         if not dist.is_initialized():
             init_gloo()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
     else:
         raise SystemExit(f"unknown variant {name}")
@@ -132,11 +138,13 @@ if rank == 0:
     params = sum(p.numel() for p in make_model().parameters())
     print(f"{size} ranks ({hvd.cross_size()} hosts), MLP {args.layers} ({params / 1e6:.1f} M "
           f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
-          f"{args.steps} steps per variant, alternated; gradcomm algorithm "
-          f"{args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
+          f"{args.steps} steps per variant, alternated; buckets {args.bucket_cap_mb:g} MiB; gradcomm "
+          f"algorithm {args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
     med = {name: statistics.median(t) for name, t in slowest.items()}
     result = {"ranks": size, "hosts": hvd.cross_size(), "layers": args.layers,
-              "batch": args.batch, "steps": args.steps, "variants": {}}
+              "batch": args.batch, "steps": args.steps, "bucket_cap_mb": args.bucket_cap_mb,
+              "algorithm": args.algorithm or os.environ.get("GRADCOMM_ALGORITHM", "auto"),
+              "variants": {}}
     for name, t in slowest.items():
         line = (f"  {name:24s} median {1e3 * med[name]:8.1f} ms  range {1e3 * min(t):7.1f}-"
                 f"{1e3 * max(t):7.1f}")

@@ -1,108 +1,130 @@
-"""Data-parallel PyTorch training with gradcomm: an MLP on scikit-learn's bundled digits
-(1797 8x8 images, 10 classes; no download) under mpirun.
+"""Data-parallel PyTorch training with gradcomm: a small CNN on scikit-learn's bundled digits
+(1797 8x8 images, 10 classes; no download) under mpirun, trained three ways side by side:
 
-    mpirun -np 2 /usr/bin/python3 examples/torch_digits.py             # gradcomm
-    mpirun -np 2 /usr/bin/python3 examples/torch_digits.py --backend ddp  # DDP with gloo
-    mpirun -np 2 /usr/bin/python3 examples/torch_digits.py --compare   # both, steps alternated
+  gradcomm-ddp   gradcomm.torch.DistributedDataParallel  (torch DDP users change one line)
+  gradcomm-hvd   gradcomm.torch.DistributedOptimizer     (Horovod users change the import)
+  torch-ddp      torch.nn.parallel.DistributedDataParallel with gloo, the reference
 
---batch is the global batch (each rank trains on its 1/N); rank 0 prints test accuracy and the
-median step time (forward, backward, gradient all-reduce, optimizer step). --compare trains two
-identical replicas, one synchronised by gradcomm.torch.DistributedOptimizer and one by
-DistributedDataParallel (gloo), alternating their steps so both see the same machine state.
+    mpirun -np 2 /usr/bin/python3 examples/torch_digits.py
+    mpirun -np 2 /usr/bin/python3 examples/torch_digits.py --ways gradcomm-hvd
+    scripts/hosts up 2 && GLOO_SOCKET_IFNAME=eth0 \\
+        scripts/mpirun-hosts 2x1 -- /usr/bin/python3 examples/torch_digits.py   # two hosts
+
+--batch is the global batch (each rank trains on its 1/N). The ways' steps are alternated so all
+see the same machine state; rank 0 prints each one's test accuracy and median step time
+(forward, backward with the gradients' all-reduce, optimizer step) and its ratio to torch-ddp.
 (PYTHONPATH must hold the gradcomm package: <build>/python, or the install prefix.)"""
 
 import argparse
+import fcntl
 import os
 import socket
 import statistics
+import struct
 import time
 
 import torch
 from mpi4py import MPI
 from sklearn.datasets import load_digits
 
-import gradcomm
-import gradcomm.torch as gt
+import gradcomm.torch as hvd  # Horovod's API; DistributedDataParallel lives here too
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--backend", choices=["gradcomm", "ddp"], default="gradcomm")
-parser.add_argument("--compare", action="store_true", help="train with both, alternating steps")
-parser.add_argument("--epochs", type=int, default=20)
+parser.add_argument("--ways", default="gradcomm-ddp,gradcomm-hvd,torch-ddp")
+parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--batch", type=int, default=64, help="global batch")
-parser.add_argument("--hidden", type=int, default=256)
-parser.add_argument("--lr", type=float, default=0.1)
+parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # one core per rank
-gradcomm.init()
-rank, size = gradcomm.rank(), gradcomm.size()
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
 if args.batch % size:
     raise SystemExit(f"--batch {args.batch} does not divide by {size} ranks")
 
 digits = load_digits()
-x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8
 y = torch.tensor(digits.target, dtype=torch.int64)
-g = torch.Generator().manual_seed(args.seed)
-order = torch.randperm(len(x), generator=g)
+order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed))
 test, train = order[:360], order[360:]
 
 
 def make_model():
     torch.manual_seed(args.seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(args.hidden, 10))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 10))
 
 
-runs = {}
-if args.compare or args.backend == "gradcomm":
-    model = make_model()
-    gt.broadcast_parameters(model.state_dict(), root=0)
-    opt = gt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
-                                  named_parameters=model.named_parameters())
-    runs["gradcomm"] = (model, model, opt)
-if args.compare or args.backend == "ddp":
+def init_gloo():
     import torch.distributed as dist
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    port = 0
+    ifname = os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    address = port = None
     if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the interface's IPv4
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+            address = socket.inet_ntoa(packed[20:24])
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((address, 0))
             port = s.getsockname()[1]
-    port = MPI.COMM_WORLD.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    address, port = MPI.COMM_WORLD.bcast((address, port), root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
                             world_size=size)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+
+
+runs = {}  # way -> (the model to evaluate, what forward runs through, its optimizer)
+for way in args.ways.split(","):
     model = make_model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
-    runs["ddp"] = (model, ddp, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+    if way == "gradcomm-ddp":
+        ddp = hvd.DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        runs[way] = (model, ddp, sgd(ddp.parameters()))
+    elif way == "gradcomm-hvd":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                       named_parameters=model.named_parameters())
+        runs[way] = (model, model, opt)
+    elif way == "torch-ddp":
+        init_gloo()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        runs[way] = (model, ddp, sgd(ddp.parameters()))
+    else:
+        raise SystemExit(f"unknown way {way!r} (gradcomm-ddp, gradcomm-hvd, torch-ddp)")
 
 loss_fn = torch.nn.CrossEntropyLoss()
 shard = args.batch // size
 steps_per_epoch = len(train) // args.batch
-times = {name: [] for name in runs}
+times = {way: [] for way in runs}
 for epoch in range(args.epochs):
     perm = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch))]
     for step in range(steps_per_epoch):
         rows = perm[step * args.batch + rank * shard: step * args.batch + (rank + 1) * shard]
-        for name, (model, forward, opt) in runs.items():
+        for way, (model, forward, opt) in runs.items():
             MPI.COMM_WORLD.Barrier()
             t0 = time.perf_counter()
             opt.zero_grad()
-            loss = loss_fn(forward(x[rows]), y[rows])
-            loss.backward()
+            loss_fn(forward(x[rows]), y[rows]).backward()
             opt.step()
-            times[name].append(time.perf_counter() - t0)
+            times[way].append(time.perf_counter() - t0)
 
+# A step takes as long as its slowest rank.
+slowest = {way: [max(v) for v in zip(*MPI.COMM_WORLD.allgather(t))] for way, t in times.items()}
 if rank == 0:
-    for name, (model, _, _) in runs.items():
+    params = sum(p.numel() for p in make_model().parameters())
+    print(f"{size} ranks on {hvd.cross_size()} host(s), CNN ({params} parameters), global batch "
+          f"{args.batch}, {args.epochs} epochs, steps alternated:")
+    median = {way: statistics.median(t) for way, t in slowest.items()}
+    for way, (model, _, _) in runs.items():
         with torch.no_grad():
             accuracy = (model(x[test]).argmax(dim=1) == y[test]).float().mean().item()
-        params = sum(p.numel() for p in model.parameters())
-        step_ms = 1e3 * statistics.median(times[name])
-        print(f"{name:8s} {size} ranks, MLP 64-{args.hidden}-{args.hidden}-10 ({params} "
-              f"parameters), global batch {args.batch}, {args.epochs} epochs: test accuracy "
-              f"{accuracy:.4f}, median step {step_ms:.3f} ms")
-    if len(runs) == 2:
-        ratio = statistics.median(times["ddp"]) / statistics.median(times["gradcomm"])
-        print(f"DDP (gloo) step time / gradcomm step time: {ratio:.2f}")
+        line = (f"  {way:13s} test accuracy {accuracy:.4f}, median step "
+                f"{1e3 * median[way]:.3f} ms")
+        if way != "torch-ddp" and "torch-ddp" in median:
+            line += f", {median[way] / median['torch-ddp']:.2f}x torch-ddp's"
+        print(line)

@@ -31,7 +31,20 @@ std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tens
     std::size_t first_position = 0;  // in `order`, of the bucket's first tensor
     bool closed_one = false;         // this dtype has closed a bucket (its cap is the full one)
   };
-  std::map<int, Open> open;  // by dtype
+  // Open buckets by key: the dtype; with explicit groups, (group, dtype) as group * 16 + dtype,
+  // where a tensor in no group is a group of its own (numbered after the groups).
+  std::map<std::size_t, Open> open;
+  std::vector<std::size_t> group_of;
+  if (!options.groups.empty()) {
+    group_of.assign(tensors.size(), std::size_t(-1));
+    for (std::size_t g = 0; g < options.groups.size(); ++g) {
+      for (const std::size_t index : options.groups[g])
+        group_of[index] = g;
+    }
+    for (std::size_t index = 0, next = options.groups.size(); index < tensors.size(); ++index) {
+      if (group_of[index] == std::size_t(-1)) group_of[index] = next++;
+    }
+  }
   std::vector<std::pair<std::size_t, ReducerBucket>> done;
   auto close = [&](Open& o) {
     done.emplace_back(o.first_position, std::move(o.bucket));
@@ -42,7 +55,8 @@ std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tens
   for (std::size_t position = 0; position < order.size(); ++position) {
     const std::size_t index = order[position];
     const TensorDesc& t = tensors[index];
-    Open& o = open[static_cast<int>(t.dtype)];
+    const auto dtype_key = static_cast<std::size_t>(t.dtype);
+    Open& o = open[group_of.empty() ? dtype_key : group_of[index] * 16 + dtype_key];
     if (o.bucket.tensors.empty()) {
       o.bucket.dtype = t.dtype;
       o.bucket.wire = wire_dtype(t.dtype, options.compression);
@@ -53,9 +67,9 @@ std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tens
     o.bucket.count += t.count;
     o.bytes += t.count * element_size(o.bucket.wire);
     const std::size_t cap = o.closed_one ? options.bucket_cap_bytes : options.first_bucket_bytes;
-    if (o.bytes >= cap) close(o);
+    if (group_of.empty() && o.bytes >= cap) close(o);
   }
-  for (auto& [dtype, o] : open) {
+  for (auto& [key, o] : open) {
     if (!o.bucket.tensors.empty()) close(o);
   }
   std::stable_sort(done.begin(), done.end(),
@@ -94,6 +108,19 @@ Reducer::Reducer(Communicator& comm, std::vector<TensorDesc> tensors, ReducerOpt
     std::iota(order.rbegin(), order.rend(), std::size_t{0});
   }
   check_order(order, tensors_.size(), kCall, comm.rank());
+  std::vector<char> grouped(tensors_.size(), 0);
+  for (std::size_t g = 0; g < options_.groups.size(); ++g) {
+    for (const std::size_t index : options_.groups[g]) {
+      if (index >= tensors_.size()) {
+        invalid("groups[" + std::to_string(g) + "] names tensor " + std::to_string(index) + " of " +
+                std::to_string(tensors_.size()));
+      }
+      if (grouped[index]++) {
+        invalid("tensor " + std::to_string(index) + " is in more than one group (groups[" +
+                std::to_string(g) + "])");
+      }
+    }
+  }
   if (options_.overlap) require_thread_multiple(kCall, comm.rank());
   plan(order);
 }

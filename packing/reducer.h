@@ -32,6 +32,11 @@ struct ReducerOptions {
   // After the first iteration, plan the buckets again from the order the tensors became ready
   // on rank 0 (broadcast, so every rank plans the same buckets).
   bool rebuild_buckets = true;
+  // Explicit buckets instead of the planner's (Horovod's `groups`): each group's tensors of one
+  // dtype form one bucket, whatever its size (a group holding several dtypes gives one bucket per
+  // dtype), and every tensor in no group gets a bucket of its own. Caps are ignored then; buckets
+  // still launch in the order their first tensor is expected. A tensor may be in one group only.
+  std::vector<std::vector<std::size_t>> groups = {};
   // false: mark_ready only packs, and finish() all-reduces the buckets in order with blocking
   // calls on the caller's thread. The same buckets and bit-identical results, nothing overlapped:
   // the baseline that overlap is measured against.
@@ -100,6 +105,9 @@ class Reducer {
   void* bucket_view(std::size_t index);
 
   std::span<const ReducerBucket> buckets() const { return buckets_; }
+  // The buckets' memory (registered where the ranks share a host). It moves only when the buckets
+  // are rebuilt, after the first iteration.
+  std::span<std::byte> buffer() { return {buffer_, buffer_bytes_}; }
   std::size_t iterations() const { return iterations_; }
   // True once the buckets were planned again from an observed order.
   bool rebuilt() const { return rebuilt_; }

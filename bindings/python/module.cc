@@ -331,8 +331,7 @@ class PyCommunicator {
                                                  const std::string& dtype, int root) {
     std::shared_ptr<Communicator> held = get();
     const DataType dt = parse_dtype(dtype, "broadcast_async", held->rank());
-    Request request =
-        gradcomm::ibroadcast(*held, reinterpret_cast<void*>(data), count, dt, root);
+    Request request = gradcomm::ibroadcast(*held, reinterpret_cast<void*>(data), count, dt, root);
     return std::make_unique<PyRequest>(std::move(request), std::move(held), py::none(),
                                        std::vector<View>{});
   }
@@ -437,8 +436,7 @@ class PyReducer {
             const std::string& op, const std::optional<std::string>& algorithm,
             std::size_t bucket_cap_bytes, std::size_t first_bucket_bytes,
             const std::string& compression, const std::vector<std::size_t>& order,
-            const std::vector<std::vector<std::size_t>>& groups, bool rebuild_buckets,
-            bool overlap)
+            const std::vector<std::vector<std::size_t>>& groups, bool rebuild_buckets, bool overlap)
       : held_(comm.get()) {
     const std::string call = "Reducer";
     const int rank = held_->rank();
@@ -592,13 +590,13 @@ PYBIND11_MODULE(_gradcomm, m) {
   py::class_<PyReducer>(m, "_Reducer", py::buffer_protocol())
       .def(py::init<PyCommunicator&, const std::vector<std::uintptr_t>&,
                     const std::vector<std::size_t>&, const std::vector<std::string>&,
-                    const std::string&, const std::optional<std::string>&, std::size_t,
-                    std::size_t, const std::string&, const std::vector<std::size_t>&,
+                    const std::string&, const std::optional<std::string>&, std::size_t, std::size_t,
+                    const std::string&, const std::vector<std::size_t>&,
                     const std::vector<std::vector<std::size_t>>&, bool, bool>(),
            py::arg("comm"), py::arg("ptrs"), py::arg("counts"), py::arg("dtypes"), py::arg("op"),
            py::arg("algorithm"), py::arg("bucket_cap_bytes"), py::arg("first_bucket_bytes"),
-           py::arg("compression"), py::arg("order"), py::arg("groups"),
-           py::arg("rebuild_buckets"), py::arg("overlap"))
+           py::arg("compression"), py::arg("order"), py::arg("groups"), py::arg("rebuild_buckets"),
+           py::arg("overlap"))
       .def("mark_ready", &PyReducer::mark_ready, py::arg("index"), py::arg("data") = py::none())
       .def("finish", &PyReducer::finish)
       .def("view_offset", &PyReducer::view_offset)
@@ -608,9 +606,8 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def_buffer(&PyReducer::buffer);
 
   m.def(
-      "_timeline_start",
-      [](const std::string& path, int rank) { timeline::start(path, rank); }, py::arg("path"),
-      py::arg("rank"));
+      "_timeline_start", [](const std::string& path, int rank) { timeline::start(path, rank); },
+      py::arg("path"), py::arg("rank"));
   m.def("_timeline_stop", [] { timeline::stop(); });
   m.def("_timeline_path", [] { return timeline::path(); });
 

@@ -323,6 +323,24 @@ TEST_F(NonBlocking, ReducerPlansBucketsLikeDdp) {
   for (const ReducerBucket& b : plan)
     EXPECT_EQ(b.byte_offset % 64, 0u);
   EXPECT_EQ(plan[1].byte_offset, 2u << 20);
+
+  // Explicit groups (Horovod's): {0, 2, 4} and {6, 1}; 3 and 5 stand alone. Group {0, 2, 4} holds
+  // two dtypes, so it gives two buckets; caps no longer close buckets. By first expected tensor
+  // (order 6, 5, 4, 3, 2, 1, 0): {6, 1}, {5}, {4, 0}, {3}, {2}.
+  o.groups = {{0, 2, 4}, {6, 1}};
+  const std::vector<ReducerBucket> grouped = packing::plan_reducer_buckets(tensors, order, o);
+  ASSERT_EQ(grouped.size(), 5u);
+  EXPECT_THAT(grouped[0].tensors, ::testing::ElementsAre(6, 1));
+  EXPECT_THAT(grouped[1].tensors, ::testing::ElementsAre(5));
+  EXPECT_THAT(grouped[2].tensors, ::testing::ElementsAre(4, 0));
+  EXPECT_THAT(grouped[3].tensors, ::testing::ElementsAre(3));
+  EXPECT_THAT(grouped[4].tensors, ::testing::ElementsAre(2));
+  EXPECT_EQ(grouped[4].dtype, DataType::float64);
+  // A tensor in two groups, or out of range, is refused before any communication.
+  o.groups = {{0, 1}, {1}};
+  EXPECT_THROW(Reducer(world(), tensors, o), InvalidArgument);
+  o.groups = {{7}};
+  EXPECT_THROW(Reducer(world(), tensors, o), InvalidArgument);
 }
 
 // Uneven float32 and float64 tensors (one empty), marked in rank-dependent orders; three

@@ -30,7 +30,7 @@ import warnings
 import torch
 from mpi4py import MPI
 
-from . import InvalidArgument, world, world_mpi
+from . import CommError, Error, InvalidArgument, MismatchError, Unsupported, world, world_mpi
 from . import init as _init
 from . import is_initialized as _is_initialized
 from . import shutdown as _shutdown
@@ -57,6 +57,8 @@ __all__ = [
     # training
     "DistributedOptimizer", "DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
     "bf16_compress_hook",
+    # errors (gradcomm's)
+    "Error", "InvalidArgument", "Unsupported", "CommError", "MismatchError",
     # refused
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "alltoall",
     "reducescatter", "SyncBatchNorm", "elastic",
