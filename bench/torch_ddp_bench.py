@@ -34,6 +34,8 @@ from mpi4py import MPI
 import gradcomm.torch as hvd
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                    help="mlp: --layers; cnn: examples/torch_digits.py's CNN on 8x8 images")
 parser.add_argument("--layers", default="1024,2048,2048,1024,10", help="MLP widths")
 parser.add_argument("--batch", type=int, default=256, help="per rank")
 parser.add_argument("--steps", type=int, default=12, help="timed steps per variant")
@@ -78,6 +80,12 @@ widths = [int(w) for w in args.layers.split(",")]
 
 def make_model():
     torch.manual_seed(1)
+    if args.model == "cnn":
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 64), torch.nn.ReLU(),
+            torch.nn.Linear(64, 10))
     layers = []
     for a, b in zip(widths[:-1], widths[1:]):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
@@ -117,8 +125,9 @@ for name in variants:
         raise SystemExit(f"unknown variant {name}")
 
 g = torch.Generator().manual_seed(rank)
-x = torch.randn(args.batch, widths[0], generator=g)
-y = torch.randint(0, widths[-1], (args.batch,), generator=g)
+shape = (args.batch, 1, 8, 8) if args.model == "cnn" else (args.batch, widths[0])
+x = torch.randn(*shape, generator=g)
+y = torch.randint(0, 10 if args.model == "cnn" else widths[-1], (args.batch,), generator=g)
 loss_fn = torch.nn.CrossEntropyLoss()
 times = {name: [] for name in runs}
 for step in range(args.warmup + args.steps):
@@ -136,12 +145,13 @@ for step in range(args.warmup + args.steps):
 slowest = {name: [max(v) for v in zip(*world.allgather(t))] for name, t in times.items()}
 if rank == 0:
     params = sum(p.numel() for p in make_model().parameters())
-    print(f"{size} ranks ({hvd.cross_size()} hosts), MLP {args.layers} ({params / 1e6:.1f} M "
+    what = "CNN (digits)" if args.model == "cnn" else f"MLP {args.layers}"
+    print(f"{size} ranks ({hvd.cross_size()} hosts), {what} ({params / 1e6:.2f} M "
           f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
           f"{args.steps} steps per variant, alternated; buckets {args.bucket_cap_mb:g} MiB; gradcomm "
           f"algorithm {args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
     med = {name: statistics.median(t) for name, t in slowest.items()}
-    result = {"ranks": size, "hosts": hvd.cross_size(), "layers": args.layers,
+    result = {"ranks": size, "hosts": hvd.cross_size(), "model": what,
               "batch": args.batch, "steps": args.steps, "bucket_cap_mb": args.bucket_cap_mb,
               "algorithm": args.algorithm or os.environ.get("GRADCOMM_ALGORITHM", "auto"),
               "variants": {}}
