@@ -278,10 +278,15 @@ void Reducer::finish() {
   ++iterations_;
   if (iterations_ == 1 && options_.rebuild_buckets && !tensors_.empty()) {
     // Rank 0's ready order, so every rank plans the same buckets.
-    std::vector<std::int64_t> order(observed_.begin(), observed_.end());
-    broadcast(comm_, order.data(), order.size(), DataType::int64, 0);
-    const std::vector<std::size_t> agreed(order.begin(), order.end());
-    plan(agreed);
+    try {
+      std::vector<std::int64_t> order(observed_.begin(), observed_.end());
+      broadcast(comm_, order.data(), order.size(), DataType::int64, 0);
+      const std::vector<std::size_t> agreed(order.begin(), order.end());
+      plan(agreed);
+    } catch (...) {
+      start_iteration();  // the old buckets stay; the next iteration starts clean
+      throw;
+    }
     rebuilt_ = true;
     return;
   }

@@ -178,8 +178,9 @@ def test_errors_and_refusals():
             refused(torch.ones(3))
     with pytest.raises(NotImplementedError, match="elastic"):
         hvd.elastic.run
+    assert hvd.synchronize(123456) is None  # as Horovod: a handle not in flight
     with pytest.raises(hvd.InvalidArgument, match="not a handle"):
-        hvd.synchronize(123456)
+        hvd.poll(123456)
     with pytest.raises(hvd.InvalidArgument, match="unsupported dtype torch.uint8"):
         hvd.allreduce(torch.ones(3, dtype=torch.uint8))
     # Shapes that differ across ranks: an error on every rank, not a hang.
@@ -230,7 +231,7 @@ def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("options", [{}, {"num_groups": 2}, {"backward_passes_per_step": 2},
+@pytest.mark.parametrize("options", [{}, {"num_groups": 3}, {"backward_passes_per_step": 2},
                                      {"gradient_predivide_factor": 2.0},
                                      {"compression": hvd.Compression.fp16}])
 def test_distributed_optimizer_matches_the_ddp_wrapper(options):
@@ -255,6 +256,8 @@ def test_distributed_optimizer_matches_the_ddp_wrapper(options):
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         ddp_opt.step()
+    if "num_groups" in options:
+        assert len(opt._gradcomm_reducer.buckets()) == 3
     tolerance = 1e-3 if "compression" in options else 1e-6
     assert ((flat(ours) - flat(ddp)).norm() / flat(ddp).norm()).item() <= tolerance
     assert same_on_every_rank(flat(ours))
@@ -301,7 +304,31 @@ def test_broadcast_parameters_and_optimizer_state():
         assert same_on_every_rank(opt.state[p]["exp_avg"])
 
 
+# horovod.torch's public names (0.28) a training script may use.
+HOROVOD_NAMES = """init shutdown is_initialized rank size local_rank local_size cross_rank cross_size
+is_homogeneous mpi_built mpi_enabled mpi_threads_supported gloo_built gloo_enabled nccl_built
+ddl_built ccl_built cuda_built rocm_built start_timeline stop_timeline Average Sum Adasum Min Max
+Product Compression allreduce allreduce_ allreduce_async allreduce_async_ grouped_allreduce
+grouped_allreduce_ grouped_allreduce_async grouped_allreduce_async_ broadcast broadcast_
+broadcast_async broadcast_async_ allgather allgather_async synchronize poll barrier join
+broadcast_object allgather_object broadcast_parameters broadcast_optimizer_state
+DistributedOptimizer ProcessSet global_process_set add_process_set remove_process_set alltoall
+reducescatter SyncBatchNorm elastic""".split()
+
+
 def test_import_line_is_the_only_change():
     assert hvd.__name__ == "gradcomm.torch"
-    missing = [name for name in hvd.__all__ if not hasattr(hvd, name)]
-    assert not missing
+    assert [name for name in HOROVOD_NAMES if not hasattr(hvd, name)] == []
+    assert hvd.Compression.fp16 is not hvd.Compression.none
+
+
+def test_scheduler_made_before_wrapping_and_groups():
+    model = Net()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(base, step_size=1)  # puts a counting `step` on the instance
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), groups=2)
+    assert len(opt._gradcomm_reducer.buckets()) == 2  # an int is a number of groups
+    x, y = data(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()  # all-reduces first: the step's result is the same on every rank
+    assert same_on_every_rank(flat(model))

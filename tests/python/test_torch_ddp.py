@@ -134,6 +134,55 @@ def test_a_missing_gradient_without_find_unused_parameters_is_an_error():
     assert same_on_every_rank(model.module.extra.weight.grad)
 
 
+def test_a_gradient_missing_on_one_rank_only_keeps_the_ranks_in_step():
+    model = gt.DistributedDataParallel(Net(16))
+    x, y = data(0)
+    if RANK == 0 and SIZE > 1:  # rank 0 reaches `extra`, the others do not: they raise
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    else:
+        with pytest.raises(RuntimeError, match="extra.weight"):
+            torch.nn.functional.cross_entropy(model(x, use_extra=False), y).backward()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        assert same_on_every_rank(p.grad)
+
+
+class NoWeightGrad(torch.autograd.Function):
+    """Returns None as the weight's gradient: its hook runs with grad None."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+def test_none_gradients_no_grad_forwards_and_hook_errors():
+    net = Net(17)
+    net.w = torch.nn.Parameter(torch.ones(3))
+    model = gt.DistributedDataParallel(net)
+    x, y = data(0)
+
+    def loss_of(output):  # w's gradient comes back None from NoWeightGrad
+        w = model.module.w
+        return torch.nn.functional.cross_entropy(output, y) + \
+            NoWeightGrad.apply(torch.ones(3), w).sum()
+
+    loss = loss_of(model(x))
+    with torch.no_grad():
+        model(x)  # a forward for logging must not turn off the pending backward's all-reduce
+    loss.backward()
+    assert torch.equal(model.module.w.grad, torch.zeros(3))  # None counts as zeros, as torch
+    for p in model.parameters():
+        assert same_on_every_rank(p.grad)
+    model.module.w.grad = None
+    loss_of(model(x)).backward()  # None again, from an unset grad
+    for p in model.parameters():
+        assert same_on_every_rank(p.grad)
+
+
 @pytest.mark.parametrize("ours_hook,torch_hook,tolerance", [
     (gt.fp16_compress_hook, default_hooks.fp16_compress_hook, 2e-3),
     (gt.bf16_compress_hook, default_hooks.bf16_compress_hook, 2e-2)])

@@ -63,7 +63,7 @@ def broadcast_coalesced(tensors, root, comm, chunk_bytes=64 << 20):
     rank's, in place, packed into few broadcasts of at most chunk_bytes."""
     tensors = [t.detach() for t in tensors if t.numel() > 0]
     rank = comm.rank()
-    align = 8  # every tensor starts 8-byte aligned in the packed buffer (views by dtype)
+    align = 16  # every tensor starts 16-byte aligned in the packed buffer (views by dtype)
     start = 0
     while start < len(tensors):
         end, nbytes = start, 0
@@ -115,6 +115,8 @@ class GradientReducer:
             check_parameter(p, call, n)
         self.params = params
         self.names = names
+        self._dtypes = [p.dtype for p in params]
+        self._counts = [p.numel() for p in params]
         # Placeholders only: every tensor is marked with explicit memory before finish().
         self._reducer = _gradcomm._Reducer(
             self.comm, [p.data_ptr() for p in params], [p.numel() for p in params],
@@ -127,8 +129,16 @@ class GradientReducer:
 
     def mark(self, index, grad):
         """Hands the reducer `grad` (contiguous, parameter index's shape and dtype)."""
-        self._pending[index] = grad
+        p = self.params[index]
+        if (grad.dtype != self._dtypes[index] or grad.numel() != self._counts[index] or
+                grad.layout != torch.strided or not grad.is_contiguous()):
+            raise InvalidArgument(
+                f"gradient of {self.names[index]}: {grad.dtype}, {grad.numel()} elements, "
+                f"layout {grad.layout}{'' if grad.is_contiguous() else ', not contiguous'}; the "
+                f"reducer was built for {self._dtypes[index]}, {self._counts[index]} elements "
+                f"(was the model converted after it was wrapped? parameter now {p.dtype})")
         self._reducer.mark_ready(index, grad.data_ptr())
+        self._pending[index] = grad  # alive until finish(): the reducer writes the result there
 
     def is_marked(self, index):
         return index in self._pending

@@ -10,6 +10,7 @@ gradient averaged over the ranks, bit-identical on every rank."""
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from torch.autograd import Variable
@@ -107,7 +108,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._buffers_list = [b for b in module.buffers()]
-        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named)
+        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+                          for n, p in module.named_parameters())
         layout += "|" + ";".join(f"{tuple(b.shape)}:{b.dtype}" for b in self._buffers_list)
         verify_same_across_ranks(layout, _CALL, "the module's parameters or buffers", self._comm)
         # Every rank starts from rank 0's parameters and buffers (torch's DDP does the same).
@@ -117,9 +119,12 @@ class DistributedDataParallel(torch.nn.Module):
         self._reducer = self._make_reducer()
         self._require_sync = True   # outside no_sync()
         self._sync_pending = False  # the last forward asked its backward to all-reduce
+        self._sync_buffers_next = True  # torch: after a grad-enabled forward outside no_sync
         self._in_backward = False
+        self._hook_error = None     # raised by the end-of-backward callback, once ranks agree
         self._unused = []           # parameters the last forward did not reach
         self._used_unsynced = set()  # parameters given gradients inside no_sync since last sync
+        self._fired = set()          # parameters whose hook ran in this backward
         self._scratch = {}
         self._hooks = []
         self._accumulators = []
@@ -130,16 +135,27 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---- torch.nn.Module -------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        if self._reducer.busy:
-            raise RuntimeError(f"{_CALL}: forward called while the previous backward's reduction "
-                               "has not finished (a backward pass raised part way?)")
-        if self.broadcast_buffers and self._buffers_list and self._comm.size() > 1:
+        if self._in_backward:
+            # The last backward stopped part way (an error in autograd): its end-of-backward
+            # callback never ran. Complete its all-reduce with stand-ins, as the other ranks
+            # complete theirs, so the ranks stay in step.
+            warnings.warn(f"{_CALL}: the previous backward did not complete; finishing its "
+                          "all-reduce before this forward", RuntimeWarning, stacklevel=2)
+            try:
+                self._finish_backward()
+            except Exception:  # noqa: BLE001 - that backward's error was raised already
+                pass
+        if (self.broadcast_buffers and self._sync_buffers_next and self._buffers_list and
+                self._comm.size() > 1):
             broadcast_coalesced(self._buffers_list, 0, self._comm)
         output = self.module(*inputs, **kwargs)
-        self._sync_pending = torch.is_grad_enabled() and self._require_sync
-        self._unused = []
-        if self._sync_pending and self.find_unused_parameters:
-            self._unused = self._unreached(output)
+        # As torch: only a grad-enabled forward outside no_sync prepares an all-reducing backward
+        # (a no_grad forward in between leaves a pending backward as it was).
+        syncing = torch.is_grad_enabled() and self._require_sync
+        self._sync_buffers_next = syncing
+        if syncing:
+            self._sync_pending = True
+            self._unused = self._unreached(output) if self.find_unused_parameters else []
         return output
 
     @contextlib.contextmanager
@@ -220,30 +236,46 @@ class DistributedDataParallel(torch.nn.Module):
             Variable._execution_engine.queue_callback(self._finish_backward)
             for j in self._unused:
                 self._reducer.mark(j, self._scratch_for(j))
-        if self._reducer.is_marked(i):
-            raise RuntimeError(
-                f"{_CALL}: parameter {self._names[i]} got a gradient twice in one backward, or "
-                "after its forward found it unused (is it used outside the module's forward, or "
-                "with reentrant checkpointing?); gradcomm's DDP expects one gradient per "
-                "parameter per backward")
-        p = self._params[i]
-        grad = p.grad
-        if not grad.is_contiguous():
-            grad = p.grad = grad.contiguous()
-        if self.gradient_as_bucket_view:
-            view = self._reducer.view(i)
-            if view is not None and grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-                grad = p.grad = view
-        self._reducer.mark(i, grad)
+        # Errors are kept for the end-of-backward callback, which first completes the step's
+        # all-reduce with stand-ins, so the ranks stay in step, and then raises.
+        self._fired.add(i)
+        if self._hook_error is not None:
+            return
+        try:
+            if self._reducer.is_marked(i):
+                raise RuntimeError(
+                    f"{_CALL}: parameter {self._names[i]} got a gradient twice in one backward, "
+                    "or after its forward found it unused (is it used outside the module's "
+                    "forward, or with reentrant checkpointing?); gradcomm's DDP expects one "
+                    "gradient per parameter per backward")
+            p = self._params[i]
+            grad = p.grad
+            if grad is None:  # a Function returned None for it: it counts as zeros
+                return        # (marked with a stand-in at the end of backward)
+            if grad.layout != torch.strided:
+                raise RuntimeError(f"{_CALL}: parameter {self._names[i]} has a {grad.layout} "
+                                   "gradient; gradcomm reduces dense gradients only")
+            if not grad.is_contiguous():
+                grad = p.grad = grad.contiguous()
+            if self.gradient_as_bucket_view:
+                view = self._reducer.view(i)
+                if view is not None and grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    grad = p.grad = view
+            self._reducer.mark(i, grad)
+        except Exception as e:  # noqa: BLE001 - re-raised by _finish_backward
+            self._hook_error = e
 
     def _finish_backward(self):
-        missing = []
+        # Stand-ins for the parameters not marked: found unused by forward, reached with a None
+        # gradient (zeros, as in torch), or not reached at all (`missing`: an error unless
+        # find_unused_parameters).
+        missing, standing_in, error = [], list(self._unused), None
         try:
-            standing_in = [i for i in self._unused]
             for i in range(len(self._params)):
                 if not self._reducer.is_marked(i):
-                    missing.append(i)
+                    if i not in self._fired:
+                        missing.append(i)
                     standing_in.append(i)
                     self._reducer.mark(i, self._scratch_for(i))
             used = None
@@ -252,28 +284,38 @@ class DistributedDataParallel(torch.nn.Module):
                 # since the last all-reduce): the others keep theirs untouched, as in torch.
                 flags = torch.ones(len(self._params), dtype=torch.int32)
                 for i in standing_in:
-                    if i not in self._used_unsynced:
+                    if i not in self._used_unsynced and i not in self._fired:
                         flags[i] = 0
                 self._comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(),
                                           "int32", "max", None)
                 used = flags.tolist()
+        except Exception as e:  # noqa: BLE001 - still finish below, so the ranks stay in step
+            error = e
+        try:
             self._reducer.finish()
-            with torch.no_grad():
-                for i in standing_in:
-                    if used is not None and not used[i]:
-                        continue
-                    if used is None and i in missing:
-                        continue  # an error below; the gradient stays as it was
-                    p, s = self._params[i], self._scratch[i]
-                    if p.grad is None:
-                        p.grad = s.clone()
-                    else:
-                        p.grad.copy_(s)
+            if error is None:
+                with torch.no_grad():
+                    for i in standing_in:
+                        if used is not None and not used[i]:
+                            continue
+                        if used is None and i in missing:
+                            continue  # an error below; the gradient stays as it was
+                        p, s = self._params[i], self._scratch[i]
+                        if p.grad is None:
+                            p.grad = s.clone()
+                        else:
+                            p.grad.copy_(s)
         finally:
+            hook_error, self._hook_error = self._hook_error, None
             self._in_backward = False
             self._sync_pending = False
             self._unused = []
+            self._fired.clear()
             self._used_unsynced.clear()
+        if error is not None:
+            raise error
+        if hook_error is not None:
+            raise hook_error
         if missing and not self.find_unused_parameters:
             names = ", ".join(self._names[i] for i in missing[:8])
             raise RuntimeError(

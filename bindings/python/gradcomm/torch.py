@@ -328,8 +328,10 @@ def poll(handle):
 
 def synchronize(handle):
     """Waits for the call behind `handle` and returns its result (a tensor, or a list for the
-    grouped calls). Raises the call's error."""
-    pending = _pending(handle, "synchronize")
+    grouped calls). Raises the call's error. A handle not in flight gives None (as Horovod)."""
+    if handle not in _handles:
+        return None
+    pending = _handles[handle]
     try:
         pending.request.wait()
     finally:
@@ -495,7 +497,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             algorithm=None, fusion_threshold=None, comm=None):
     """Starts a fused all-reduce of the list into new tensors (synchronize() returns them)."""
     call = "grouped_allreduce_async"
-    _grouped_args(tensors, call, False)
+    tensors, _ = _grouped_args(tensors, call, False)
     copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
     return grouped_allreduce_async_(copies, None, name, _resolve_op(op, average, call),
                                     prescale_factor, postscale_factor, process_set,
@@ -773,7 +775,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, *, root=None):
 class _DistributedOptimizerMixin:
     def _gradcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
                         gradient_predivide_factor, num_groups, groups, algorithm,
-                        fusion_threshold, comm, overlap):
+                        fusion_threshold, comm, overlap, sparse_as_dense=False):
         call = "DistributedOptimizer"
         params = []
         for group in self.param_groups:
@@ -810,9 +812,11 @@ class _DistributedOptimizerMixin:
                                       "custom compressors are not supported")
         index_of = {id(p): i for i, p in enumerate(params)}
         group_lists = None
+        if isinstance(groups, int):  # Horovod: an int is a number of groups
+            num_groups, groups = groups, None
         if groups is not None:
             if num_groups:
-                raise ValueError(f"{call}: pass num_groups or groups, not both")
+                warnings.warn(f"{call}: groups given; num_groups is ignored", stacklevel=3)
             if not isinstance(groups, (list, tuple)):
                 raise InvalidArgument(f"{call}: groups must be a list of lists of parameters")
             group_lists = []
@@ -837,6 +841,7 @@ class _DistributedOptimizerMixin:
                 start = end
         cap = fusion_threshold if fusion_threshold is not None else 25 << 20
         self._gradcomm_call = call
+        self._gradcomm_sparse_as_dense = sparse_as_dense
         self._gradcomm_params = params
         self._gradcomm_names = names
         self._gradcomm_passes = backward_passes_per_step
@@ -873,6 +878,11 @@ class _DistributedOptimizerMixin:
         p = self._gradcomm_params[i]
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif p.grad.layout != torch.strided:
+            if not self._gradcomm_sparse_as_dense:
+                raise InvalidArgument(f"{self._gradcomm_call}: {self._gradcomm_names[i]} has a "
+                                      f"{p.grad.layout} gradient; pass sparse_as_dense=True")
+            p.grad = p.grad.to_dense()
         elif not p.grad.is_contiguous():
             p.grad = p.grad.contiguous()
         grad = p.grad.detach()  # same memory; a create_graph gradient is reduced as data
@@ -938,15 +948,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     are all-reduced. The result is an instance of the optimizer's own class (lr schedulers accept
     it) sharing its parameter groups and state."""
     _check_process_set(process_set, "DistributedOptimizer")
-    if sparse_as_dense:
-        raise NotImplementedError("DistributedOptimizer: sparse_as_dense: gradcomm reduces dense "
-                                  "gradients only (sparse gradients are refused)")
     base = optimizer.__class__
     cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"_gradcomm_base": base})
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
+    # Not instance-level step/zero_grad (an lr scheduler made before wrapping puts a counting
+    # wrapper of the old step there): they would hide the all-reducing ones.
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                             if k not in ("step", "zero_grad")})
     wrapped._gradcomm_setup(named_parameters, compression, backward_passes_per_step, op,
                             gradient_predivide_factor, num_groups, groups, algorithm,
-                            fusion_threshold, comm, overlap)
+                            fusion_threshold, comm, overlap, sparse_as_dense)
     return wrapped
 
