@@ -32,8 +32,7 @@ from mpi4py import MPI
 
 from . import CommError, Error, InvalidArgument, MismatchError, Unsupported, world, world_mpi
 from . import init as _init
-from . import is_initialized as _is_initialized
-from . import shutdown as _shutdown
+from . import is_initialized, local_rank, local_size, rank, shutdown, size  # noqa: F401
 from . import _gradcomm
 from ._torch_common import (GradientReducer, broadcast_coalesced, check_tensor,
                             grad_accumulator)
@@ -142,30 +141,6 @@ def init(comm=None, process_sets=None):
         if comm == MPI.COMM_NULL:
             return None  # this rank is not in the list
     return _init(comm)
-
-
-def shutdown():
-    _shutdown()
-
-
-def is_initialized():
-    return _is_initialized()
-
-
-def rank():
-    return world().rank()
-
-
-def size():
-    return world().size()
-
-
-def local_rank():
-    return world().local_rank()
-
-
-def local_size():
-    return world().local_size()
 
 
 def cross_rank():
