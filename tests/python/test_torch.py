@@ -3,12 +3,8 @@ without copies, parameter broadcast, and DistributedOptimizer against two refere
 on the same data from the same seed: torch.nn.parallel.DistributedDataParallel with the gloo
 backend, and one process with the full batch."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from mpi4py import MPI
 
 import gradcomm
@@ -92,15 +88,6 @@ def test_broadcast_parameters_makes_replicas_equal():
     assert MPI.COMM_WORLD.allreduce(int(not same)) == 0
 
 
-def free_port():
-    port = 0
-    if RANK == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    return MPI.COMM_WORLD.bcast(port, root=0)
-
-
 def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -113,11 +100,7 @@ TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
-def test_distributed_optimizer_matches_ddp_and_one_process(optimizer_name):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                                rank=RANK, world_size=SIZE)
+def test_distributed_optimizer_matches_ddp_and_one_process(gloo, optimizer_name):
     torch.manual_seed(7)
     global_batch = 96  # divides by 1, 2, 3 and 4 ranks
     x = torch.randn(20 * global_batch, 20)
