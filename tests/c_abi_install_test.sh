@@ -5,7 +5,10 @@
 #  2. compiles it again with MPI's flags to wrap a user communicator via its Fortran handle;
 #  3. configures a CMake project that finds the package (find_package(gradcomm)) and builds the
 #     C example and a C++ program against gradcomm::gradcomm, and runs both.
-#  4. with a Python interpreter given, imports the installed Python package and all-reduces.
+#  4. runs tests/mpi_preload/test_preload.c (an MPI-only program) with the installed
+#     libgradcomm_mpi.so preloaded (gradcomm-mpi.pc's `preload`), linked before libmpi, and linked
+#     to gradcomm::gradcomm_mpi by find_package;
+#  5. with a Python interpreter given, imports the installed Python package and all-reduces.
 # usage: c_abi_install_test.sh BUILD_DIR MPIEXEC [PYTHON]
 set -euo pipefail
 BUILD=$1
@@ -27,12 +30,24 @@ gcc -std=c11 -Wall -Wextra -Werror -DGRADCOMM_TEST_MPI "$HERE/c_abi/example.c" \
   -o "$WORK/example_mpi" $(pkg-config --cflags --libs gradcomm ompi-c) -Wl,-rpath,"$LIBDIR"
 "${RUN[@]}" -np 2 "$WORK/example_mpi"
 
+echo "== libgradcomm_mpi.so from the installed tree: preloaded, and linked before libmpi"
+PRELOAD=$(pkg-config --variable=preload gradcomm-mpi)
+[ -f "$PRELOAD" ] || { echo "gradcomm-mpi.pc names $PRELOAD, which is missing"; exit 1; }
+gcc -std=c11 -Wall -Wextra -Werror "$HERE/mpi_preload/test_preload.c" -o "$WORK/test_preload" \
+  $(pkg-config --cflags gradcomm-mpi ompi-c) $(pkg-config --libs ompi-c) -lpthread -ldl
+"${RUN[@]}" -np 2 -x LD_PRELOAD="$PRELOAD" "$WORK/test_preload" --quick | tail -1
+gcc -std=c11 -Wall -Wextra -Werror "$HERE/mpi_preload/test_preload.c" -o "$WORK/test_linked" \
+  $(pkg-config --cflags gradcomm-mpi ompi-c) -Wl,--no-as-needed $(pkg-config --libs gradcomm-mpi) \
+  $(pkg-config --libs ompi-c) -lpthread -ldl -Wl,-rpath,"$LIBDIR"
+"${RUN[@]}" -np 2 "$WORK/test_linked" --quick | tail -1
+
 echo "== find_package(gradcomm)"
 cmake -S "$HERE/c_abi/consumer" -B "$WORK/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$WORK/prefix" \
   -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$WORK/consumer" >/dev/null
 "${RUN[@]}" -np 2 "$WORK/consumer/consumer_c"
 "${RUN[@]}" -np 2 "$WORK/consumer/consumer_cxx"
+"${RUN[@]}" -np 2 "$WORK/consumer/consumer_preload" --quick | tail -1
 if [ -n "$PYTHON" ]; then
   echo "== the installed Python package"
   site=$(find "$WORK/prefix" -type d -name gradcomm -path "*-packages/*" | head -1)
