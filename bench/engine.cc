@@ -286,8 +286,8 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
                               send, recv, ref_in, ref_out);
     rows.push_back(row);
   }
-  const double mpi_p50 = rows.back().p50_us;
-  const double mpi_cycle_p50 = rows.back().cycle_p50_us;
+  const double mpi_p50 = o.no_baseline ? 0 : rows.back().p50_us;
+  const double mpi_cycle_p50 = o.no_baseline ? 0 : rows.back().cycle_p50_us;
   for (Row& row : rows) {
     row.vs_mpi = row.p50_us > 0 ? mpi_p50 / row.p50_us : 0;
     row.cycle_vs_mpi = row.cycle_p50_us > 0 ? mpi_cycle_p50 / row.cycle_p50_us : 0;
@@ -296,7 +296,7 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   std::size_t best = algorithms;
   for (std::size_t a = 0; a < algorithms; ++a) {
     const std::string base = base_algorithm(o.algorithms[a]);
-    if (base == "auto" || base == "mpi" || a + 1 == algorithms) continue;
+    if (base == "auto" || base == "mpi" || (a + 1 == algorithms && !o.no_baseline)) continue;
     if (best == algorithms || rows[a].p50_us < rows[best].p50_us) best = a;
   }
   if (best < algorithms) {

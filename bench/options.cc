@@ -59,6 +59,9 @@ const char kUsage[] =
     "                        what a step sees)\n"
     "      --default-malloc  leave glibc's malloc as it is; by default mmap and trimming are off\n"
     "                        so MPI_Allreduce reuses its temporary buffers (a fair baseline)\n"
+    "      --no-baseline     do not measure MPI_Allreduce (vs_mpi is 0): the algorithms alone,\n"
+    "                        as a program that calls only them sees them (MPI's calls between\n"
+    "                        rounds change the caches the next round starts from)\n"
     "      --tune FILE       sweep every registered algorithm (and MPI_Allreduce) and write the\n"
     "                        fastest per size as a decision table for auto\n"
     "                        (GRADCOMM_TUNING_FILE=FILE)\n";
@@ -154,6 +157,8 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       o.cycle = true;
     else if (arg == "--default-malloc")
       o.default_malloc = true;
+    else if (arg == "--no-baseline")
+      o.no_baseline = true;
     else if (arg == "--csv")
       o.format = Options::Format::csv;
     else if (arg == "--json")
@@ -215,9 +220,14 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
           "--workload");
     if (!o.algorithms_given) o.algorithms = {"hierarchical", "auto"};
   }
-  // The baseline is always measured, listed last: MPI_Allreduce for host buffers, NCCL
-  // for device buffers (MPI here is not CUDA-aware).
+  // The baseline is measured (unless --no-baseline), listed last: MPI_Allreduce for host buffers,
+  // NCCL for device buffers (MPI here is not CUDA-aware).
   const std::string baseline = o.gpu ? "nccl" : "mpi";
+  if (o.no_baseline) {
+    if (o.gpu || !o.tune_file.empty() || !o.workload.empty())
+      usage_error("--no-baseline does not combine with --device gpu, --tune or --workload");
+    return o;
+  }
   o.algorithms.erase(std::remove(o.algorithms.begin(), o.algorithms.end(), baseline),
                      o.algorithms.end());
   o.algorithms.push_back(baseline);

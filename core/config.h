@@ -76,6 +76,11 @@ struct Config {
   // communicator of the ranks holding the same shard) or "mpi" (shards staged through pinned
   // host memory and reduced by gradcomm's host algorithms).
   std::string gpu_inter_node = "nccl";
+  // libgradcomm_mpi.so only (docs/mpi-preload.md). GRADCOMM_MPI_MIN_BYTES: the smallest
+  // MPI_Allreduce it runs through gradcomm (below it Open MPI's own call is as fast on one host).
+  // GRADCOMM_MPI_LOG: 1 prints, per rank at MPI_Finalize, what it took and passed through, and why.
+  std::size_t mpi_min_bytes = 4096;
+  bool mpi_log = false;
 
   // Reads the variables above; a variable that is set but invalid throws InvalidArgument naming
   // the variable, its value and the valid values. Unset variables keep the defaults.

@@ -92,39 +92,18 @@ struct TypeEntry {
 
 struct Settings {
   gradcomm::Config config;
-  std::size_t min_bytes = 0;
-  int log = 0;
+  std::size_t min_bytes = 0;  // config.mpi_min_bytes (GRADCOMM_MPI_MIN_BYTES)
+  bool log = false;           // config.mpi_log (GRADCOMM_MPI_LOG)
   bool thread_multiple = false;
   int keyval = MPI_KEYVAL_INVALID;
   std::vector<TypeEntry> types;
   std::string error;  // a GRADCOMM_* variable that is invalid: every taken call fails with it
 };
 
-// The default threshold, chosen by measurement (docs/results/mpi-preload.md): below it Open MPI's
-// own MPI_Allreduce is as fast or faster on one host.
-constexpr std::size_t kDefaultMinBytes = 4096;
-
 Settings g_settings;
 std::atomic<bool> g_ready{false};  // settings read, MPI initialized and not finalizing
 std::mutex g_setup_mutex;
 bool g_setup_done = false;  // guarded by g_setup_mutex; once per process (not again after finalize)
-
-std::size_t parse_min_bytes(const char* text) {
-  const std::string value = text;
-  std::size_t end = 0;
-  unsigned long long parsed = 0;
-  try {
-    parsed = std::stoull(value, &end, 10);
-  } catch (const std::exception&) {
-    end = std::string::npos;
-  }
-  if (value.empty() || value[0] == '-' || end != value.size()) {
-    throw gradcomm::InvalidArgument(gradcomm::error_message(
-        "libgradcomm_mpi", -1,
-        "GRADCOMM_MPI_MIN_BYTES='" + value + "' is invalid: expected a byte count (0 or more)"));
-  }
-  return static_cast<std::size_t>(parsed);
-}
 
 int delete_state(MPI_Comm, int, void* value, void*);
 
@@ -146,19 +125,11 @@ void setup() {
   g_setup_done = true;
   {
     Settings& s = g_settings;
+    s.min_bytes = s.config.mpi_min_bytes;  // the default, if the environment is invalid
     try {
       s.config = gradcomm::Config::from_environment();
-      s.min_bytes = kDefaultMinBytes;
-      if (const char* v = std::getenv("GRADCOMM_MPI_MIN_BYTES")) s.min_bytes = parse_min_bytes(v);
-      if (const char* v = std::getenv("GRADCOMM_MPI_LOG")) {
-        const std::string value = v;
-        if (value != "0" && value != "1") {
-          throw gradcomm::InvalidArgument(gradcomm::error_message(
-              "libgradcomm_mpi", -1,
-              "GRADCOMM_MPI_LOG='" + value + "' is invalid: expected 0 or 1"));
-        }
-        s.log = value == "1";
-      }
+      s.min_bytes = s.config.mpi_min_bytes;
+      s.log = s.config.mpi_log;
     } catch (const std::exception& e) {
       s.error = e.what();
     }

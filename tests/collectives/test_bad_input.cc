@@ -143,6 +143,9 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
        "GRADCOMM_HIERARCHICAL_INTRA='nvlink' is invalid: expected one of auto, direct, ring, shm"},
       {"GRADCOMM_SHM_STORES", "nt",
        "GRADCOMM_SHM_STORES='nt' is invalid: expected one of auto, cached, streamed"},
+      {"GRADCOMM_MPI_MIN_BYTES", "-1", "GRADCOMM_MPI_MIN_BYTES='-1' is invalid"},
+      {"GRADCOMM_MPI_MIN_BYTES", "4k", "GRADCOMM_MPI_MIN_BYTES='4k' is invalid"},
+      {"GRADCOMM_MPI_LOG", "yes", "GRADCOMM_MPI_LOG='yes' is invalid: expected 0 or 1"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -150,13 +153,20 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
     expect_error<InvalidArgument>([] { Config::from_environment(); }, {c.expected});
     unsetenv(c.name);
   }
+  EXPECT_EQ(Config::from_environment().mpi_min_bytes, 4096u);
   setenv("GRADCOMM_SEGMENT_BYTES", "4096", 1);
   setenv("GRADCOMM_LOG_LEVEL", "debug", 1);
+  setenv("GRADCOMM_MPI_MIN_BYTES", "0", 1);
+  setenv("GRADCOMM_MPI_LOG", "1", 1);
   const Config config = Config::from_environment();
   EXPECT_EQ(config.segment_bytes, 4096u);
   EXPECT_EQ(config.log_level, LogLevel::debug);
+  EXPECT_EQ(config.mpi_min_bytes, 0u);
+  EXPECT_TRUE(config.mpi_log);
   unsetenv("GRADCOMM_SEGMENT_BYTES");
   unsetenv("GRADCOMM_LOG_LEVEL");
+  unsetenv("GRADCOMM_MPI_MIN_BYTES");
+  unsetenv("GRADCOMM_MPI_LOG");
 }
 
 TEST_F(BadNames, OutOfRangeConfigInCode) {
