@@ -167,6 +167,10 @@ class Service {
 
   void watch(const std::shared_ptr<Recorder>& recorder) {
     std::lock_guard lock(mutex_);
+    // A weak_ptr keeps its recorder's memory (one allocation with the count): drop the expired
+    // ones here too, not only on the thread's next round, so a program that makes and frees
+    // communicators quickly holds memory for the live ones only.
+    std::erase_if(recorders_, [](const std::weak_ptr<Recorder>& w) { return w.expired(); });
     recorders_.push_back(recorder);
   }
 
