@@ -444,18 +444,25 @@ def _grouped_args(tensors, call, writes):
     return tensors, dtypes
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set, *,
-                             algorithm=None, fusion_threshold=None, comm=None):
-    """Starts an in-place all-reduce of every tensor of the list, fused; returns a handle
-    (synchronize() returns the list)."""
-    call = "grouped_allreduce_async_"
+def _grouped_prologue(tensors, average, op, prescale_factor, process_set, comm, call):
+    """What the in-place grouped all-reduces do before communicating: checks, the op, the
+    communicator, the prescale. Returns (communicator, tensors, dtypes, op name)."""
     _check_process_set(process_set, call)
     tensors, dtypes = _grouped_args(tensors, call, True)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
     for t in tensors:
         _scale_(t, prescale_factor)
+    return c, tensors, dtypes, opname
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set, *,
+                             algorithm=None, fusion_threshold=None, comm=None):
+    """Starts an in-place all-reduce of every tensor of the list, fused; returns a handle
+    (synchronize() returns the list)."""
+    c, tensors, dtypes, opname = _grouped_prologue(tensors, average, op, prescale_factor,
+                                                   process_set, comm, "grouped_allreduce_async_")
     request = c._grouped_allreduce_async_ptrs([t.data_ptr() for t in tensors],
                                               [t.numel() for t in tensors], dtypes, opname,
                                               algorithm, fusion_threshold)
@@ -484,13 +491,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                        postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                        fusion_threshold=None, comm=None):
     """All-reduces every tensor of the list in place, fused into buckets. Returns the list."""
-    call = "grouped_allreduce_"
-    _check_process_set(process_set, call)
-    tensors, dtypes = _grouped_args(tensors, call, True)
-    opname = _resolve_op(op, average, call)
-    c = _comm(comm)
-    for t in tensors:
-        _scale_(t, prescale_factor)
+    c, tensors, dtypes, opname = _grouped_prologue(tensors, average, op, prescale_factor,
+                                                   process_set, comm, "grouped_allreduce_")
     c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], [t.numel() for t in tensors],
                               dtypes, opname, algorithm, fusion_threshold)
     for t in tensors:
