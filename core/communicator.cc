@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/internal_name.h"
 #include "core/node_comm.h"
 #include "core/timeline.h"
 
@@ -128,6 +129,7 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
   // Errors on our communicator come back as return codes that check_mpi turns into exceptions.
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
   check_mpi(MPI_Comm_rank(comm_, &rank_), "Communicator: MPI_Comm_rank");
+  name_internal(comm_, "Communicator", rank_);
   check_mpi(MPI_Comm_size(comm_, &size_), "Communicator: MPI_Comm_size");
   int world_rank = 0;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "Communicator: MPI_Comm_rank");
@@ -163,6 +165,7 @@ void Communicator::renew_after_mismatch() {
   MPI_Comm fresh = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(comm_, &fresh), "Communicator: MPI_Comm_dup after a mismatch", rank_);
   check_mpi(MPI_Comm_set_errhandler(fresh, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
+  name_internal(fresh, "Communicator", rank_);
   MPI_Comm_free(&comm_);  // freed by MPI once the abandoned requests are gone
   comm_ = fresh;
 }

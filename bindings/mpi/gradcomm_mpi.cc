@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,7 @@
 #include "core/communicator.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/internal_name.h"
 #include "core/progress_engine.h"
 
 namespace {
@@ -77,6 +79,10 @@ const char* reason_name(int reason) {
       return "invalid arguments left to MPI";
     case GRADCOMM_MPI_NOT_READY:
       return "MPI not initialized or finalizing";
+    case GRADCOMM_MPI_NOT_SET_UP:
+      return "MPI_Iallreduce before the communicator's first taken MPI_Allreduce";
+    case GRADCOMM_MPI_INTERNAL:
+      return "another gradcomm's communicator";
     default:
       return "unknown";
   }
@@ -92,10 +98,14 @@ struct TypeEntry {
 
 struct Settings {
   gradcomm::Config config;
-  std::size_t min_bytes = 0;  // config.mpi_min_bytes (GRADCOMM_MPI_MIN_BYTES)
-  bool log = false;           // config.mpi_log (GRADCOMM_MPI_LOG)
-  bool thread_multiple = false;
+  std::size_t min_bytes = 0;     // config.mpi_min_bytes (GRADCOMM_MPI_MIN_BYTES)
+  bool log = false;              // config.mpi_log (GRADCOMM_MPI_LOG)
+  bool thread_multiple = false;  // every rank runs at MPI_THREAD_MULTIPLE
   int keyval = MPI_KEYVAL_INVALID;
+  // A duplicate of MPI_COMM_WORLD made inside MPI_Init, where every rank is: MPI_COMM_WORLD's
+  // gradcomm Communicator is built from it, on a thread of its own when the first call taken on
+  // MPI_COMM_WORLD is MPI_Iallreduce. Null if MPI was initialized around this library.
+  MPI_Comm world = MPI_COMM_NULL;
   std::vector<TypeEntry> types;
   std::string error;  // a GRADCOMM_* variable that is invalid: every taken call fails with it
 };
@@ -106,6 +116,7 @@ std::mutex g_setup_mutex;
 bool g_setup_done = false;  // guarded by g_setup_mutex; once per process (not again after finalize)
 
 int delete_state(MPI_Comm, int, void* value, void*);
+int at_finalize(MPI_Comm, int, void*, void*);
 
 void add_type(MPI_Datatype type, DataType dtype) {
   if (type == MPI_DATATYPE_NULL) return;  // an optional type this MPI does not have
@@ -115,7 +126,27 @@ void add_type(MPI_Datatype type, DataType dtype) {
   g_settings.types.push_back({type, dtype});
 }
 
-void setup() {
+// Inside MPI_Init (every rank is there): duplicates MPI_COMM_WORLD, and makes the settings that
+// decide whether a call is taken the same on every rank (a call taken on one rank and passed
+// through on another would never match): the largest threshold, and MPI_Iallreduce taken only if
+// every rank runs at MPI_THREAD_MULTIPLE.
+void agree_across_ranks() {
+  Settings& s = g_settings;
+  MPI_Comm world = MPI_COMM_NULL;
+  if (PMPI_Comm_dup(MPI_COMM_WORLD, &world) != MPI_SUCCESS) return;
+  long long mine[2] = {static_cast<long long>(s.min_bytes), s.thread_multiple ? 0 : 1};
+  long long all[2] = {0, 0};
+  if (PMPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN) != MPI_SUCCESS ||
+      PMPI_Allreduce(mine, all, 2, MPI_LONG_LONG, MPI_MAX, world) != MPI_SUCCESS) {
+    PMPI_Comm_free(&world);
+    return;
+  }
+  s.min_bytes = static_cast<std::size_t>(all[0]);
+  s.thread_multiple = all[1] == 0;
+  s.world = world;
+}
+
+void setup(bool in_init = false) {
   std::lock_guard<std::mutex> lock(g_setup_mutex);
   if (g_setup_done) return;
   int initialized = 0, finalized = 0;
@@ -134,9 +165,19 @@ void setup() {
       s.error = e.what();
     }
     int level = MPI_THREAD_SINGLE;
-    PMPI_Query_thread(&level);
-    s.thread_multiple = level >= MPI_THREAD_MULTIPLE;
-    PMPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, delete_state, &s.keyval, nullptr);
+    s.thread_multiple = PMPI_Query_thread(&level) == MPI_SUCCESS && level >= MPI_THREAD_MULTIPLE;
+    if (PMPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, delete_state, &s.keyval, nullptr) !=
+        MPI_SUCCESS) {
+      return;  // no per-communicator state: every call passes through (not ready)
+    }
+    // Freed at MPI_Finalize even where it is not called through this library (Fortran's binding
+    // calls PMPI_Finalize): MPI deletes MPI_COMM_SELF's attributes first thing (MPI-3.1 8.7.1).
+    int finalize_key = MPI_KEYVAL_INVALID;
+    if (PMPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, at_finalize, &finalize_key, nullptr) ==
+        MPI_SUCCESS) {
+      PMPI_Comm_set_attr(MPI_COMM_SELF, finalize_key, nullptr);
+      PMPI_Comm_free_keyval(&finalize_key);
+    }
     // Checked by size: MPI_LONG is taken only where it is 64-bit, and so on.
     add_type(MPI_FLOAT, DataType::float32);
     add_type(MPI_DOUBLE, DataType::float64);
@@ -154,6 +195,7 @@ void setup() {
     add_type(MPI_REAL8, DataType::float64);
     add_type(MPI_INTEGER4, DataType::int32);
     add_type(MPI_INTEGER8, DataType::int64);
+    if (in_init) agree_across_ranks();
   }
   g_ready.store(true, std::memory_order_release);
 }
@@ -190,24 +232,44 @@ bool find_op(MPI_Op op, ReduceOp* out) {
 
 std::mutex g_error_mutex;
 
-// An MPI error code of `error_class` whose MPI_Error_string is `message` (a code per class, its
-// string replaced by the latest message); the class itself where MPI cannot add codes.
+// An MPI error code of `error_class` whose MPI_Error_string is `message`. Each message gets a code
+// of its own (MPI_Add_error_code), so a code the application keeps still says what went wrong;
+// past kCodesPerClass messages of one class, the least recently used code of the class takes
+// the new message. The class itself where MPI cannot add codes.
 int error_code(int error_class, const std::string& message) {
+  constexpr std::size_t kCodesPerClass = 16;
+  struct Code {
+    int error_class;
+    int code;
+    std::string text;
+    unsigned long long used;
+  };
+  static std::vector<Code> codes;
+  static unsigned long long clock = 0;
+  const std::string text = message.substr(0, MPI_MAX_ERROR_STRING - 1);
   std::lock_guard<std::mutex> lock(g_error_mutex);
-  static int codes[4] = {-1, -1, -1, -1};
-  const int classes[4] = {MPI_ERR_ARG, MPI_ERR_UNSUPPORTED_OPERATION, MPI_ERR_OTHER,
-                          MPI_ERR_INTERN};
-  int slot = 0;
-  while (slot < 3 && classes[slot] != error_class)
-    ++slot;
-  if (codes[slot] < 0 && PMPI_Add_error_code(error_class, &codes[slot]) != MPI_SUCCESS) {
-    codes[slot] = error_class;
+  ++clock;
+  Code* oldest = nullptr;
+  std::size_t of_class = 0;
+  for (Code& c : codes) {
+    if (c.error_class != error_class) continue;
+    if (c.text == text) {
+      c.used = clock;
+      return c.code;
+    }
+    ++of_class;
+    if (!oldest || c.used < oldest->used) oldest = &c;
   }
-  if (codes[slot] != error_class) {
-    std::string text = message.substr(0, MPI_MAX_ERROR_STRING - 1);
-    PMPI_Add_error_string(codes[slot], text.data());
+  if (of_class < kCodesPerClass) {
+    int code = error_class;
+    if (PMPI_Add_error_code(error_class, &code) != MPI_SUCCESS) return error_class;
+    codes.push_back({error_class, code, std::string(), 0});
+    oldest = &codes.back();
   }
-  return codes[slot];
+  if (PMPI_Add_error_string(oldest->code, text.c_str()) != MPI_SUCCESS) return error_class;
+  oldest->text = text;
+  oldest->used = clock;
+  return oldest->code;
 }
 
 int error_class_of(const std::exception_ptr& error, std::string* message) {
@@ -233,14 +295,22 @@ int error_class_of(const std::exception_ptr& error, std::string* message) {
   return MPI_ERR_INTERN;
 }
 
-// Hands a failed call to `comm`'s error handler: MPI_ERRORS_ARE_FATAL prints gradcomm's message
-// and aborts; MPI_ERRORS_RETURN returns the code (MPI_Error_string gives the message); a user
-// handler is called with it. Returns the code.
-int raise(MPI_Comm comm, const char* call, const std::exception_ptr& error) {
+// The MPI error code for `error` in `call` (its MPI_Error_string is gradcomm's message).
+int code_of(const char* call, const std::exception_ptr& error, int* error_class,
+            std::string* message) {
   std::string detail;
-  const int error_class = error_class_of(error, &detail);
-  const std::string message = std::string(call) + " (gradcomm): " + detail;
-  const int code = error_code(error_class, message);
+  *error_class = error_class_of(error, &detail);
+  *message = std::string(call) + " (gradcomm): " + detail;
+  return error_code(*error_class, *message);
+}
+
+// Hands a failed call to `comm`'s error handler, in the calling thread: MPI_ERRORS_ARE_FATAL
+// prints gradcomm's message and aborts; MPI_ERRORS_RETURN returns the code (MPI_Error_string
+// gives the message); a user handler is called with it. Returns the code.
+int raise(MPI_Comm comm, const char* call, const std::exception_ptr& error) {
+  int error_class = MPI_ERR_OTHER;
+  std::string message;
+  const int code = code_of(call, error, &error_class, &message);
   MPI_Errhandler handler = MPI_ERRHANDLER_NULL;
   PMPI_Comm_get_errhandler(comm, &handler);
   if (handler == MPI_ERRORS_ARE_FATAL) {
@@ -256,33 +326,48 @@ int raise(MPI_Comm comm, const char* call, const std::exception_ptr& error) {
 
 // --- Per-communicator state ---------------------------------------------------------------------
 
-// gradcomm's Communicator for one user communicator. Built on the first call taken on it: by a
-// blocking call in the caller's thread (every rank is in that call), by a non-blocking one on a
-// thread of its own, since MPI_Iallreduce must return before the other ranks have called it.
+// gradcomm's Communicator for one user communicator, built on the first call taken on it. Building
+// is collective, and must not run concurrently with the application's own collectives on the
+// user's communicator (unordered across ranks). So:
+// - a blocking MPI_Allreduce builds it in the caller's thread, where every rank is in the call;
+// - MPI_COMM_WORLD's is built from a duplicate made in MPI_Init, and when the first call taken on
+//   it is MPI_Iallreduce, on a thread of its own (that call returns before the other ranks have
+//   made it); calls made meanwhile queue behind the build, in order;
+// - a one-rank communicator's is built in the caller's thread (no peer to wait for);
+// - on any other communicator, MPI_Iallreduce passes through until an MPI_Allreduce taken on it
+//   has built it. (MPI_Comm_idup in the caller's thread would order the duplicate, but Open MPI
+//   4.1 can hang when other collectives on the communicator overlap an MPI_Comm_idup.)
 struct CommState {
-  explicit CommState(MPI_Comm c) : user(c) {}
+  CommState(MPI_Comm c, bool world, bool alone) : user(c), is_world(world), single(alone) {}
   ~CommState() {
     if (builder.joinable()) builder.join();
   }
 
   MPI_Comm user;
+  bool is_world;  // MPI_COMM_WORLD, with a duplicate from MPI_Init to build from
+  bool single;    // one rank
   std::mutex mutex;
   std::condition_variable built_cv;
   std::unique_ptr<gradcomm::Communicator> comm;
+  std::exception_ptr failed;  // what building threw: every later call fails with it
   bool building = false;
   // Non-blocking calls made while the builder runs; it submits them, in order, once built.
   std::vector<std::function<void(gradcomm::Communicator*, const std::exception_ptr&)>> waiting;
   std::thread builder;
 };
 
-// A marker for "an intercommunicator" (so MPI_Comm_test_inter runs once per communicator).
+// Markers for "an intercommunicator" and "another gradcomm's communicator" (so each communicator
+// is looked at once).
 char g_intercomm_marker;
+char g_internal_marker;
 
 std::mutex g_states_mutex;
 std::vector<CommState*> g_states;  // in creation order, for MPI_Finalize
 
 int delete_state(MPI_Comm, int, void* value, void*) {
-  if (value == &g_intercomm_marker || value == nullptr) return MPI_SUCCESS;
+  if (value == &g_intercomm_marker || value == &g_internal_marker || value == nullptr) {
+    return MPI_SUCCESS;
+  }
   auto* state = static_cast<CommState*>(value);
   {
     std::lock_guard<std::mutex> lock(g_states_mutex);
@@ -292,43 +377,96 @@ int delete_state(MPI_Comm, int, void* value, void*) {
   return MPI_SUCCESS;
 }
 
-// The state of `comm`, made empty on first use; null for an intercommunicator.
-CommState* state_of(MPI_Comm comm) {
+// The state of `comm`, made empty on first use. Null, with the reason, when calls on `comm` pass
+// through: an intercommunicator, another gradcomm's communicator, or one MPI cannot answer for
+// (MPI then reports the problem).
+CommState* state_of(MPI_Comm comm, gradcomm_mpi_reason* reason) {
   void* value = nullptr;
   int found = 0;
-  PMPI_Comm_get_attr(comm, g_settings.keyval, &value, &found);
-  if (found) return value == &g_intercomm_marker ? nullptr : static_cast<CommState*>(value);
-  int inter = 0;
-  PMPI_Comm_test_inter(comm, &inter);
-  if (inter) {
-    PMPI_Comm_set_attr(comm, g_settings.keyval, &g_intercomm_marker);
+  if (PMPI_Comm_get_attr(comm, g_settings.keyval, &value, &found) != MPI_SUCCESS) {
+    *reason = GRADCOMM_MPI_INVALID;
     return nullptr;
   }
-  auto* state = new CommState(comm);
-  PMPI_Comm_set_attr(comm, g_settings.keyval, state);
+  if (found) {
+    if (value == &g_intercomm_marker) *reason = GRADCOMM_MPI_INTERCOMM;
+    if (value == &g_internal_marker) *reason = GRADCOMM_MPI_INTERNAL;
+    return value == &g_intercomm_marker || value == &g_internal_marker
+               ? nullptr
+               : static_cast<CommState*>(value);
+  }
+  int inter = 0, size = 0, name_length = 0;
+  char name[MPI_MAX_OBJECT_NAME] = {};
+  if (PMPI_Comm_test_inter(comm, &inter) != MPI_SUCCESS ||
+      PMPI_Comm_get_name(comm, name, &name_length) != MPI_SUCCESS ||
+      (!inter && PMPI_Comm_size(comm, &size) != MPI_SUCCESS)) {
+    *reason = GRADCOMM_MPI_INVALID;
+    return nullptr;
+  }
+  void* marker = nullptr;
+  if (inter) {
+    marker = &g_intercomm_marker;
+    *reason = GRADCOMM_MPI_INTERCOMM;
+  } else if (std::string_view(name, static_cast<std::size_t>(name_length)) ==
+             gradcomm::kInternalCommName) {
+    marker = &g_internal_marker;
+    *reason = GRADCOMM_MPI_INTERNAL;
+  }
+  if (marker) {
+    PMPI_Comm_set_attr(comm, g_settings.keyval, marker);  // if it fails, asked again next time
+    return nullptr;
+  }
+  auto state = std::make_unique<CommState>(
+      comm, comm == MPI_COMM_WORLD && g_settings.world != MPI_COMM_NULL, size == 1);
+  if (PMPI_Comm_set_attr(comm, g_settings.keyval, state.get()) != MPI_SUCCESS) {
+    *reason = GRADCOMM_MPI_INVALID;
+    return nullptr;
+  }
   std::lock_guard<std::mutex> lock(g_states_mutex);
-  g_states.push_back(state);
-  return state;
+  g_states.push_back(state.get());
+  return state.release();
 }
 
-std::unique_ptr<gradcomm::Communicator> build(MPI_Comm comm) {
+std::unique_ptr<gradcomm::Communicator> build(const CommState& state) {
   if (!g_settings.error.empty()) throw gradcomm::InvalidArgument(g_settings.error);
-  return std::make_unique<gradcomm::Communicator>(comm, g_settings.config);
+  return std::make_unique<gradcomm::Communicator>(state.is_world ? g_settings.world : state.user,
+                                                  g_settings.config);
 }
 
-// The built Communicator, building it here if nobody has (throws what building threw).
+// Builds `state`'s Communicator in the calling thread if nobody has (state.mutex held); a failure
+// is kept, so that every later call on the communicator fails with it rather than building again
+// on some ranks only.
+void build_here(CommState& state) {
+  if (state.comm) return;
+  if (state.failed) std::rethrow_exception(state.failed);
+  try {
+    state.comm = build(state);
+  } catch (...) {
+    state.failed = std::current_exception();
+    throw;
+  }
+}
+
+// The built Communicator for a blocking call, building it here if nobody has (throws what
+// building threw).
 gradcomm::Communicator& built(CommState& state) {
   std::unique_lock<std::mutex> lock(state.mutex);
   state.built_cv.wait(lock, [&] { return !state.building; });
-  if (!state.comm) state.comm = build(state.user);
+  build_here(state);
   return *state.comm;
+}
+
+// Whether MPI_Iallreduce is taken on `state`'s communicator now (the same answer on every rank:
+// it changes only at a blocking call taken on the communicator, or never).
+bool nonblocking_ready(CommState& state) {
+  if (state.is_world || state.single) return true;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  return state.comm != nullptr || state.failed != nullptr;
 }
 
 // --- MPI_Iallreduce as a generalized request ----------------------------------------------------
 
 struct PendingCall {
   MPI_Request request = MPI_REQUEST_NULL;
-  MPI_Comm user = MPI_COMM_NULL;
   int code = MPI_SUCCESS;
 };
 
@@ -351,11 +489,16 @@ int cancel_call(void*, int) {
   return MPI_SUCCESS;  // a collective cannot be cancelled (MPI-3.1 5.12): it runs to the end
 }
 
-// Ends `call` with `error` (null: success): MPI_Wait then returns, and the user's error handler
-// (if it is not MPI_ERRORS_RETURN) has seen the error. Nothing touches `call` afterwards: MPI
+// Ends `call` with `error` (null: success). Runs on gradcomm's threads, so it only records the
+// error's code: MPI_Wait (or MPI_Test, ...) returns it and raises it through the error handler
+// MPI uses for the request, in the application's thread. Nothing touches `call` afterwards: MPI
 // may free it as soon as it is complete.
 void complete(PendingCall* call, const std::exception_ptr& error) {
-  if (error) call->code = raise(call->user, "MPI_Iallreduce", error);
+  if (error) {
+    int error_class = MPI_ERR_OTHER;
+    std::string message;
+    call->code = code_of("MPI_Iallreduce", error, &error_class, &message);
+  }
   PMPI_Grequest_complete(call->request);
 }
 
@@ -385,28 +528,60 @@ void launch(gradcomm::Communicator& comm, const CallArgs& a, PendingCall* call) 
   comm.engine().submit(std::move(finish));
 }
 
+// MPI_COMM_WORLD's builder: builds from the duplicate made in MPI_Init, then submits the calls
+// that queued meanwhile, in order, without holding the lock (calls made while it submits queue
+// behind them).
+void run_builder(CommState& state) {
+  std::unique_ptr<gradcomm::Communicator> comm;
+  std::exception_ptr error;
+  try {
+    comm = build(state);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::unique_lock<std::mutex> lock(state.mutex);
+  state.comm = std::move(comm);
+  state.failed = error;
+  gradcomm::Communicator* built_comm = state.comm.get();
+  while (!state.waiting.empty()) {
+    auto batch = std::move(state.waiting);
+    state.waiting.clear();
+    lock.unlock();
+    for (auto& submit : batch)
+      submit(built_comm, error);
+    lock.lock();
+  }
+  state.building = false;
+  state.built_cv.notify_all();
+}
+
 int start_nonblocking(CommState& state, const CallArgs& a, MPI_Comm user, MPI_Request* request) {
   auto* call = new PendingCall;
-  call->user = user;
   const int rc = PMPI_Grequest_start(query_call, free_call, cancel_call, call, &call->request);
   if (rc != MPI_SUCCESS) {
     delete call;
-    return rc;
+    return raise(user, "MPI_Iallreduce",
+                 std::make_exception_ptr(gradcomm::Error(
+                     gradcomm::ErrorCode::internal,
+                     "MPI_Grequest_start failed (MPI error " + std::to_string(rc) + ")")));
   }
-  *request = call->request;
   std::unique_lock<std::mutex> lock(state.mutex);
-  if (state.comm && !state.building) {
+  if (!state.building && (state.comm || state.failed || state.single)) {
     try {
+      build_here(state);  // a one-rank communicator: nobody to wait for
       launch(*state.comm, a, call);
     } catch (...) {  // rejected on this rank before anything was submitted
       lock.unlock();
       const std::exception_ptr error = std::current_exception();
       PMPI_Grequest_complete(call->request);
-      PMPI_Request_free(request);
+      PMPI_Request_free(&call->request);
       return raise(user, "MPI_Iallreduce", error);
     }
+    *request = call->request;
     return MPI_SUCCESS;
   }
+  // MPI_COMM_WORLD, being built (or about to be): the call queues behind the build.
+  *request = call->request;
   state.waiting.push_back([a, call](gradcomm::Communicator* comm, const std::exception_ptr& error) {
     if (!comm) return complete(call, error);
     try {
@@ -417,23 +592,8 @@ int start_nonblocking(CommState& state, const CallArgs& a, MPI_Comm user, MPI_Re
   });
   if (!state.building) {
     state.building = true;
-    if (state.builder.joinable()) state.builder.join();
-    state.builder = std::thread([&state] {
-      std::unique_ptr<gradcomm::Communicator> comm;
-      std::exception_ptr error;
-      try {
-        comm = build(state.user);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> guard(state.mutex);
-      state.comm = std::move(comm);
-      for (auto& submit : state.waiting)
-        submit(state.comm.get(), error);
-      state.waiting.clear();
-      state.building = false;
-      state.built_cv.notify_all();
-    });
+    if (state.builder.joinable()) state.builder.join();  // finished: building was false
+    state.builder = std::thread(run_builder, std::ref(state));
   }
   return MPI_SUCCESS;
 }
@@ -473,9 +633,14 @@ bool take(int count, MPI_Datatype datatype, MPI_Op op, MPI_Comm comm, bool nonbl
     count_passed(GRADCOMM_MPI_THREAD_LEVEL, bytes);
     return false;
   }
-  *state = state_of(comm);
+  gradcomm_mpi_reason reason = GRADCOMM_MPI_INVALID;
+  *state = state_of(comm, &reason);
   if (!*state) {
-    count_passed(GRADCOMM_MPI_INTERCOMM, bytes);
+    count_passed(reason, bytes);
+    return false;
+  }
+  if (nonblocking && !nonblocking_ready(**state)) {
+    count_passed(GRADCOMM_MPI_NOT_SET_UP, bytes);
     return false;
   }
   args->count = static_cast<std::size_t>(count);
@@ -507,12 +672,39 @@ void print_log() {
 
 // After PMPI_Init*: read the settings; an invalid GRADCOMM_* variable ends the job here, naming it.
 void after_init() {
-  setup();
+  setup(true);
   if (!g_settings.error.empty()) {
     std::fprintf(stderr, "%s\n", g_settings.error.c_str());
     std::fflush(stderr);
     PMPI_Abort(MPI_COMM_WORLD, 1);
   }
+}
+
+// Frees every communicator's state, newest first (each delete drains the communicator's
+// requests), prints the log, and stops taking calls. From MPI_Finalize, or from MPI_COMM_SELF's
+// attribute when MPI_Finalize did not come through this library; once.
+void shut_down() {
+  if (!g_ready.exchange(false)) return;
+  for (;;) {
+    CommState* state = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(g_states_mutex);
+      if (g_states.empty()) break;
+      state = g_states.back();
+    }
+    MPI_Comm user = state->user;
+    if (PMPI_Comm_delete_attr(user, g_settings.keyval) != MPI_SUCCESS) {
+      delete_state(user, g_settings.keyval, state, nullptr);  // the attribute was gone
+    }
+  }
+  if (g_settings.log) print_log();
+  if (g_settings.world != MPI_COMM_NULL) PMPI_Comm_free(&g_settings.world);
+  PMPI_Comm_free_keyval(&g_settings.keyval);
+}
+
+int at_finalize(MPI_Comm, int, void*, void*) {
+  shut_down();
+  return MPI_SUCCESS;
 }
 
 }  // namespace
@@ -534,23 +726,7 @@ int MPI_Init_thread(int* argc, char*** argv, int required, int* provided) {
 }
 
 int MPI_Finalize(void) {
-  if (g_ready.exchange(false)) {
-    // Newest first; each delete runs delete_state, which drains the communicator's requests.
-    for (;;) {
-      CommState* state = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(g_states_mutex);
-        if (g_states.empty()) break;
-        state = g_states.back();
-      }
-      MPI_Comm user = state->user;
-      if (PMPI_Comm_delete_attr(user, g_settings.keyval) != MPI_SUCCESS) {
-        delete_state(user, g_settings.keyval, state, nullptr);  // the attribute was gone
-      }
-    }
-    if (g_settings.log) print_log();
-    PMPI_Comm_free_keyval(&g_settings.keyval);
-  }
+  shut_down();
   return PMPI_Finalize();
 }
 
@@ -574,6 +750,11 @@ int MPI_Allreduce(const void* sendbuf, void* recvbuf, int count, MPI_Datatype da
 
 int MPI_Iallreduce(const void* sendbuf, void* recvbuf, int count, MPI_Datatype datatype, MPI_Op op,
                    MPI_Comm comm, MPI_Request* request) {
+  // Open MPI 4.1 does not check this one (it writes through the pointer): an error here instead.
+  if (request == nullptr && comm != MPI_COMM_NULL && ready()) {
+    return raise(comm, "MPI_Iallreduce",
+                 std::make_exception_ptr(gradcomm::InvalidArgument("request is a null pointer")));
+  }
   CallArgs args{};
   CommState* state = nullptr;
   if (!take(count, datatype, op, comm, true, &args, &state)) {

@@ -23,7 +23,10 @@ enum gradcomm_mpi_reason {
   GRADCOMM_MPI_THREAD_LEVEL = 4,    /* MPI_Iallreduce below MPI_THREAD_MULTIPLE */
   GRADCOMM_MPI_INVALID = 5,         /* a null communicator, a negative count, ...: MPI reports it */
   GRADCOMM_MPI_NOT_READY = 6,       /* before MPI_Init or after MPI_Finalize began */
-  GRADCOMM_MPI_REASONS = 7
+  GRADCOMM_MPI_NOT_SET_UP = 7,      /* MPI_Iallreduce on a communicator other than MPI_COMM_WORLD
+                                       before its first MPI_Allreduce taken by gradcomm */
+  GRADCOMM_MPI_INTERNAL = 8,        /* a communicator of another copy of gradcomm in the process */
+  GRADCOMM_MPI_REASONS = 9
 };
 
 /* This process's counters since MPI_Init. */

@@ -16,11 +16,11 @@ class Stats(ctypes.Structure):
                 ("taken_bytes", ctypes.c_ulonglong),
                 ("passed_calls", ctypes.c_ulonglong),
                 ("passed_bytes", ctypes.c_ulonglong),
-                ("passed_by_reason", ctypes.c_ulonglong * 7),
+                ("passed_by_reason", ctypes.c_ulonglong * 9),
                 ("min_bytes", ctypes.c_ulonglong)]
 
 
-BELOW_THRESHOLD, DATATYPE, OP = 0, 1, 2
+BELOW_THRESHOLD, DATATYPE, OP, NOT_SET_UP, INTERNAL = 0, 1, 2, 7, 8
 
 process = ctypes.CDLL(None)
 try:
@@ -130,6 +130,47 @@ big = np.full(50000, float(rank), dtype=np.float64)
 sub.Allreduce(MPI.IN_PLACE, big, op=MPI.SUM)
 check(big[0] == float(sum(r for r in range(size) if r % 2 == rank % 2)), "split Allreduce")
 sub.Free()
+
+# On a communicator other than MPI_COMM_WORLD, Iallreduce passes through until an Allreduce taken
+# on it has set it up.
+dup = comm.Dup()
+vec = inputs(np.float64, 3001, rank)
+expected = np.sum(np.stack([inputs(np.float64, 3001, r) for r in range(size)]), axis=0)
+before = stats()
+out = np.empty_like(vec)
+dup.Iallreduce(vec, out, op=MPI.SUM).Wait()
+check(np.array_equal(out, expected), "Iallreduce on a new communicator")
+check(stats().passed_by_reason[NOT_SET_UP] == before.passed_by_reason[NOT_SET_UP] + 1,
+      "Iallreduce on a new communicator passed through")
+dup.Allreduce(vec, out, op=MPI.SUM)
+before = stats()
+out = np.empty_like(vec)
+dup.Iallreduce(vec, out, op=MPI.SUM).Wait()
+check(np.array_equal(out, expected), "Iallreduce after the first Allreduce")
+check(stats().taken_nonblocking_calls == before.taken_nonblocking_calls + 1,
+      "Iallreduce after the first Allreduce taken")
+dup.Free()
+
+# gradcomm's own Python module in the same process: its MPI_Allreduce calls (the `mpi` algorithm)
+# reach the preloaded library, which passes them through (they are on gradcomm's communicators).
+try:
+    import gradcomm
+except ImportError:
+    gradcomm = None
+if gradcomm is not None:
+    gradcomm.init()
+    big = inputs(np.float32, 65537, rank)
+    expected = np.sum(np.stack([inputs(np.float32, 65537, r) for r in range(size)]), axis=0)
+    for algorithm in ("mpi", None):
+        before = stats()
+        result = gradcomm.allreduce(big, op="sum", algorithm=algorithm)
+        check(np.array_equal(result, expected), f"gradcomm.allreduce ({algorithm}) result")
+        after = stats()
+        check(after.taken_calls == before.taken_calls,
+              f"gradcomm.allreduce ({algorithm}) not taken again by the preload")
+        if algorithm == "mpi":
+            check(after.passed_by_reason[INTERNAL] > before.passed_by_reason[INTERNAL],
+                  "gradcomm.allreduce (mpi) passed through as another gradcomm's")
 
 total = comm.allreduce(len(failures), op=MPI.SUM)
 if rank == 0:

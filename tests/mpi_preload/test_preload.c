@@ -347,6 +347,40 @@ static void pass_through(void) {
   if (before.min_bytes > sizeof(double)) expect(&before, 0, GRADCOMM_MPI_BELOW_THRESHOLD, "tiny");
   if (sum != (double)g_size * (g_size + 1) / 2) fail("tiny: sum is %g", sum);
 
+  /* A communicator named as gradcomm names its own: another copy of gradcomm in the process (the
+   * Python module under the preload) makes those, and its traffic is gradcomm's already. */
+  MPI_Comm named;
+  CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &named));
+  CHECK_MPI(MPI_Comm_set_name(named, "gradcomm internal"));
+  for (int i = 0; i < N; ++i)
+    d[i] = g_rank + i;
+  before = stats();
+  CHECK_MPI(MPI_Allreduce(d, r, N, MPI_DOUBLE, MPI_SUM, named));
+  expect(&before, 0, GRADCOMM_MPI_INTERNAL, "another gradcomm's communicator");
+  if (r[N - 1] != (double)g_size * (g_size - 1) / 2 + (double)g_size * (N - 1)) {
+    fail("another gradcomm's communicator: %g", r[N - 1]);
+  }
+  MPI_Comm_free(&named);
+
+  /* MPI_Iallreduce with a null request (Open MPI would write through it): an MPI_ERR_ARG error
+   * from the library, taken nor passed. */
+  MPI_Comm returns;
+  CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &returns));
+  CHECK_MPI(MPI_Comm_set_errhandler(returns, MPI_ERRORS_RETURN));
+  before = stats();
+  const int null_request = MPI_Iallreduce(d, r, N, MPI_DOUBLE, MPI_SUM, returns, NULL);
+  int null_class = 0, null_len = 0;
+  char null_text[MPI_MAX_ERROR_STRING] = "";
+  MPI_Error_class(null_request, &null_class);
+  MPI_Error_string(null_request, null_text, &null_len);
+  const gradcomm_mpi_stats after = stats();
+  if (null_request == MPI_SUCCESS || null_class != MPI_ERR_ARG || !strstr(null_text, "request") ||
+      after.taken_calls != before.taken_calls || after.passed_calls != before.passed_calls) {
+    fail("MPI_Iallreduce with a null request: rc %d, class %d, '%s'", null_request, null_class,
+         null_text);
+  }
+  MPI_Comm_free(&returns);
+
   /* An intercommunicator: the lower half and the upper half (from 2 ranks). */
   if (g_size >= 2) {
     const int lower = g_rank < g_size / 2;
@@ -377,6 +411,20 @@ static void pass_through(void) {
 /* --- Errors follow the communicator's error handler ---------------------------------------------
  */
 
+static struct {
+  int calls, other_thread;
+  pthread_t main;
+  char text[MPI_MAX_ERROR_STRING];
+} g_handler;
+
+static void count_error(MPI_Comm* comm, int* code, ...) {
+  (void)comm;
+  int len = 0;
+  ++g_handler.calls;
+  if (!pthread_equal(pthread_self(), g_handler.main)) ++g_handler.other_thread;
+  MPI_Error_string(*code, g_handler.text, &len);
+}
+
 static void errors(void) {
   MPI_Comm comm;
   CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
@@ -387,12 +435,40 @@ static void errors(void) {
   int len = 0, error_class = 0;
 
   /* Bad input on every rank (recvbuf NULL): an MPI_ERR_ARG code before any communication. */
-  int rc = MPI_Allreduce(a, NULL, N, MPI_FLOAT, MPI_SUM, comm);
+  const int null_rc = MPI_Allreduce(a, NULL, N, MPI_FLOAT, MPI_SUM, comm);
+  int rc = null_rc;
+  char null_text[MPI_MAX_ERROR_STRING];
+  MPI_Error_class(rc, &error_class);
+  MPI_Error_string(rc, null_text, &len);
+  if (rc == MPI_SUCCESS || error_class != MPI_ERR_ARG || !strstr(null_text, "MPI_Allreduce")) {
+    fail("null recvbuf: rc %d, class %d, '%s'", rc, error_class, null_text);
+  }
+  /* Another bad input of the same class (a null sendbuf) gets a code of its own: the first code
+   * still says what went wrong with the first call. */
+  rc = MPI_Allreduce(NULL, b, N, MPI_FLOAT, MPI_SUM, comm);
   MPI_Error_class(rc, &error_class);
   MPI_Error_string(rc, text, &len);
-  if (rc == MPI_SUCCESS || error_class != MPI_ERR_ARG || !strstr(text, "MPI_Allreduce")) {
-    fail("null recvbuf: rc %d, class %d, '%s'", rc, error_class, text);
+  if (rc == MPI_SUCCESS || rc == null_rc || error_class != MPI_ERR_ARG ||
+      !strcmp(text, null_text)) {
+    fail("null sendbuf: rc %d (null recvbuf's %d), class %d, '%s'", rc, null_rc, error_class, text);
   }
+  MPI_Error_string(null_rc, text, &len);
+  if (strcmp(text, null_text) != 0) fail("the first code's string changed to '%s'", text);
+
+  /* A user error handler is called once, in the calling thread, with gradcomm's message. */
+  MPI_Errhandler handler;
+  CHECK_MPI(MPI_Comm_create_errhandler(count_error, &handler));
+  CHECK_MPI(MPI_Comm_set_errhandler(comm, handler));
+  g_handler.calls = 0;
+  g_handler.other_thread = 0;
+  g_handler.main = pthread_self();
+  rc = MPI_Allreduce(a, NULL, N, MPI_FLOAT, MPI_SUM, comm);
+  if (rc != null_rc || g_handler.calls != 1 || g_handler.other_thread ||
+      strcmp(g_handler.text, null_text) != 0) {
+    fail("user handler: rc %d, %d calls (%d on another thread), '%s'", rc, g_handler.calls,
+         g_handler.other_thread, g_handler.text);
+  }
+  CHECK_MPI(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
 
   /* Ranks that disagree on the count: every rank gets an error, no rank hangs. */
   const char* check = getenv("GRADCOMM_CHECK");
@@ -409,6 +485,8 @@ static void errors(void) {
    * to return for this case (docs/mpi-preload.md). */
   if (g_size >= 2 && checked && g_thread_multiple && stats().min_bytes <= N * sizeof(float)) {
     CHECK_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+    CHECK_MPI(MPI_Comm_set_errhandler(comm, handler));
+    g_handler.calls = 0;
     MPI_Request request;
     MPI_Status status;
     rc = MPI_Iallreduce(a, b, g_rank == 0 ? N + 1 : N, MPI_FLOAT, MPI_SUM, comm, &request);
@@ -418,14 +496,158 @@ static void errors(void) {
     if (rc == MPI_SUCCESS || !strstr(text, "MPI_Iallreduce (gradcomm)")) {
       fail("count mismatch, MPI_Iallreduce: MPI_Wait rc %d, '%s'", rc, text);
     }
+    /* The failure was found on gradcomm's progress thread: the communicator's user handler is
+     * not called there (MPI_Wait raised it, in this thread, through MPI_COMM_WORLD's). */
+    if (g_handler.calls != 0) fail("user handler called %d times", g_handler.calls);
+    CHECK_MPI(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
     CHECK_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL));
   }
+  MPI_Errhandler_free(&handler);
   /* The communicator is still usable. */
   for (int i = 0; i < N; ++i)
     a[i] = 1;
   CHECK_MPI(MPI_Allreduce(a, b, N, MPI_FLOAT, MPI_SUM, comm));
   if (b[0] != (float)g_size || b[N - 1] != (float)g_size) fail("after the errors: %g", b[0]);
   MPI_Comm_free(&comm);
+}
+
+/* --- MPI_Iallreduce first, requests freed, mixed, and outliving their communicator ----------- */
+
+/* Rank r's element i of input k, and the sum over ranks. */
+static double input(int r, int k, int i) {
+  return r + k + i % 5;
+}
+
+static double summed(int k, int i) {
+  return (double)g_size * (g_size - 1) / 2 + (double)g_size * (k + i % 5);
+}
+
+static void expect_sums(const double* out, int n, int k, const char* what) {
+  for (int i = 0; i < n; ++i) {
+    if (out[i] != summed(k, i)) {
+      fail("%s: element %d is %g, expected %g", what, i, out[i], summed(k, i));
+      return;
+    }
+  }
+}
+
+/* The first calls taken on MPI_COMM_WORLD are MPI_Iallreduce, run first thing: its gradcomm state
+ * is built on a thread of its own (from a duplicate made in MPI_Init) while this thread goes on
+ * with collectives on MPI_COMM_WORLD and makes and uses a communicator of its own; the calls
+ * made meanwhile queue, in order. */
+static void nonblocking_first(void) {
+  enum { N = 5000, K = 4 };
+  static double in[K][N], out[K][N], a[N], b[N];
+  MPI_Request requests[K];
+  const gradcomm_mpi_stats before = stats();
+  for (int k = 0; k < K; ++k) {
+    for (int i = 0; i < N; ++i)
+      in[k][i] = input(g_rank, k, i);
+    CHECK_MPI(MPI_Iallreduce(in[k], out[k], N, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, &requests[k]));
+    if (k == 1) {
+      int token = g_rank == 0 ? 42 : -1;
+      CHECK_MPI(MPI_Bcast(&token, 1, MPI_INT, 0, MPI_COMM_WORLD));
+      if (token != 42) fail("a broadcast among MPI_Iallreduce calls gave %d", token);
+    }
+    if (k == 2) {
+      MPI_Comm split;
+      CHECK_MPI(MPI_Comm_split(MPI_COMM_WORLD, g_rank % 2, g_rank, &split));
+      int n = 0;
+      MPI_Comm_size(split, &n);
+      for (int i = 0; i < N; ++i)
+        a[i] = 1;
+      CHECK_MPI(MPI_Allreduce(a, b, N, MPI_DOUBLE, MPI_SUM, split));
+      if (b[0] != n || b[N - 1] != n) fail("a split among MPI_Iallreduce calls: %g", b[0]);
+      MPI_Comm_free(&split);
+    }
+  }
+  CHECK_MPI(MPI_Waitall(K, requests, MPI_STATUSES_IGNORE));
+  for (int k = 0; k < K; ++k)
+    expect_sums(out[k], N, k, "MPI_Iallreduce first on MPI_COMM_WORLD");
+  const gradcomm_mpi_stats after = stats();
+  const unsigned long long taken = after.taken_nonblocking_calls - before.taken_nonblocking_calls;
+  if (taken != (g_thread_multiple ? (unsigned long long)K : 0)) {
+    fail("MPI_Iallreduce first on MPI_COMM_WORLD: %llu of %d taken", taken, K);
+  }
+}
+
+/* On another communicator, MPI_Iallreduce passes through until an MPI_Allreduce taken on it has
+ * built its state (building it anywhere else would race the application's collectives on it).
+ * Then: requests completed by MPI_Waitany among one of MPI's own, a request freed in flight, and
+ * requests that outlive their communicator. */
+static void requests(void) {
+  enum { N = 6000, K = 3 };
+  static double in[K][N], out[K][N];
+  for (int k = 0; k < K; ++k)
+    for (int i = 0; i < N; ++i)
+      in[k][i] = input(g_rank, k, i);
+  MPI_Comm comm;
+  CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+  MPI_Request request;
+  const int nonblocking_reason = g_thread_multiple ? -1 : GRADCOMM_MPI_THREAD_LEVEL;
+
+  gradcomm_mpi_stats before = stats();
+  CHECK_MPI(MPI_Iallreduce(in[0], out[0], N, MPI_DOUBLE, MPI_SUM, comm, &request));
+  CHECK_MPI(MPI_Wait(&request, MPI_STATUS_IGNORE));
+  /* (Taken at once on one rank: there is nobody to wait for.) */
+  expect(
+      &before, 1,
+      !g_thread_multiple ? GRADCOMM_MPI_THREAD_LEVEL : (g_size == 1 ? -1 : GRADCOMM_MPI_NOT_SET_UP),
+      "MPI_Iallreduce before the communicator's first MPI_Allreduce");
+  expect_sums(out[0], N, 0, "MPI_Iallreduce before the first MPI_Allreduce");
+  before = stats();
+  CHECK_MPI(MPI_Allreduce(in[1], out[1], N, MPI_DOUBLE, MPI_SUM, comm));
+  expect(&before, 0, -1, "the first MPI_Allreduce");
+  expect_sums(out[1], N, 1, "the first MPI_Allreduce");
+  before = stats();
+  CHECK_MPI(MPI_Iallreduce(in[2], out[2], N, MPI_DOUBLE, MPI_SUM, comm, &request));
+  CHECK_MPI(MPI_Wait(&request, MPI_STATUS_IGNORE));
+  expect(&before, 1, nonblocking_reason, "MPI_Iallreduce after it");
+  expect_sums(out[2], N, 2, "MPI_Iallreduce after it");
+
+  /* MPI_Waitany over gradcomm's requests and one of MPI's (two doubles, below any threshold of 16
+   * bytes or more). */
+  MPI_Request mixed[K + 1];
+  double tiny[2] = {input(g_rank, 0, 0), input(g_rank, 0, 1)}, tiny_out[2];
+  memset(out, 0, sizeof out);
+  for (int k = 0; k < K; ++k)
+    CHECK_MPI(MPI_Iallreduce(in[k], out[k], N, MPI_DOUBLE, MPI_SUM, comm, &mixed[k]));
+  CHECK_MPI(MPI_Iallreduce(tiny, tiny_out, 2, MPI_DOUBLE, MPI_SUM, comm, &mixed[K]));
+  int seen = 0;
+  for (int done = 0; done <= K; ++done) {
+    int index = MPI_UNDEFINED;
+    CHECK_MPI(MPI_Waitany(K + 1, mixed, &index, MPI_STATUS_IGNORE));
+    if (index < 0 || index > K || (seen & (1 << index))) {
+      fail("MPI_Waitany returned %d (seen %#x)", index, seen);
+      break;
+    }
+    seen |= 1 << index;
+  }
+  for (int k = 0; k < K; ++k)
+    expect_sums(out[k], N, k, "MPI_Waitany");
+  expect_sums(tiny_out, 2, 0, "MPI_Waitany, MPI's own request");
+
+  /* A request freed in flight: a blocking call on the communicator runs behind it (calls on a
+   * communicator run in order), so its result is there once that call returns. */
+  if (g_thread_multiple) {
+    memset(out, 0, sizeof out);
+    CHECK_MPI(MPI_Iallreduce(in[0], out[0], N, MPI_DOUBLE, MPI_SUM, comm, &request));
+    CHECK_MPI(MPI_Request_free(&request));
+    if (request != MPI_REQUEST_NULL) fail("MPI_Request_free left the request set");
+    CHECK_MPI(MPI_Allreduce(in[1], out[1], N, MPI_DOUBLE, MPI_SUM, comm));
+    expect_sums(out[0], N, 0, "a request freed in flight");
+    expect_sums(out[1], N, 1, "the call after a request freed in flight");
+  }
+
+  /* Requests that outlive their communicator: MPI_Comm_free waits for them (the state's delete
+   * callback drains them), and MPI_Wait then gives their results. */
+  memset(out, 0, sizeof out);
+  for (int k = 0; k < 2; ++k)
+    CHECK_MPI(MPI_Iallreduce(in[k], out[k], N, MPI_DOUBLE, MPI_SUM, comm, &mixed[k]));
+  CHECK_MPI(MPI_Comm_free(&comm));
+  CHECK_MPI(MPI_Waitall(2, mixed, MPI_STATUSES_IGNORE));
+  for (int k = 0; k < 2; ++k)
+    expect_sums(out[k], N, k, "a request that outlived its communicator");
 }
 
 /* --- Communicators: split, dup, freed and made again -------------------------------------------
@@ -614,6 +836,8 @@ int main(int argc, char** argv) {
 #define SECTION(name)                                                                     \
   if (g_rank == 0) fprintf(stderr, "test_preload: %s: %.2f s\n", name, MPI_Wtime() - t0); \
   t0 = MPI_Wtime()
+  nonblocking_first();
+  SECTION("MPI_Iallreduce first");
   correctness(MPI_COMM_WORLD, "MPI_COMM_WORLD", quick);
   SECTION("MPI_COMM_WORLD");
   MPI_Comm split, dup;
@@ -628,6 +852,8 @@ int main(int argc, char** argv) {
   pass_through();
   errors();
   SECTION("pass-through and errors");
+  requests();
+  SECTION("requests");
   comm_churn(quick ? 20 : 120);
   SECTION("communicators freed and made again");
   if (g_thread_multiple) threads();
