@@ -18,8 +18,9 @@ WindowShape window_shape(double call, double decision) {
 
 MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
                                const std::vector<double>& predicted, int stride, int window,
-                               int duel, int challenger_calls)
-    : names_(std::move(names)),
+                               int duel, int challenger_calls, const LearnerTuning& tuning)
+    : tuning_(tuning),
+      names_(std::move(names)),
       ratio_(names_.size(), 0.0),
       stride_(stride),
       window_(window),
@@ -67,16 +68,18 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     ratio_[challenger_] = std::max(pooled_[1] / duel_windows_, 1e-12);
     const double mine = expected(choice_, predicted[choice_]);
     const double theirs = expected(challenger_, predicted[challenger_]);
-    if (duel_windows_ < kMaxDuelWindows && theirs < kClose * mine && mine < kClose * theirs) {
+    if (duel_windows_ < tuning_.max_duel_windows && theirs < tuning_.close * mine &&
+        mine < tuning_.close * theirs) {
       return false;  // too close to call from 4 - 8 calls: another duel window, pooled
     }
     pooled_ = {0, 0};
     duel_windows_ = 0;
-    if (theirs < kMargin * mine) {
+    if (theirs < tuning_.margin * mine) {
       choice_ = challenger_;
       since_recheck_ = 0;
       solo_seconds_ = 0;
-      confirmed_ = false;  // one duel decided it: confirmed by another kConfirmAfter windows on
+      // One duel decided it: confirmed by another confirm_after windows on.
+      confirmed_ = tuning_.confirm_after == 0;
     } else {
       if (!trying_) confirmed_ = true;  // a trial duel says nothing about the runner-up
       if (rechecking_) solo_seconds_ = 0;
@@ -93,12 +96,13 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     }
   }
   // The most promising algorithm never measured here whose prediction is within
-  // kRecheckFactor of the choice: the model is off by up to 2x for single algorithms on this
+  // recheck_factor of the choice: the model is off by up to 2x for single algorithms on this
   // machine (shm on 4 ranks sharing 2 cores at 2 MiB), and the re-checks below only ever look at
   // the strongest other, so each such algorithm is tried once.
   std::size_t untried = choice_;
   for (std::size_t i = 0; i < names_.size(); ++i) {
-    if (i != choice_ && !measured(i) && predicted[i] <= kRecheckFactor * mine &&
+    if (tuning_.try_untried && i != choice_ && !measured(i) &&
+        predicted[i] <= tuning_.recheck_factor * mine &&
         (untried == choice_ || predicted[i] < predicted[untried])) {
       untried = i;
     }
@@ -107,25 +111,26 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     const double theirs = expected(other, predicted[other]);
     rechecking_ = false;
     trying_ = false;
-    if (theirs < kMargin * mine) {
+    if (theirs < tuning_.margin * mine) {
       challenger_ = other;  // expected to win: find out
     } else if (untried != choice_) {
       challenger_ = untried;  // not expected to win, but never measured: try it once
       trying_ = true;
     } else if (!was_duel) {
       // Re-check the runner-up once what the duel would cost beyond the choice (its calls times
-      // the expected difference) is within kRecheckBudget of the solo time since the last one: a
+      // the expected difference) is within recheck_budget of the solo time since the last one: a
       // near tie is re-checked every few windows, so a change of the machine's state that turns
       // it is found soon; one expected twice as slow rarely.
       ++since_recheck_;
       solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
-      const bool confirm = !confirmed_ && since_recheck_ >= kConfirmAfter;
-      const bool paid = since_recheck_ >= kMinRecheck &&
-                        solo_seconds_ * kRecheckBudget >= challenger_calls_ * (theirs - mine);
+      const bool confirm = !confirmed_ && since_recheck_ >= tuning_.confirm_after;
+      const bool paid =
+          tuning_.recheck_budget > 0 && since_recheck_ >= tuning_.min_recheck &&
+          solo_seconds_ * tuning_.recheck_budget >= challenger_calls_ * (theirs - mine);
       if (confirm || paid) {
         since_recheck_ = 0;
         solo_seconds_ = 0;
-        if (theirs <= kRecheckFactor * mine) {
+        if (theirs <= tuning_.recheck_factor * mine) {
           challenger_ = other;
           rechecking_ = true;
         } else {

@@ -58,25 +58,33 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // host moving a virtual CPU) that made one duel lie is undone within a few windows. A duel too
 // close to call (within 15%) from its 4 - 8 challenger calls runs another window, up to three,
 // judged on their mean.
+//
+// The constants are LearnerTuning's defaults; bench/learner_replay replays measured traces
+// through variants of them (docs/selection.md, "What each mechanism buys").
+struct LearnerTuning {
+  double margin = 0.98;         // a challenger must be this much faster
+  double recheck_factor = 2.0;  // runner-ups expected slower are not challenged
+  // The runner-up is re-checked once the duel's expected cost beyond the choice is at most
+  // recheck_budget of the solo time since the last re-check, and min_recheck solo windows apart
+  // (recheck_budget 0: never).
+  double recheck_budget = 0.03;
+  int min_recheck = 2;
+  int confirm_after = 2;  // solo windows from a switch to its confirming duel (0: no confirmation)
+  // A duel whose two expectations lie within `close` of each other goes on for another window, up
+  // to max_duel_windows, and is decided on the mean of its windows' figures.
+  double close = 1.15;
+  int max_duel_windows = 3;
+  bool try_untried = true;  // try once each never-measured algorithm predicted within 2x
+};
+
 class MeasuredChoice {
  public:
-  static constexpr double kMargin = 0.98;        // a challenger must be this much faster
-  static constexpr double kRecheckFactor = 2.0;  // runner-ups expected slower are not challenged
-  // The runner-up is re-checked once the duel's expected cost beyond the choice is at most
-  // kRecheckBudget of the solo time since the last re-check, and kMinRecheck solo windows apart.
-  static constexpr double kRecheckBudget = 0.03;
-  static constexpr int kMinRecheck = 2;
-  static constexpr int kConfirmAfter = 2;  // solo windows from a switch to its confirming duel
-  // A duel whose two expectations lie within kClose of each other goes on for another window, up
-  // to kMaxDuelWindows, and is decided on the mean of its windows' figures.
-  static constexpr double kClose = 1.15;
-  static constexpr int kMaxDuelWindows = 3;
-
   // `names` in the registry's order, `predicted` seconds for each at the first call's size. One
   // call in `stride` is timed; a solo window has `window` timed calls, a duel `duel`, of which
   // `challenger_calls` in the middle are the challenger's.
   MeasuredChoice(std::vector<std::string_view> names, const std::vector<double>& predicted,
-                 int stride, int window, int duel, int challenger_calls);
+                 int stride, int window, int duel, int challenger_calls,
+                 const LearnerTuning& tuning = {});
 
   struct Pick {
     std::string_view algorithm;
@@ -133,6 +141,7 @@ class MeasuredChoice {
     return dueling() && timed_ >= first && timed_ < first + challenger_calls_;
   }
 
+  LearnerTuning tuning_;
   std::vector<std::string_view> names_;
   std::vector<double> ratio_;  // measured / predicted (0: never measured)
   std::size_t choice_ = 0;

@@ -118,7 +118,7 @@ TEST(Selection, MeasuringARightModelCostsOnlyRechecks) {
   EXPECT_EQ(ran[2], 0);
   EXPECT_GT(ran[1], 4);
   // What the re-checks cost beyond "a" stays within the budget of a's time (plus the trial).
-  EXPECT_LE((ran[1] - 4) * (2 - 1), collectives::MeasuredChoice::kRecheckBudget * ran[0] + 4);
+  EXPECT_LE((ran[1] - 4) * (2 - 1), collectives::LearnerTuning{}.recheck_budget * ran[0] + 4);
   // A near tie ("b" 1% slower than "a") is re-checked every few windows instead.
   collectives::MeasuredChoice tie({"a", "b"}, {1, 1.01}, 1, 4, 8, 4);
   const std::vector<int> tie_ran = simulate(
