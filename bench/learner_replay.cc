@@ -136,21 +136,11 @@ std::vector<Variant> variants() {
   std::vector<Variant> v;
   v.push_back({"learner (as shipped)", LearnerTuning{}});
   LearnerTuning t;
-  t.confirm_after = 0;
-  v.push_back({"- confirming duel", t});
-  t = LearnerTuning{};
-  t.max_duel_windows = 1;
-  v.push_back({"- close-duel windows", t});
-  t = LearnerTuning{};
   t.recheck_budget = 0;
   v.push_back({"- re-checks", t});
   t = LearnerTuning{};
   t.try_untried = false;
   v.push_back({"- trials", t});
-  t = LearnerTuning{};
-  t.confirm_after = 0;
-  t.max_duel_windows = 1;
-  v.push_back({"- confirming, close-duel", t});
   return v;
 }
 
@@ -161,52 +151,93 @@ void print_row(const char* name, std::vector<double> ratios) {
   std::printf("  %-26s %7.4f  [%6.4f, %6.4f]\n", name, median, ratios.front(), ratios.back());
 }
 
+// One scenario over one trace: every variant's ratio to the fastest single algorithm, from
+// kStarts starting rounds.
+void evaluate(const Trace& t, const char* scenario) {
+  constexpr std::size_t kStarts = 8;
+  const std::size_t n = t.rounds.size();
+  const std::size_t model = static_cast<std::size_t>(
+      std::min_element(t.predicted.begin(), t.predicted.end()) - t.predicted.begin());
+  const auto all = variants();
+  std::vector<std::vector<double>> ratios(all.size() + 2);
+  std::size_t best_single = 0;
+  for (std::size_t s = 0; s < kStarts; ++s) {
+    const std::size_t start = s * n / kStarts;
+    double best = 0;
+    for (std::size_t a = 0; a < t.names.size(); ++a) {
+      const double total = fixed(t, start, n, [a](const std::vector<double>&) { return a; });
+      if (a == 0 || total < best) {
+        best = total;
+        best_single = a;
+      }
+    }
+    ratios[0].push_back(fixed(t, start, n,
+                              [](const std::vector<double>& r) {
+                                return static_cast<std::size_t>(
+                                    std::min_element(r.begin(), r.end()) - r.begin());
+                              }) /
+                        best);
+    ratios[1].push_back(fixed(t, start, n, [model](const std::vector<double>&) { return model; }) /
+                        best);
+    for (std::size_t v = 0; v < all.size(); ++v)
+      ratios[v + 2].push_back(replay(t, start, n, all[v].tuning) / best);
+  }
+  std::printf("%s: %d ranks, %zu bytes, %zu rounds, %s; fastest single: %s; model picks %s\n",
+              t.file.c_str(), t.ranks, t.bytes, n, scenario, t.names[best_single].c_str(),
+              t.names[model].c_str());
+  print_row("oracle (per-round best)", ratios[0]);
+  print_row("model only", ratios[1]);
+  for (std::size_t v = 0; v < all.size(); ++v)
+    print_row(all[v].name, ratios[v + 2]);
+}
+
+// The algorithms by their total over the whole trace, fastest first.
+std::vector<std::size_t> ranking(const Trace& t) {
+  std::vector<double> totals(t.names.size(), 0);
+  for (const auto& round : t.rounds)
+    for (std::size_t a = 0; a < totals.size(); ++a)
+      totals[a] += round[a];
+  std::vector<std::size_t> order(totals.size());
+  for (std::size_t a = 0; a < order.size(); ++a)
+    order[a] = a;
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t x, std::size_t y) { return totals[x] < totals[y]; });
+  return order;
+}
+
 }  // namespace
 
+// Scenarios, each over the same measured times:
+// - as measured: the model's predictions as the trace recorded them;
+// - model wrong (1.5x, 3x): the fastest algorithm predicted at 1.5x (within the trial factor) or
+//   3x (beyond it) the lowest prediction of the others, so the model picks another;
+// - state change: from the trace's middle on, the fastest and the second swap their times (the
+//   machine changed under a settled choice).
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: gradcomm-learner-replay trace.csv [more.csv ...]\n");
     return 2;
   }
-  constexpr std::size_t kStarts = 8;
   for (int f = 1; f < argc; ++f) {
     for (const Trace& t : read(argv[f])) {
-      const std::size_t n = t.rounds.size();
-      if (n < kStarts || t.names.size() < 2) continue;
-      const std::size_t model = static_cast<std::size_t>(
-          std::min_element(t.predicted.begin(), t.predicted.end()) - t.predicted.begin());
-      std::vector<std::vector<double>> ratios(variants().size() + 2);
-      std::size_t best_single = 0;
-      for (std::size_t s = 0; s < kStarts; ++s) {
-        const std::size_t start = s * n / kStarts;
-        double best = 0;
-        for (std::size_t a = 0; a < t.names.size(); ++a) {
-          const double total = fixed(t, start, n, [a](const std::vector<double>&) { return a; });
-          if (a == 0 || total < best) {
-            best = total;
-            best_single = a;
-          }
+      if (t.rounds.size() < 16 || t.names.size() < 2) continue;
+      evaluate(t, "as measured");
+      const std::vector<std::size_t> order = ranking(t);
+      double lowest_other = 0;
+      for (std::size_t a = 0; a < t.names.size(); ++a) {
+        if (a != order[0] && (lowest_other == 0 || t.predicted[a] < lowest_other)) {
+          lowest_other = t.predicted[a];
         }
-        ratios[0].push_back(fixed(t, start, n,
-                                  [](const std::vector<double>& r) {
-                                    return static_cast<std::size_t>(
-                                        std::min_element(r.begin(), r.end()) - r.begin());
-                                  }) /
-                            best);
-        ratios[1].push_back(
-            fixed(t, start, n, [model](const std::vector<double>&) { return model; }) / best);
-        const auto all = variants();
-        for (std::size_t v = 0; v < all.size(); ++v)
-          ratios[v + 2].push_back(replay(t, start, n, all[v].tuning) / best);
       }
-      std::printf("%s: %d ranks, %zu bytes, %zu rounds; fastest single: %s; model picks %s\n",
-                  t.file.c_str(), t.ranks, t.bytes, n, t.names[best_single].c_str(),
-                  t.names[model].c_str());
-      print_row("oracle (per-round best)", ratios[0]);
-      print_row("model only", ratios[1]);
-      const auto all = variants();
-      for (std::size_t v = 0; v < all.size(); ++v)
-        print_row(all[v].name, ratios[v + 2]);
+      for (const double factor : {1.5, 3.0}) {
+        Trace wrong = t;
+        wrong.predicted[order[0]] = factor * lowest_other;
+        evaluate(wrong, factor < 2 ? "model wrong (1.5x)" : "model wrong (3x)");
+      }
+      Trace changed = t;
+      for (std::size_t r = changed.rounds.size() / 2; r < changed.rounds.size(); ++r)
+        std::swap(changed.rounds[r][order[0]], changed.rounds[r][order[1]]);
+      evaluate(changed, "state change");
     }
   }
   return 0;

@@ -34,8 +34,8 @@ std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, 
 void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
 
 // True when auto has finished exploring calls like `args`: its choice for their size class has
-// been measured (at least one window decided), no duel is under way and a switch has been
-// confirmed (MeasuredChoice::settled), or auto does not measure them (one rank, one candidate,
+// been measured (at least one window decided) and no duel is under way (MeasuredChoice::settled),
+// or auto does not measure them (one rank, one candidate,
 // GRADCOMM_AUTO_MEASURE=0, a tuning table, reproducible mode). The same on every rank. For
 // gradcomm-bench, which times auto in its steady state (and reports what exploring cost).
 bool auto_settled(const AllreduceArgs& args, Communicator& comm);

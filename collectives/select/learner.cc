@@ -60,29 +60,16 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   if (!was_duel) {
     ratio_[choice_] = std::max(agreed[0], 1e-12);
   } else {
-    // A contest is judged on the mean of its duel windows' figures.
-    pooled_[0] += agreed[0];
-    pooled_[1] += agreed[1];
-    ++duel_windows_;
-    ratio_[choice_] = std::max(pooled_[0] / duel_windows_, 1e-12);
-    ratio_[challenger_] = std::max(pooled_[1] / duel_windows_, 1e-12);
+    ratio_[choice_] = std::max(agreed[0], 1e-12);
+    ratio_[challenger_] = std::max(agreed[1], 1e-12);
     const double mine = expected(choice_, predicted[choice_]);
     const double theirs = expected(challenger_, predicted[challenger_]);
-    if (duel_windows_ < tuning_.max_duel_windows && theirs < tuning_.close * mine &&
-        mine < tuning_.close * theirs) {
-      return false;  // too close to call from 4 - 8 calls: another duel window, pooled
-    }
-    pooled_ = {0, 0};
-    duel_windows_ = 0;
     if (theirs < tuning_.margin * mine) {
       choice_ = challenger_;
       since_recheck_ = 0;
       solo_seconds_ = 0;
-      // One duel decided it: confirmed by another confirm_after windows on.
-      confirmed_ = tuning_.confirm_after == 0;
-    } else {
-      if (!trying_) confirmed_ = true;  // a trial duel says nothing about the runner-up
-      if (rechecking_) solo_seconds_ = 0;
+    } else if (rechecking_) {
+      solo_seconds_ = 0;
     }
   }
   challenger_ = choice_;
@@ -110,12 +97,10 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   if (other != choice_) {
     const double theirs = expected(other, predicted[other]);
     rechecking_ = false;
-    trying_ = false;
     if (theirs < tuning_.margin * mine) {
       challenger_ = other;  // expected to win: find out
     } else if (untried != choice_) {
       challenger_ = untried;  // not expected to win, but never measured: try it once
-      trying_ = true;
     } else if (!was_duel) {
       // Re-check the runner-up once what the duel would cost beyond the choice (its calls times
       // the expected difference) is within recheck_budget of the solo time since the last one: a
@@ -123,23 +108,16 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       // it is found soon; one expected twice as slow rarely.
       ++since_recheck_;
       solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
-      const bool confirm = !confirmed_ && since_recheck_ >= tuning_.confirm_after;
       const bool paid =
           tuning_.recheck_budget > 0 && since_recheck_ >= tuning_.min_recheck &&
           solo_seconds_ * tuning_.recheck_budget >= challenger_calls_ * (theirs - mine);
-      if (confirm || paid) {
+      if (paid && theirs <= tuning_.recheck_factor * mine) {
         since_recheck_ = 0;
         solo_seconds_ = 0;
-        if (theirs <= tuning_.recheck_factor * mine) {
-          challenger_ = other;
-          rechecking_ = true;
-        } else {
-          confirmed_ = true;  // nothing close enough to doubt it
-        }
+        challenger_ = other;
+        rechecking_ = true;
       }
     }
-  } else {
-    confirmed_ = true;
   }
   return choice_ != before;
 }

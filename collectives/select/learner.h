@@ -53,14 +53,13 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // and then, so that a choice that became wrong later is found: once the re-check's expected cost
 // (its calls times how much slower it is expected to be) is 3% of the solo time since the last
 // one, so a near tie is re-checked every few windows and an algorithm expected 2x slower once
-// the choice ran 33 times the re-check's 4 - 8 calls. A switch, decided by 4 - 8 calls of the
-// challenger, is confirmed by a duel with the old choice 2 solo windows later: a transient (the
-// host moving a virtual CPU) that made one duel lie is undone within a few windows. A duel too
-// close to call (within 15%) from its 4 - 8 challenger calls runs another window, up to three,
-// judged on their mean.
+// the choice ran 33 times the re-check's 4 - 8 calls. A duel is decided by its one window; a
+// switch a transient caused is undone by the re-checks.
 //
-// The constants are LearnerTuning's defaults; bench/learner_replay replays measured traces
-// through variants of them (docs/selection.md, "What each mechanism buys").
+// The constants are LearnerTuning's defaults. bench/learner_replay replays measured traces
+// through variants of them: the trials and the re-checks pay for themselves there, and two
+// mechanisms that did not (a confirming duel after each switch, more windows for close duels) were
+// removed (docs/selection.md, "What each mechanism buys").
 struct LearnerTuning {
   double margin = 0.98;         // a challenger must be this much faster
   double recheck_factor = 2.0;  // runner-ups expected slower are not challenged
@@ -69,11 +68,6 @@ struct LearnerTuning {
   // (recheck_budget 0: never).
   double recheck_budget = 0.03;
   int min_recheck = 2;
-  int confirm_after = 2;  // solo windows from a switch to its confirming duel (0: no confirmation)
-  // A duel whose two expectations lie within `close` of each other goes on for another window, up
-  // to max_duel_windows, and is decided on the mean of its windows' figures.
-  double close = 1.15;
-  int max_duel_windows = 3;
   bool try_untried = true;  // try once each never-measured algorithm predicted within 2x
 };
 
@@ -121,9 +115,8 @@ class MeasuredChoice {
   std::string_view choice() const { return names_[choice_]; }
   bool dueling() const { return challenger_ != choice_; }
   int windows() const { return windows_; }  // decided so far
-  // A window has decided, no duel is under way, and the choice has won a duel since it last
-  // changed (or nothing is close enough to challenge it): what a steady state looks like.
-  bool settled() const { return windows_ > 0 && !dueling() && confirmed_; }
+  // A window has decided and no duel is under way: what a steady state looks like.
+  bool settled() const { return windows_ > 0 && !dueling(); }
   std::string_view challenger() const { return names_[challenger_]; }
   const std::vector<std::string_view>& names() const { return names_; }
   bool measured(std::size_t i) const { return ratio_[i] > 0; }
@@ -152,12 +145,8 @@ class MeasuredChoice {
   int windows_ = 0;                             // windows decided
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
   bool rechecking_ = false;                     // the duel re-checks the runner-up
-  bool trying_ = false;                         // the duel tries an algorithm never measured
-  std::array<double, 2> pooled_{};              // the current contest's figures, summed
-  int duel_windows_ = 0;                        // its duel windows so far
-  bool confirmed_ = true;    // the choice beat the runner-up in a duel since it last changed
-  int since_recheck_ = 0;    // solo windows since the last re-check (or switch)
-  double solo_seconds_ = 0;  // and about how long they ran
+  int since_recheck_ = 0;                       // solo windows since the last re-check (or switch)
+  double solo_seconds_ = 0;                     // and about how long they ran
 };
 
 }  // namespace gradcomm::collectives
