@@ -293,11 +293,16 @@ TEST_P(AllreduceLarge, SixteenMiElements) {
   const std::tuple<DataType, ReduceOp> cases[] = {{DataType::float32, ReduceOp::sum},
                                                   {DataType::bfloat16, ReduceOp::avg},
                                                   {DataType::int64, ReduceOp::max}};
+  const int n = world().size();
+  const bool one_host = topology::shares_one_host(world());
   for (const auto& [dtype, op] : cases) {
-    // At 8 ranks the schedule is the point: float32 sum; the other dtypes' and ops' large calls
-    // run at 2 and 3 ranks.
-    if (world().size() == 8 && dtype != DataType::float32) continue;
+    // On one host, at 8 ranks the schedule is the point: float32 sum, out of place (in place
+    // differs only by the first copy, run at 2 and 3 ranks). The widest type (int64 max, 128 MiB
+    // buffers) runs at 2 ranks; 3 ranks, whose count does not divide, run float32 and bfloat16.
+    if (one_host && n == 8 && dtype != DataType::float32) continue;
+    if (one_host && n == 3 && dtype == DataType::int64) continue;
     for (bool in_place : {false, true}) {
+      if (one_host && n == 8 && in_place) continue;
       check_exact(world(), GetParam(), dtype, op, kCount, in_place, send, recv);
     }
   }
@@ -319,6 +324,9 @@ TEST_F(AllreduceBackToBack, EveryAlgorithmThenShmAndMpi) {
   const int n = world().size();
   std::string why;
   if (!large_runs_here("ring", &why)) GTEST_SKIP() << why;
+  if (n == 8 && topology::shares_one_host(world())) {
+    GTEST_SKIP() << "on one host at 2 and 3 ranks (the hang it guards against showed at 2)";
+  }
   constexpr std::size_t kBytes = std::size_t{64} << 20;
   constexpr std::size_t kCount = kBytes / sizeof(float);
   Config config;

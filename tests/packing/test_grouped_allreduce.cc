@@ -69,8 +69,8 @@ class GroupedWorkload : public MpiTestWithParam<std::string> {};
 TEST_P(GroupedWorkload, EqualsPerTensorSumsForEveryThresholdAndAlgorithm) {
   const std::string& name = GetParam();
   const int n = world().size();
-  if (big(name) && n != 4) {
-    GTEST_SKIP() << name << " (438-553 MB per rank) runs at 4 ranks only; resnet50 and "
+  if (big(name) && n != 2) {
+    GTEST_SKIP() << name << " (438-553 MB per rank) runs at 2 ranks only; resnet50 and "
                  << "mobilenet_v2 cover every rank count";
   }
   const packing::Workload w = load_named_workload(name);
@@ -80,8 +80,12 @@ TEST_P(GroupedWorkload, EqualsPerTensorSumsForEveryThresholdAndAlgorithm) {
     for (std::size_t threshold : kThresholds) {
       // The big workloads: every algorithm per tensor (tensors up to 392 MiB); the thresholds,
       // which only change the buckets, with auto (resnet50 fills 64 MiB buckets with every
-      // algorithm at every rank count).
+      // algorithm at 1-4 ranks).
       if (big(name) && algorithm != "auto" && threshold != 0) continue;
+      // From 5 ranks resnet50 runs auto only (every threshold): its buckets reach each algorithm
+      // through the same calls test_allreduce makes at every rank count, and mobilenet_v2 runs
+      // every algorithm here.
+      if (name == "resnet50" && n >= 5 && algorithm != "auto") continue;
       SCOPED_TRACE(name + " algorithm=" + algorithm + " threshold=" + std::to_string(threshold));
       fill(tensors, world().rank());
       grouped_allreduce(world(), tensors, ReduceOp::sum,
