@@ -129,7 +129,7 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
   // Errors on our communicator come back as return codes that check_mpi turns into exceptions.
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
   check_mpi(MPI_Comm_rank(comm_, &rank_), "Communicator: MPI_Comm_rank");
-  name_internal(comm_, "Communicator", rank_);
+  name_internal(comm_);
   check_mpi(MPI_Comm_size(comm_, &size_), "Communicator: MPI_Comm_size");
   int world_rank = 0;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "Communicator: MPI_Comm_rank");
@@ -144,7 +144,7 @@ void Communicator::start_watchdog() {
     watchdog::Endpoint endpoint;
     std::uint64_t id;
   };
-  static std::uint64_t created = 0;
+  static std::atomic<std::uint64_t> created{0};  // communicators may be built on two threads
   Entry mine{
       watchdog::local_endpoint(),
       (static_cast<std::uint64_t>(::getpid()) << 32) ^ (++created << 20) ^
@@ -165,7 +165,7 @@ void Communicator::renew_after_mismatch() {
   MPI_Comm fresh = MPI_COMM_NULL;
   check_mpi(MPI_Comm_dup(comm_, &fresh), "Communicator: MPI_Comm_dup after a mismatch", rank_);
   check_mpi(MPI_Comm_set_errhandler(fresh, MPI_ERRORS_RETURN), "Communicator: set_errhandler");
-  name_internal(fresh, "Communicator", rank_);
+  name_internal(fresh);
   MPI_Comm_free(&comm_);  // freed by MPI once the abandoned requests are gone
   comm_ = fresh;
 }

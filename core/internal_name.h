@@ -2,11 +2,6 @@
 
 #include <mpi.h>
 
-#include <string>
-#include <string_view>
-
-#include "core/error.h"
-
 namespace gradcomm {
 
 // The name (MPI_Comm_set_name) of every communicator gradcomm makes. libgradcomm_mpi.so passes
@@ -15,10 +10,11 @@ namespace gradcomm {
 // gradcomm's already.
 inline constexpr char kInternalCommName[] = "gradcomm internal";
 
-// Gives `comm` that name; `call` and `rank` name the caller in the error.
-inline void name_internal(MPI_Comm comm, std::string_view call, int rank) {
-  check_mpi(MPI_Comm_set_name(comm, kInternalCommName), std::string(call) + ": MPI_Comm_set_name",
-            rank);
+// Gives `comm` that name. Best effort, on purpose: a name MPI could not set only means that the
+// preload, if any, routes this copy's calls through gradcomm a second time, and throwing from
+// the constructors that call this would leak the communicator they just made.
+inline void name_internal(MPI_Comm comm) {
+  (void)MPI_Comm_set_name(comm, kInternalCommName);
 }
 
 }  // namespace gradcomm

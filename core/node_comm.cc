@@ -11,7 +11,7 @@ NodeComm::NodeComm(MPI_Comm parent, int parent_rank, std::string_view call) {
   const std::string what(call);
   check_mpi(MPI_Comm_split_type(parent, MPI_COMM_TYPE_SHARED, parent_rank, MPI_INFO_NULL, &comm_),
             what + ": MPI_Comm_split_type", parent_rank);
-  name_internal(comm_, call, parent_rank);
+  name_internal(comm_);
   const int rank_rc = MPI_Comm_rank(comm_, &rank_);
   const int size_rc = rank_rc == MPI_SUCCESS ? MPI_Comm_size(comm_, &size_) : rank_rc;
   if (size_rc != MPI_SUCCESS) {

@@ -573,8 +573,11 @@ int start_nonblocking(CommState& state, const CallArgs& a, MPI_Comm user, MPI_Re
     } catch (...) {  // rejected on this rank before anything was submitted
       lock.unlock();
       const std::exception_ptr error = std::current_exception();
-      PMPI_Grequest_complete(call->request);
-      PMPI_Request_free(&call->request);
+      // A copy of the handle: freeing the request deletes `call` (free_call), and MPI then
+      // writes MPI_REQUEST_NULL through the pointer it was given.
+      MPI_Request handle = call->request;
+      PMPI_Grequest_complete(handle);
+      PMPI_Request_free(&handle);
       return raise(user, "MPI_Iallreduce", error);
     }
     *request = call->request;
@@ -593,7 +596,16 @@ int start_nonblocking(CommState& state, const CallArgs& a, MPI_Comm user, MPI_Re
   if (!state.building) {
     state.building = true;
     if (state.builder.joinable()) state.builder.join();  // finished: building was false
-    state.builder = std::thread(run_builder, std::ref(state));
+    try {
+      state.builder = std::thread(run_builder, std::ref(state));
+    } catch (...) {  // no thread: the communicator cannot be built; its calls end with that
+      state.failed = std::current_exception();
+      state.building = false;
+      for (auto& submit : state.waiting)
+        submit(nullptr, state.failed);
+      state.waiting.clear();
+      state.built_cv.notify_all();
+    }
   }
   return MPI_SUCCESS;
 }
@@ -694,7 +706,15 @@ void shut_down() {
     }
     MPI_Comm user = state->user;
     if (PMPI_Comm_delete_attr(user, g_settings.keyval) != MPI_SUCCESS) {
-      delete_state(user, g_settings.keyval, state, nullptr);  // the attribute was gone
+      void* value = nullptr;
+      int found = 0;
+      if (PMPI_Comm_get_attr(user, g_settings.keyval, &value, &found) == MPI_SUCCESS && found) {
+        // Still attached: MPI deletes it with the communicator. Only forget it here.
+        std::lock_guard<std::mutex> lock(g_states_mutex);
+        g_states.erase(std::remove(g_states.begin(), g_states.end(), state), g_states.end());
+      } else {
+        delete_state(user, g_settings.keyval, state, nullptr);  // the attribute was gone
+      }
     }
   }
   if (g_settings.log) print_log();
@@ -762,6 +782,14 @@ int MPI_Iallreduce(const void* sendbuf, void* recvbuf, int count, MPI_Datatype d
   }
   args.send = sendbuf == MPI_IN_PLACE ? recvbuf : sendbuf;
   args.recv = recvbuf;
+  // Null buffers are found here, at the call, even when the call would queue behind
+  // MPI_COMM_WORLD's build (gradcomm's own checks run when it is submitted).
+  if (args.count > 0 && (args.send == nullptr || args.recv == nullptr)) {
+    const std::string which = args.send == nullptr ? "sendbuf" : "recvbuf";
+    return raise(comm, "MPI_Iallreduce",
+                 std::make_exception_ptr(gradcomm::InvalidArgument(which + " is null with count " +
+                                                                   std::to_string(args.count))));
+  }
   return start_nonblocking(*state, args, comm, request);
 }
 

@@ -6,7 +6,8 @@
  *   mpirun -np 3 -x LD_PRELOAD=libgradcomm_mpi.so -x GRADCOMM_MPI_MIN_BYTES=64 test_preload
  *
  * Options: --thread single|multiple (default multiple), --quick (fewer sizes and communicators),
- * --fatal-mismatch (only a count mismatch on MPI_COMM_WORLD, whose handler aborts).
+ * --fatal-mismatch (only a count mismatch on MPI_COMM_WORLD, whose handler aborts),
+ * --agreement (thresholds that differ between ranks, then PMPI_Finalize around the library).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -503,6 +504,17 @@ static void errors(void) {
     CHECK_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL));
   }
   MPI_Errhandler_free(&handler);
+  /* MPI_Iallreduce that gradcomm rejects when it is submitted (buffers that overlap partially):
+   * the call returns the error, and the request it had started is freed. */
+  if (g_thread_multiple && stats().min_bytes <= (N - 1) * sizeof(float)) {
+    MPI_Request request = MPI_REQUEST_NULL;
+    rc = MPI_Iallreduce(a, a + 1, N - 1, MPI_FLOAT, MPI_SUM, comm, &request);
+    MPI_Error_class(rc, &error_class);
+    MPI_Error_string(rc, text, &len);
+    if (rc == MPI_SUCCESS || error_class != MPI_ERR_ARG || !strstr(text, "overlap")) {
+      fail("MPI_Iallreduce of overlapping buffers: rc %d, class %d, '%s'", rc, error_class, text);
+    }
+  }
   /* The communicator is still usable. */
   for (int i = 0; i < N; ++i)
     a[i] = 1;
@@ -539,6 +551,21 @@ static void nonblocking_first(void) {
   enum { N = 5000, K = 4 };
   static double in[K][N], out[K][N], a[N], b[N];
   MPI_Request requests[K];
+  /* Bad input is returned at the call, before MPI_COMM_WORLD's state exists. */
+  if (g_thread_multiple) {
+    CHECK_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+    MPI_Request bad = MPI_REQUEST_NULL;
+    const int rc = MPI_Iallreduce(in[0], NULL, N, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, &bad);
+    int error_class = 0, len = 0;
+    char text[MPI_MAX_ERROR_STRING] = "";
+    MPI_Error_class(rc, &error_class);
+    MPI_Error_string(rc, text, &len);
+    if (rc == MPI_SUCCESS || error_class != MPI_ERR_ARG || !strstr(text, "recvbuf is null")) {
+      fail("MPI_Iallreduce with a null recvbuf first: rc %d, class %d, '%s'", rc, error_class,
+           text);
+    }
+    CHECK_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL));
+  }
   const gradcomm_mpi_stats before = stats();
   for (int k = 0; k < K; ++k) {
     for (int i = 0; i < N; ++i)
@@ -561,6 +588,12 @@ static void nonblocking_first(void) {
       MPI_Comm_free(&split);
     }
   }
+  /* A blocking call on MPI_COMM_WORLD while its state may still be building: it runs after the
+   * queued calls. */
+  for (int i = 0; i < N; ++i)
+    a[i] = g_rank + 1;
+  CHECK_MPI(MPI_Allreduce(a, b, N, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  if (b[0] != g_size * (g_size + 1) / 2.0) fail("a blocking call among MPI_Iallreduce: %g", b[0]);
   CHECK_MPI(MPI_Waitall(K, requests, MPI_STATUSES_IGNORE));
   for (int k = 0; k < K; ++k)
     expect_sums(out[k], N, k, "MPI_Iallreduce first on MPI_COMM_WORLD");
@@ -793,7 +826,50 @@ static void threads(void) {
   MPI_Comm_free(&args.comm);
 }
 
+/* --agreement: rank 0 sets GRADCOMM_MPI_MIN_BYTES=64, the others 100000, before MPI_Init; the
+ * library must use the largest on every rank, or calls between the two would be taken on one
+ * rank and passed through on another. Then MPI is finalized with PMPI_Finalize, around the
+ * library (as Fortran's MPI_FINALIZE does): its clean-up runs from MPI_COMM_SELF's attribute,
+ * and GRADCOMM_MPI_LOG's line shows it did. */
+static int agreement(int argc, char** argv) {
+  const char* world_rank = getenv("OMPI_COMM_WORLD_RANK");
+  setenv("GRADCOMM_MPI_MIN_BYTES", world_rank && atoi(world_rank) == 0 ? "64" : "100000", 1);
+  int provided = 0;
+  if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) return 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+  *(void**)&g_get_stats = dlsym(RTLD_DEFAULT, "gradcomm_mpi_get_stats");
+  *(void**)&g_reason_name = dlsym(RTLD_DEFAULT, "gradcomm_mpi_reason_name");
+  if (!g_get_stats || !g_reason_name) MPI_Abort(MPI_COMM_WORLD, 2);
+  if (stats().min_bytes != 100000) fail("agreed threshold %llu, not 100000", stats().min_bytes);
+  enum { N = 20000 }; /* 80000 bytes: below the agreed threshold, above rank 0's own */
+  static float a[N], b[N];
+  for (int i = 0; i < N; ++i)
+    a[i] = (float)(g_rank + 1);
+  gradcomm_mpi_stats before = stats();
+  CHECK_MPI(MPI_Allreduce(a, b, N, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD));
+  expect(&before, 0, GRADCOMM_MPI_BELOW_THRESHOLD, "80000 bytes");
+  if (b[N - 1] != g_size * (g_size + 1) / 2.0f) fail("80000 bytes: %g", b[N - 1]);
+  static double big[N]; /* 160000 bytes: taken, so the state has something to free */
+  for (int i = 0; i < N; ++i)
+    big[i] = g_rank + 1;
+  before = stats();
+  CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, big, N, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  expect(&before, 0, -1, "160000 bytes");
+  if (big[N - 1] != g_size * (g_size + 1) / 2.0) fail("160000 bytes: %g", big[N - 1]);
+  int total = 0;
+  PMPI_Allreduce(&g_failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  if (g_rank == 0 && total) fprintf(stderr, "test_preload: %d agreement failures\n", total);
+  if (g_rank == 0 && !total) fprintf(stderr, "test_preload: agreement checks passed\n");
+  fflush(stderr);
+  PMPI_Finalize();
+  return total ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--agreement")) return agreement(argc, argv);
+  }
   int quick = 0, fatal = 0, want = MPI_THREAD_MULTIPLE, provided = 0;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) {
