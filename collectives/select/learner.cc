@@ -57,18 +57,14 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   timed_ = 0;
   samples_[0].clear();
   samples_[1].clear();
-  if (!was_duel) {
-    ratio_[choice_] = std::max(agreed[0], 1e-12);
-  } else {
-    ratio_[choice_] = std::max(agreed[0], 1e-12);
+  ratio_[choice_] = std::max(agreed[0], 1e-12);
+  if (was_duel) {
     ratio_[challenger_] = std::max(agreed[1], 1e-12);
     const double mine = expected(choice_, predicted[choice_]);
     const double theirs = expected(challenger_, predicted[challenger_]);
     if (theirs < tuning_.margin * mine) {
       choice_ = challenger_;
       since_recheck_ = 0;
-      solo_seconds_ = 0;
-    } else if (rechecking_) {
       solo_seconds_ = 0;
     }
   }
@@ -96,7 +92,6 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   }
   if (other != choice_) {
     const double theirs = expected(other, predicted[other]);
-    rechecking_ = false;
     if (theirs < tuning_.margin * mine) {
       challenger_ = other;  // expected to win: find out
     } else if (untried != choice_) {
@@ -115,7 +110,6 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
         since_recheck_ = 0;
         solo_seconds_ = 0;
         challenger_ = other;
-        rechecking_ = true;
       }
     }
   }

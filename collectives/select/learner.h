@@ -144,7 +144,6 @@ class MeasuredChoice {
   int timed_ = 0;                               // timed calls in the current window
   int windows_ = 0;                             // windows decided
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
-  bool rechecking_ = false;                     // the duel re-checks the runner-up
   int since_recheck_ = 0;                       // solo windows since the last re-check (or switch)
   double solo_seconds_ = 0;                     // and about how long they ran
 };
