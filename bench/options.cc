@@ -3,8 +3,7 @@
 namespace gradcomm::bench {
 
 // "hierarchical/shm" (also /direct, /ring): hierarchical with that intra-group form
-// (Config::hierarchical_intra); "shm/streamed" (also /cached, /auto): shm with those stores
-// (Config::shm_stores). Each runs on a communicator of its own so the forms interleave.
+// (Config::hierarchical_intra). Each runs on a communicator of its own so the forms interleave.
 std::string base_algorithm(const std::string& name) {
   return name.substr(0, name.find('/'));
 }
@@ -22,8 +21,6 @@ const char kUsage[] =
     "  -a, --algorithms L    comma-separated names (default ring,halving_doubling,flat,auto);\n"
     "                        hierarchical/direct, /ring, /shm: hierarchical with that\n"
     "                        intra-group form (GRADCOMM_HIERARCHICAL_INTRA);\n"
-    "                        shm/auto, /cached, /streamed: shm with those stores to its\n"
-    "                        segment (GRADCOMM_SHM_STORES);\n"
     "                        MPI_Allreduce ('mpi') is always measured as the baseline\n"
     "  -d, --datatype T      float32 float64 float16 bfloat16 int32 int64 (default float32)\n"
     "  -o, --op OP           sum avg min max prod (default sum)\n"
@@ -199,9 +196,6 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
     if (base_algorithm(name) == "hierarchical" && !form.empty()) {
       if (form != "direct" && form != "ring" && form != "shm")
         usage_error("unknown intra-group form in '" + name + "'; valid: direct, ring, shm");
-    } else if (base_algorithm(name) == "shm" && !form.empty()) {
-      if (form != "auto" && form != "cached" && form != "streamed")
-        usage_error("unknown shm stores in '" + name + "'; valid: auto, cached, streamed");
     } else if (!gradcomm::collectives::is_algorithm_name(name)) {
       usage_error("unknown algorithm '" + name +
                   "'; valid: " + gradcomm::collectives::algorithm_names_joined());

@@ -15,11 +15,7 @@ int run_sweep(Communicator& comm, const Options& o) {
     if (name.find('/') == std::string::npos) continue;
     gradcomm::Config variant = comm.config();
     const std::string form = name.substr(name.find('/') + 1);
-    if (base_algorithm(name) == "shm") {
-      variant.shm_stores = form;
-    } else {
-      variant.hierarchical_intra = form;
-    }
+    variant.hierarchical_intra = form;
     variant_comms()[name] = std::make_unique<Communicator>(MPI_COMM_WORLD, variant);
   }
   const std::size_t es = gradcomm::element_size(o.dtype);

@@ -147,6 +147,7 @@ class Level {
     const ColumnLayout layout(args.count, static_cast<std::size_t>(columns), group_size, local);
     const std::size_t es = args.element_bytes();
     const Intra intra = intra_form(args, layout, comm.config());
+    ShmPeers peers;   // shm: where the members' registered buffers lie, for phase 3
     switch (intra) {  // phase 1
       case Intra::direct:
         reduce_scatter_to_owners(args, op, layout, *group_comm, comm);
@@ -155,7 +156,7 @@ class Level {
         ring_reduce_scatter_to_owners(args, op, layout, *group_comm, comm);
         break;
       case Intra::shm:
-        shm_reduce_scatter_to_owners(args, op, layout, *group_comm);
+        peers = shm_reduce_scatter_to_owners(args, op, layout, *group_comm);
         break;
     }
     for (std::size_t c : layout.owned) {  // phase 2
@@ -184,7 +185,7 @@ class Level {
       case Intra::ring:
         return ring_allgather_from_owners(args, layout, *group_comm);
       case Intra::shm:
-        return shm_allgather_from_owners(args, layout, *group_comm);
+        return shm_allgather_from_owners(args, layout, *group_comm, peers);
     }
   }
 

@@ -1,28 +1,30 @@
 #include "collectives/owner_exchange_shm.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
+#include <optional>
 #include <vector>
 
-#include "collectives/shm/segment.h"
 #include "core/reduce_kernels.h"
-#include "core/stream_copy.h"
 
 namespace gradcomm::collectives {
 
-// Hierarchical's intra-group phases. Rounds carry one sub-piece of every column: `q` elements
-// of each (a multiple of a cache line, the P sub-pieces together at most one staged round),
-// at offset c * q of a rank's stage slot (reduce-scatter) or of the round's result
-// (all-gather). Column c of round k is [k * q, (k + 1) * q) of the column, cut at its length.
+// Hierarchical's intra-group phases. A staged round carries one sub-piece of every column: `q`
+// elements of each (a multiple of a cache line, the sub-pieces together at most one stage slot),
+// at offset c * q of a rank's stage slot. Column c of round k is [k * q, (k + 1) * q) of the
+// column, cut at its length. A one-round phase takes whole columns.
 namespace {
 
 struct ColumnRounds {
-  ColumnRounds(const ColumnLayout& layout, std::size_t es) {
+  ColumnRounds(const ColumnLayout& layout, std::size_t es, bool whole) {
+    const std::size_t longest = layout.column(0).length;
+    if (whole) {
+      q = std::max<std::size_t>(1, longest);
+      return;
+    }
     const std::size_t line = std::max<std::size_t>(1, kShmLine / es);
     const std::size_t per_column = kShmRoundBytes / es / layout.columns;
     q = std::max<std::size_t>(1, per_column >= line ? per_column / line * line : per_column);
-    const std::size_t longest = layout.column(0).length;
     rounds = std::max<std::uint64_t>(1, (longest + q - 1) / q);
   }
   // Elements of column `c` (of `length`) in round k, and where they start in the column.
@@ -34,111 +36,154 @@ struct ColumnRounds {
   std::uint64_t rounds = 1;
 };
 
+template <class T>
+bool all_set(const std::vector<T*>& pointers) {
+  return std::all_of(pointers.begin(), pointers.end(), [](T* p) { return p != nullptr; });
+}
+
+// Before round r stores into a stage slot: every rank has drained round r - kShmStageSlots, the
+// last round that used that slot.
+void wait_for_slot(const ShmState& s, std::uint64_t r, const CallContext& call) {
+  s.wait_all(&RankControl::drained, r < kShmStageSlots ? 0 : r - kShmStageSlots, "drain", call);
+}
+
+// out = sources[0] op sources[1] op ... in member order over `m` elements. When `out` is one of
+// the later sources (in place, as the third or later operand), each block is reduced in L1
+// scratch and copied out, so the operand is read before it is overwritten.
+void reduce_chain(std::byte* out, const std::vector<const std::byte*>& sources, std::size_t m,
+                  DataType dtype, ReduceOp op, bool out_is_a_later_source) {
+  if (!out_is_a_later_source) {
+    reduce_to(out, sources[0], sources[1], m, dtype, op);
+    for (std::size_t j = 2; j < sources.size(); ++j)
+      reduce_into(out, sources[j], m, dtype, op);
+    return;
+  }
+  constexpr std::size_t kBlockBytes = std::size_t{8} << 10;
+  alignas(kShmLine) std::byte block[kBlockBytes];
+  const std::size_t es = element_size(dtype);
+  const std::size_t per_block = kBlockBytes / es;
+  for (std::size_t b = 0; b < m; b += per_block) {
+    const std::size_t n = std::min(per_block, m - b);
+    const std::size_t at = b * es;
+    reduce_to(block, sources[0] + at, sources[1] + at, n, dtype, op);
+    for (std::size_t j = 2; j < sources.size(); ++j)
+      reduce_into(block, sources[j] + at, n, dtype, op);
+    std::memcpy(out + at, block, n * es);
+  }
+}
+
 }  // namespace
 
 bool shm_columns_fit(std::size_t columns, std::size_t element_bytes) {
   return columns * element_bytes <= kShmRoundBytes;
 }
 
-void shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
-                                  const ColumnLayout& layout, Communicator& group) {
+ShmPeers shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
+                                      const ColumnLayout& layout, Communicator& group) {
   ShmState& s = usable_state(group);
   const int me = s.rank;
   const std::size_t es = args.element_bytes();
-  const ColumnRounds plan(layout, es);
+  const std::size_t bytes = args.count * es;
   const auto* send = static_cast<const std::byte*>(args.send);
   auto* recv = static_cast<std::byte*>(args.recv);
   RankControl& mine = s.control(me);
-  std::vector<const std::byte*> sources(static_cast<std::size_t>(s.size));
-  // The owner reads its own contribution from its input, not a copy, unless the output overwrites
-  // it before it is read: in place, as the third or later operand of the chain.
-  const bool own_from_input = !args.in_place() || me < 2;
-  // Stores into the slots as in the all-reduce (ShmStores), from 4 MiB.
-  const std::size_t bytes = args.count * es;
-  const auto started = std::chrono::steady_clock::now();
-  const bool streams = bytes >= kShmStreamFromBytes && s.scatter_stores.next_call_streams(bytes);
+  const std::optional<RegisteredLocation> input = find_registered(send, bytes, s.pids);
+  const std::optional<RegisteredLocation> output =
+      args.in_place() ? input : find_registered(recv, bytes, s.pids);
   const std::uint64_t first = s.round + 1;
-  for (std::uint64_t k = 0; k < plan.rounds; ++k) {
+  // A private input stages the sub-pieces of the columns its peers own (its own are read from
+  // the input), in the staged rounds.
+  const ColumnRounds staged(layout, es, false);
+  auto stage_in = [&](std::uint64_t k) {
     const std::uint64_t r = first + k;
-    // My slot's half was last read by round r - 2's owners.
-    s.wait_all(&RankControl::drained, r < 2 ? 0 : r - 2, "drain", args.call);
-    if (k == 0) mine.descriptor[first % 2] = descriptor_of(args, ShmPath::columns, std::nullopt);
+    wait_for_slot(s, r, args.call);
     std::byte* slot = s.stage(me, r);
     for (std::size_t c = 0; c < layout.columns; ++c) {
-      if (layout.owner(c) == me && own_from_input) continue;  // read where it lies
+      if (layout.owner(c) == me) continue;
       const auto col = layout.column(c);
-      const std::size_t m = plan.length(col.length, k);
-      copy_to_segment(slot + c * plan.q * es, send + (col.offset + plan.start(k)) * es, m * es,
-                      streams);
+      std::memcpy(slot + c * staged.q * es, send + (col.offset + staged.start(k)) * es,
+                  staged.length(col.length, k) * es);
     }
-    if (streams) stream_fence();  // before the release that publishes the slot
-    mine.copied.store(r, std::memory_order_release);
-    s.wait_all(&RankControl::copied, r, "copy-in", args.call);
-    if (k == 0) agree_on_call(s, first, args.call);
-    // The owner reduces its columns from every member's slot, in member order, into its output.
+  };
+  mine.descriptor[first % 2] = descriptor_of(args, ShmPath::columns, input, output);
+  if (!input) stage_in(0);
+  mine.copied.store(first, std::memory_order_release);
+  s.wait_all(&RankControl::copied, first, "copy-in", args.call);
+  ShmPeers peers = agree_on_call(s, first, args.call);
+  // Every input registered: one round over whole columns, nothing staged.
+  const bool whole = all_set(peers.inputs);
+  const ColumnRounds plan = whole ? ColumnRounds(layout, es, true) : staged;
+  // In place, this rank's output is its own operand; read before written past the second.
+  const bool aliased = args.in_place() && me >= 2;
+  std::vector<const std::byte*> sources(static_cast<std::size_t>(s.size));
+  for (std::uint64_t k = 0; k < plan.rounds; ++k) {
+    const std::uint64_t r = first + k;
+    if (k > 0) {
+      if (!input) stage_in(k);
+      mine.copied.store(r, std::memory_order_release);
+      s.wait_all(&RankControl::copied, r, "copy-in", args.call);
+    }
     for (std::size_t c : layout.owned) {
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
       if (m == 0) continue;
-      std::byte* out = recv + (col.offset + plan.start(k)) * es;
+      const std::size_t at = (col.offset + plan.start(k)) * es;
       for (int j = 0; j < s.size; ++j) {
-        sources[static_cast<std::size_t>(j)] = j == me && own_from_input
-                                                   ? send + (col.offset + plan.start(k)) * es
-                                                   : s.stage(j, r) + c * plan.q * es;
+        const auto jj = static_cast<std::size_t>(j);
+        sources[jj] = j == me            ? send + at
+                      : peers.inputs[jj] ? peers.inputs[jj] + at
+                                         : s.stage(j, r) + c * plan.q * es;
       }
-      reduce_to(out, sources[0], sources[1], m, args.dtype, op);
-      for (std::size_t j = 2; j < sources.size(); ++j)
-        reduce_into(out, sources[j], m, args.dtype, op);
+      reduce_chain(recv + at, sources, m, args.dtype, op, aliased);
     }
     mine.reduced.store(r, std::memory_order_release);
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + plan.rounds - 1;
-  if (bytes >= kShmStreamFromBytes) {
-    record_stores(s.scatter_stores, " reduce-scatter", bytes, streams, started, group);
-  }
+  return peers;
 }
 
 void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout,
-                               Communicator& group) {
+                               Communicator& group, const ShmPeers& peers) {
   ShmState& s = usable_state(group);
   const int me = s.rank;
   const std::size_t es = args.element_bytes();
-  const ColumnRounds plan(layout, es);
   auto* recv = static_cast<std::byte*>(args.recv);
   RankControl& mine = s.control(me);
-  // Stores into the published result as in the all-reduce (ShmStores), from 4 MiB.
-  const std::size_t bytes = args.count * es;
-  const auto started = std::chrono::steady_clock::now();
-  const bool streams = bytes >= kShmStreamFromBytes && s.gather_stores.next_call_streams(bytes);
+  // Every output registered: one round over whole columns, nothing published.
+  const bool whole = all_set(peers.outputs);
+  const bool mine_private = peers.outputs[static_cast<std::size_t>(me)] == nullptr;
+  const ColumnRounds plan(layout, es, whole);
   const std::uint64_t first = s.round + 1;
   for (std::uint64_t k = 0; k < plan.rounds; ++k) {
     const std::uint64_t r = first + k;
-    // The result half was last read by every rank in round r - 2.
-    s.wait_all(&RankControl::drained, r < 2 ? 0 : r - 2, "drain", args.call);
-    std::byte* result = s.result(r);
+    if (!whole) wait_for_slot(s, r, args.call);
+    std::byte* slot = s.stage(me, r);
     for (std::size_t c : layout.owned) {
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
-      copy_to_segment(result + c * plan.q * es, recv + (col.offset + plan.start(k)) * es, m * es,
-                      streams);
+      const std::size_t at = (col.offset + plan.start(k)) * es;
+      for (int j = 0; j < s.size; ++j) {
+        std::byte* out = peers.outputs[static_cast<std::size_t>(j)];
+        if (j != me && out) std::memcpy(out + at, recv + at, m * es);
+      }
+      if (!whole) std::memcpy(slot + c * plan.q * es, recv + at, m * es);
     }
-    if (streams) stream_fence();  // before the releases that publish the result
     mine.copied.store(r, std::memory_order_release);
     mine.reduced.store(r, std::memory_order_release);
     s.wait_all(&RankControl::reduced, r, "publish", args.call);
-    for (std::size_t c = 0; c < layout.columns; ++c) {
-      if (layout.owner(c) == layout.member) continue;
-      const auto col = layout.column(c);
-      std::memcpy(recv + (col.offset + plan.start(k)) * es, result + c * plan.q * es,
-                  plan.length(col.length, k) * es);
+    if (mine_private) {  // the others' columns, from their owners' slots
+      for (std::size_t c = 0; c < layout.columns; ++c) {
+        const int owner = layout.owner(c);
+        if (owner == me) continue;
+        const auto col = layout.column(c);
+        std::memcpy(recv + (col.offset + plan.start(k)) * es, s.stage(owner, r) + c * plan.q * es,
+                    plan.length(col.length, k) * es);
+      }
     }
     mine.drained.store(r, std::memory_order_release);
   }
   s.round = first + plan.rounds - 1;
-  if (bytes >= kShmStreamFromBytes) {
-    record_stores(s.gather_stores, " all-gather", bytes, streams, started, group);
-  }
 }
 
 }  // namespace gradcomm::collectives

@@ -117,12 +117,11 @@ Config Config::from_environment() {
     }
     config.hierarchical_intra = value;
   }
-  if (const char* v = get("GRADCOMM_SHM_STORES")) {
-    const std::string value = v;
-    if (value != "auto" && value != "cached" && value != "streamed") {
-      bad_variable("GRADCOMM_SHM_STORES", v, "one of auto, cached, streamed");
-    }
-    config.shm_stores = value;
+  if (get("GRADCOMM_SHM_STORES")) {  // removed: say so rather than ignore it
+    throw InvalidArgument(error_message(
+        "Config::from_environment", -1,
+        "GRADCOMM_SHM_STORES was removed: hierarchical's shared-memory phases always use plain "
+        "stores, which measured fastest; unset it"));
   }
   if (const char* v = get("GRADCOMM_BIND")) {
     const std::string value = v;
@@ -188,9 +187,6 @@ void Config::validate() const {
   if (hierarchical_intra != "auto" && hierarchical_intra != "direct" &&
       hierarchical_intra != "ring" && hierarchical_intra != "shm") {
     bad("hierarchical_intra '" + hierarchical_intra + "' is not auto, direct, ring or shm");
-  }
-  if (shm_stores != "auto" && shm_stores != "cached" && shm_stores != "streamed") {
-    bad("shm_stores '" + shm_stores + "' is not auto, cached or streamed");
   }
   if (bind != "none" && bind != "core" && bind != "numa") bad("bind '" + bind + "' is invalid");
   if (timeout_seconds < 0)

@@ -51,11 +51,6 @@ struct Config {
   // between neighbours), "shm" (through the group's shared-memory segment; needs the group on
   // one host, else direct) or "auto" (by size and placement, the same in every group).
   std::string hierarchical_intra = "auto";
-  // GRADCOMM_SHM_STORES: how shm writes the shared segment (its copy-in and its part of each
-  // round's result) in calls of 4 MiB and more: "cached" (plain stores), "streamed" (non-temporal
-  // stores, which skip reading lines a peer's core holds) or "auto" (each rank times both as it
-  // goes and keeps the faster). A rank-local choice: ranks may differ, results do not.
-  std::string shm_stores = "auto";
   // GRADCOMM_BIND: "none", "core" (each rank to its share of the node's cores) or "numa".
   std::string bind = "none";
   // GRADCOMM_TIMEOUT: seconds a collective may run. Past it, the stall watchdog prints one

@@ -11,9 +11,9 @@
 #include <new>
 
 #include "collectives/check/consistency.h"
+#include "core/cpu_relax.h"
 #include "core/error.h"
 #include "core/progress_engine.h"
-#include "core/stream_copy.h"
 #include "topology/host.h"
 
 namespace gradcomm::collectives {
@@ -27,12 +27,6 @@ class MachineRanks : public Attachment {
   int ranks = 0;
 };
 
-std::string microseconds_per_mib(double seconds_per_byte) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f us", seconds_per_byte * 1048576.0 * 1e6);
-  return text;
-}
-
 std::string describe_descriptor(const ShmDescriptor& d) {
   return std::to_string(d.count) + " x " + std::string(to_string(static_cast<DataType>(d.dtype))) +
          " " + std::string(to_string(static_cast<ReduceOp>(d.op)));
@@ -41,11 +35,7 @@ std::string describe_descriptor(const ShmDescriptor& d) {
 }  // namespace
 
 ShmState::ShmState(Communicator& comm)
-    : rank(comm.rank()),
-      size(comm.size()),
-      mpi(comm.mpi_comm()),
-      scatter_stores(comm.config().shm_stores),
-      gather_stores(comm.config().shm_stores) {
+    : rank(comm.rank()), size(comm.size()), mpi(comm.mpi_comm()) {
   const int on_host = topology::ranks_on_this_host(comm);
   if (on_host != size) {
     unavailable = "only " + std::to_string(on_host) + " of the " + std::to_string(size) +
@@ -58,9 +48,9 @@ ShmState::ShmState(Communicator& comm)
   control_bytes = align_up(n * sizeof(RankControl), 4096);
   small_offset = control_bytes;
   stage_offset = small_offset + n * 2 * kShmSmallBytes;
-  result_offset = stage_offset + n * kShmStageSlots * kShmRoundBytes;
   try {
-    segment = SharedSegment(comm.mpi_comm(), result_offset + 2 * kShmRoundBytes, kShmCall);
+    segment = SharedSegment(comm.mpi_comm(), stage_offset + n * kShmStageSlots * kShmRoundBytes,
+                            kShmCall);
   } catch (const CommError& e) {  // thrown on every rank alike (e.g. /dev/shm is full)
     unavailable = e.what();       // already names the call, the rank and the reason
     unavailable_is_message = true;
@@ -150,14 +140,6 @@ ShmState& usable_state(Communicator& group) {
   return s;
 }
 
-void copy_to_segment(std::byte* dst, const std::byte* src, std::size_t bytes, bool streamed) {
-  if (streamed) {
-    stream_copy(dst, src, bytes);
-  } else {
-    std::memcpy(dst, src, bytes);
-  }
-}
-
 ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
                             const std::optional<RegisteredLocation>& input,
                             const std::optional<RegisteredLocation>& output) {
@@ -237,24 +219,6 @@ ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& cont
     throw InvalidArgument(error_message(kShmCall, me, problem));
   }
   return peers;
-}
-
-void record_stores(ShmStores& stores, const char* phase, std::size_t bytes, bool streamed,
-                   std::chrono::steady_clock::time_point started, Communicator& comm) {
-  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-  if (stores.record(bytes, streamed, took.count()) && comm.log_enabled(LogLevel::debug)) {
-    comm.log(
-        LogLevel::debug,
-        std::string(kShmCall)
-                .append(phase)
-                .append(": rank ")
-                .append(std::to_string(comm.rank()))
-                .append(stores.streaming(bytes) ? " now writes the segment with non-temporal stores"
-                                                : " now writes the segment with plain stores") +
-            " (median per MiB of the last three calls: plain " +
-            microseconds_per_mib(stores.cost(bytes, false)) + ", streamed " +
-            microseconds_per_mib(stores.cost(bytes, true)) + ")");
-  }
 }
 
 bool shm_available(Communicator& comm) {

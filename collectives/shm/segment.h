@@ -4,16 +4,18 @@
 // of it: what `shm`'s all-reduce (allreduce_shm.h) and hierarchical's shared-memory phases
 // (owner_exchange_shm.h) read and write.
 //
-// Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (a call is one
-// round on the latency path and where every rank's buffers are registered, else
-// ceil(bytes / kShmRoundBytes) rounds). Every rank owns three monotonic counters in the segment,
-// each holding the last round it finished a stage of: `copied` (its input of that round is
-// readable), `reduced` (its part of the round's result is written), `drained` (it has copied the
-// round out, or on the latency path reduced it). Small slots, results and descriptors come in two
-// halves used by odd and even rounds: before round r writes a half, the rank waits until every
-// rank has drained round r - 2, the last user of that half. Stage slots come in kShmStageSlots:
-// a rank stages round r into its slot r % kShmStageSlots once it has drained round
-// r - kShmStageSlots itself (which waited for every reducer of that round).
+// Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (an all-reduce
+// is one round on the latency path and where every rank's buffers are registered, else ceil(bytes /
+// kShmRoundBytes) rounds; hierarchical's phases likewise per phase). Every rank owns three
+// monotonic counters in the segment, each holding the last round it finished a stage of: `copied`
+// (its input of that round is readable), `reduced` (its part of the round's result is written),
+// `drained` (it has copied the round out, or on the latency path reduced it). Small slots, packets
+// and descriptors come in two halves used by odd and even rounds; round r reuses round r - 2's half
+// without waiting, because every round ends only once every peer has begun it (so no peer still
+// reads round r - 2's). Stage slots come in kShmStageSlots: round r stores into slot r %
+// kShmStageSlots once the last readers of round r - kShmStageSlots are done (the all-reduce: this
+// rank drained that round, which waited for every reducer of it; hierarchical's phases: every rank
+// drained it).
 //
 // A call's descriptor (count, dtype, op, path, where a registered input lies) is written with the
 // first round's input and read by every rank once that round's `copied` counters are up; ranks
@@ -31,7 +33,6 @@
 #include <vector>
 
 #include "collectives/allreduce_algorithm.h"
-#include "collectives/shm/store_choice.h"
 #include "core/shared_memory.h"
 
 namespace gradcomm::collectives {
@@ -44,10 +45,6 @@ inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
 inline constexpr std::size_t kShmRoundBytes = std::size_t{256} << 10;
 inline constexpr std::size_t kShmStageSlots = 4;
 inline constexpr std::size_t kShmLine = 64;
-// From this size on, hierarchical's shared-memory phases write the segment as Config::shm_stores
-// says (ShmStores); below, data is still cached when peers read it and streamed stores cost
-// 2-2.5x (1 MiB on 2 ranks).
-inline constexpr std::size_t kShmStreamFromBytes = std::size_t{4} << 20;
 
 using ShmCounter = std::atomic<std::uint64_t>;
 static_assert(ShmCounter::is_always_lock_free, "counters must work across processes");
@@ -114,9 +111,6 @@ class ShmState : public Attachment {
     return segment.data() + stage_offset +
            (static_cast<std::size_t>(j) * kShmStageSlots + round % kShmStageSlots) * kShmRoundBytes;
   }
-  std::byte* result(std::uint64_t round) const {
-    return segment.data() + result_offset + (round % 2) * kShmRoundBytes;
-  }
 
   // Waits until every other rank's `which` counter reaches `target`. Spins briefly, then yields,
   // letting MPI progress and polling the call's check (`call`) now and then; checks that the
@@ -132,22 +126,15 @@ class ShmState : public Attachment {
   std::string unavailable;  // why shm cannot run here; empty when it can
   bool unavailable_is_message = false;
   SharedSegment segment;
-  std::size_t control_bytes = 0, small_offset = 0, stage_offset = 0, result_offset = 0;
+  std::size_t control_bytes = 0, small_offset = 0, stage_offset = 0;
   std::vector<pid_t> pids;
   long spin = 0;
-  std::uint64_t round = 0;  // the last round this rank started
-  // The stores of hierarchical's two intra-group phases, chosen apart (their mixes of segment
-  // writes differ).
-  ShmStores scatter_stores, gather_stores;
+  std::uint64_t round = 0;                // the last round this rank started
   std::vector<const std::byte*> sources;  // the latency path's, one per rank
 };
 
 // The communicator's shm state; throws Unsupported (why) where shm cannot run.
 ShmState& usable_state(Communicator& group);
-
-// A copy into the segment, streamed or plain (ShmStores); the caller fences streamed copies
-// (stream_fence) before the release that publishes them.
-void copy_to_segment(std::byte* dst, const std::byte* src, std::size_t bytes, bool streamed);
 
 // The descriptor of this rank's call: its fingerprint (args.call), where a registered input and
 // a registered output lie.
@@ -166,10 +153,6 @@ struct ShmPeers {
 // buffers lie here, or, when the ranks disagree, leaves the counters where every rank expects
 // them and throws on every rank.
 ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& call);
-
-// Records a large call's time with `stores` and logs a change of their choice (debug level).
-void record_stores(ShmStores& stores, const char* phase, std::size_t bytes, bool streamed,
-                   std::chrono::steady_clock::time_point started, Communicator& comm);
 
 // True on every rank when shm can run on `comm`: more than one rank, all on one host, and its
 // segment could be created (collective on first use, which creates the segment; cached).

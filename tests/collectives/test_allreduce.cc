@@ -532,8 +532,7 @@ constexpr const char* kIntraForms[] = {"direct", "ring", "shm"};
 // Runs `body` on a communicator of `layout.ranks` ranks with the layout's config, on the ranks
 // that take part; returns false (nothing run) when the world is too small.
 template <class Body>
-bool with_layout(const Layout& layout, Body body, const char* intra = "auto",
-                 const char* shm_stores = "auto") {
+bool with_layout(const Layout& layout, Body body, const char* intra = "auto") {
   const int ranks = layout.ranks > 0 ? layout.ranks : world().size();
   if (world().size() < ranks) return false;
   MPI_Comm split = MPI_COMM_NULL;
@@ -544,7 +543,6 @@ bool with_layout(const Layout& layout, Body body, const char* intra = "auto",
     config.ranks_per_node = layout.ranks_per_node;
     config.topology_preset = layout.preset;
     config.hierarchical_intra = intra;
-    config.shm_stores = shm_stores;
     config.segment_bytes = std::size_t{1} << 30;  // one segment per step: messages == steps
     Communicator comm(split, config);
     body(comm);
@@ -590,29 +588,49 @@ TEST_P(HierarchicalLayouts, EveryDtypeOpCountAndPlacement) {
   if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
 }
 
-// From 4 MiB, hierarchical's shm phases store into the segment plainly or non-temporally
-// (Config::shm_stores; auto alternates, then probes): every way is exact, in and out of place.
-TEST_P(HierarchicalLayouts, ShmPhasesExactWithEveryStoreWay) {
+// hierarchical's shm phases read registered inputs and write registered outputs where they lie
+// (one round per phase when every member's are registered) and stage private ones: every
+// placement is exact, in and out of place, with buffers at an odd element offset. Counts cover
+// the one-round and the staged rounds (1000003 elements: columns of several rounds); uneven
+// groups (5 = 3 + 2) give some ranks two columns.
+TEST_P(HierarchicalLayouts, ShmPhasesOnRegisteredAndPrivateBuffers) {
   const Layout& layout = GetParam();
-  if (layout.label != std::string("8=2x4") && layout.label != std::string("5=3+2") &&
-      layout.label != std::string("4=1x4")) {
-    GTEST_SKIP() << "three layouts cover it";
+  if (layout.label != std::string("8=2x4") && layout.label != std::string("5=3+2")) {
+    GTEST_SKIP() << "two layouts cover it";
   }
-  bool ran = false;
-  for (const char* stores : {"cached", "streamed", "auto"}) {
-    SCOPED_TRACE(std::string("shm stores ") + stores);
-    ran = with_layout(
-        layout,
-        [&](Communicator& comm) {
-          std::vector<std::byte> send, recv;
-          const int calls = std::string(stores) == "auto" ? 8 : 2;
-          for (int call = 0; call < calls; ++call) {
-            check_exact(comm, "hierarchical", DataType::float32, ReduceOp::sum, (1 << 20) + 7,
-                        call % 2 == 1, send, recv);
+  const bool ran = with_layout(
+      layout,
+      [&](Communicator& comm) {
+        const int me = comm.rank();
+        for (DataType dtype : {DataType::float32, DataType::int64}) {
+          const std::size_t es = element_size(dtype);
+          const std::size_t offset = 3 * es;
+          const std::size_t room = 1000003 * es + kGuardBytes + offset;
+          RegisteredBuffer a = comm.allocate(room), b = comm.allocate(room);
+          std::vector<std::byte> pa(room), pb(room);
+          enum Placement { all_registered, odd_ranks_private, in_xor_out };
+          for (Placement placement : {all_registered, odd_ranks_private, in_xor_out}) {
+            SCOPED_TRACE("placement " + std::to_string(placement));
+            std::byte* send = a.data() + offset;
+            std::byte* recv = b.data() + offset;
+            if (placement == odd_ranks_private && me % 2 == 1) {
+              send = pa.data() + offset;
+              recv = pb.data() + offset;
+            }
+            if (placement == in_xor_out) (me % 2 == 0 ? recv : send) = pb.data() + offset;
+            for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+              for (std::size_t count :
+                   {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1000003}}) {
+                for (bool in_place : {false, true}) {
+                  if (in_place && placement == in_xor_out) continue;
+                  check_exact_on(comm, "hierarchical", dtype, op, count, in_place, send, recv);
+                }
+              }
+            }
           }
-        },
-        "shm", stores);
-  }
+        }
+      },
+      "shm");
   if (!ran) GTEST_SKIP() << "layout " << layout.label << " needs " << layout.ranks << " ranks";
 }
 

@@ -141,8 +141,7 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
        "GRADCOMM_GPU_INTER_NODE='tcp' is invalid: expected nccl or mpi"},
       {"GRADCOMM_HIERARCHICAL_INTRA", "nvlink",
        "GRADCOMM_HIERARCHICAL_INTRA='nvlink' is invalid: expected one of auto, direct, ring, shm"},
-      {"GRADCOMM_SHM_STORES", "nt",
-       "GRADCOMM_SHM_STORES='nt' is invalid: expected one of auto, cached, streamed"},
+      {"GRADCOMM_SHM_STORES", "cached", "GRADCOMM_SHM_STORES was removed"},
       {"GRADCOMM_MPI_MIN_BYTES", "-1", "GRADCOMM_MPI_MIN_BYTES='-1' is invalid"},
       {"GRADCOMM_MPI_MIN_BYTES", "4k", "GRADCOMM_MPI_MIN_BYTES='4k' is invalid"},
       {"GRADCOMM_MPI_LOG", "yes", "GRADCOMM_MPI_LOG='yes' is invalid: expected 0 or 1"},
@@ -178,10 +177,6 @@ TEST_F(BadNames, OutOfRangeConfigInCode) {
   config.segment_bytes = 8;
   expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
                                 {"segment_bytes 8 is outside [16, 1073741824]"});
-  config = Config{};
-  config.shm_stores = "always";
-  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
-                                {"shm_stores 'always' is not auto, cached or streamed"});
   expect_usable(world());
 }
 
