@@ -120,25 +120,26 @@ inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array
 // The bound on busbw (--bound), measured in the same run right before each row (this machine's
 // speed drifts), the smaller of:
 //   - memory: an in-place read-modify-write stream x[i] += y[i] on every rank at once over
-//     kStreamBytes arrays (no write-allocate, like an in-place all-reduce), rmw bytes/s counted
-//     as STREAM does (read x, read y, write x); each rank must read n slices and write n slices
-//     of S/n, so busbw <= rmw / (2n) * 2(n-1)/n;
-//   - cross-core: every rank writes a region of the row's size (at most kProbeBytes), then all
-//     ranks at once read the next rank's region, lines another core has just written, at X
-//     bytes/s per reader; a call must bring into each rank at least the (n-1)/n * S bytes of its
-//     peers' inputs that its slice needs, so busbw <= 2X. (Its owner reading the result back
-//     moves as much again, which --cycle's cycle pays outside the call.)
+//     arrays of the row's size (at most kStreamBytes: from the caches the row's data fits in, or
+//     from DRAM; no write-allocate, like an in-place all-reduce), rmw bytes/s counted as STREAM
+//     does (read x, read y, write x); each rank must read n slices and write n slices of S/n, so
+//     busbw <= rmw / (2n) * 2(n-1)/n;
+//   - cross-core: every rank writes a region of the row's size S (at most kProbeBytes), then all
+//     ranks at once fetch what a call must bring in: from every peer's region, the slice of
+//     S/n this rank reduces (lines another core has just written). A call cannot take less
+//     time, T, so busbw <= 2(n-1)/n * S / T. (Its owner reading the result back moves as much
+//     again, which --cycle's cycle pays outside the call.)
 // Back-to-back calls can beat the cross-core bound: nobody reads the results, which then stay in
-// the reducer's cache for its next call. The state: "far" or "near", from X at kStateProbeBytes
-// (docs/benchmarking.md).
+// the reducer's cache for its next call. The state: "far" or "near", from the rate at which every
+// rank reads the next rank's whole region of kStateProbeBytes (docs/benchmarking.md).
 inline constexpr std::size_t kProbeBytes = std::size_t{16} << 20;
 inline constexpr std::size_t kStateProbeBytes = std::size_t{1} << 20;
 inline constexpr double kNearCrossCore = 50e9;  // bytes/s: far reads 25-35, near 70-90
 
 struct Bound {
   double rmw = 0, dram_busbw = 0;  // bytes/s
-  double cross_core = 0;           // bytes/s per reader at the row's size (0: not one host)
-  double state_rate = 0;           // cross-core at kStateProbeBytes
+  double cross_core_busbw = 0;     // the cross-core bound at the row's size (0: not one host)
+  double state_rate = 0;           // bytes/s per reader of a peer's kStateProbeBytes region
   double busbw = 0;                // the bound (bytes/s)
   std::string state() const;
 };
@@ -152,15 +153,18 @@ class BoundProbe {
   Bound measure(std::size_t bytes);  // collective
 
  private:
-  double rmw_rate();
-  double cross_core_rate(std::size_t bytes);
+  double rmw_rate(std::size_t bytes);
+  template <class Read>
+  double after_peers_wrote(std::size_t floats, Read&& read);
+  double state_rate();
+  double slice_fetch_busbw(std::size_t bytes);
   Communicator& comm_;
   std::vector<float> rmw_x_, rmw_y_;
   MPI_Comm node_ = MPI_COMM_NULL;
   MPI_Win window_ = MPI_WIN_NULL;
   float* mine_ = nullptr;
-  const float* peer_ = nullptr;
-  double sink_ = 0;  // keeps the probes' loops
+  std::vector<const float*> regions_;  // every rank's region, in this process
+  double sink_ = 0;                    // keeps the probes' loops
 };
 std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator);
 // Every algorithm of o.algorithms at `count` elements, interleaved in rounds (see the method).

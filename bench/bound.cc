@@ -61,13 +61,14 @@ BoundProbe::BoundProbe(Communicator& comm) : comm_(comm) {
                                     &base, &window_),
             "gradcomm-bench: MPI_Win_allocate_shared");
   mine_ = static_cast<float*>(base);
-  MPI_Aint size = 0;
-  int unit = 0;
-  void* next = nullptr;
-  const int peer = (comm.rank() + 1) % comm.size();
-  check_mpi(MPI_Win_shared_query(window_, peer, &size, &unit, &next),
-            "gradcomm-bench: MPI_Win_shared_query");
-  peer_ = static_cast<const float*>(next);
+  for (int j = 0; j < comm.size(); ++j) {
+    MPI_Aint size = 0;
+    int unit = 0;
+    void* region = nullptr;
+    check_mpi(MPI_Win_shared_query(window_, j, &size, &unit, &region),
+              "gradcomm-bench: MPI_Win_shared_query");
+    regions_.push_back(static_cast<const float*>(region));
+  }
   std::fill(mine_, mine_ + kProbeBytes / sizeof(float), 1.0f);  // touched once
 }
 
@@ -76,32 +77,54 @@ BoundProbe::~BoundProbe() {
   if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
 }
 
-double BoundProbe::rmw_rate() {
-  const std::size_t n = rmw_x_.size();
+double BoundProbe::rmw_rate(std::size_t bytes) {
+  const std::size_t n = std::clamp<std::size_t>(bytes, 4096, kStreamBytes) / sizeof(float);
   float* x = rmw_x_.data();
   const float* y = rmw_y_.data();
   const double t = best_of_trials(comm_.mpi_comm(), [&] { add_into(x, y, n); });
   sink_ += x[n / 2];
-  return 3.0 * kStreamBytes * comm_.size() / t;
+  return 3.0 * static_cast<double>(n * sizeof(float)) * comm_.size() / t;
 }
 
-double BoundProbe::cross_core_rate(std::size_t bytes) {
-  if (!mine_) return 0;
-  const std::size_t n = std::clamp<std::size_t>(bytes, 4096, kProbeBytes) / sizeof(float);
-  // Each trial: every rank writes its region, a barrier, then every rank reads the next rank's
-  // region (timed): lines another core has just written, all ranks at once.
+// Every rank writes its region of `floats` (with memset, as --cycle rewrites a call's input), a
+// barrier, then (timed) `read` runs on every rank at
+// once, reading lines other cores have just written: the slowest rank's time, best of kTrials.
+template <class Read>
+double BoundProbe::after_peers_wrote(std::size_t floats, Read&& read) {
   double best = 1e30;
   for (int trial = 0; trial < kTrials; ++trial) {
-    std::fill(mine_, mine_ + n, static_cast<float>(trial));
+    std::memset(mine_, 0x3c + trial, floats * sizeof(float));  // as --cycle rewrites inputs
     check_mpi(MPI_Barrier(comm_.mpi_comm()), "gradcomm-bench: MPI_Barrier");
     const double t0 = MPI_Wtime();
-    sink_ += checksum(peer_, n);
+    read();
     double elapsed = MPI_Wtime() - t0;
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, comm_.mpi_comm()),
               "gradcomm-bench: MPI_Allreduce");
     best = std::min(best, elapsed);
   }
-  return static_cast<double>(n * sizeof(float)) / best;
+  return best;
+}
+
+double BoundProbe::state_rate() {
+  const std::size_t n = kStateProbeBytes / sizeof(float);
+  const float* next = regions_[static_cast<std::size_t>((comm_.rank() + 1) % comm_.size())];
+  const double t = after_peers_wrote(n, [&] { sink_ += checksum(next, n); });
+  return static_cast<double>(kStateProbeBytes) / t;
+}
+
+double BoundProbe::slice_fetch_busbw(std::size_t bytes) {
+  const int ranks = comm_.size(), me = comm_.rank();
+  const std::size_t n = std::clamp<std::size_t>(bytes, 4096, kProbeBytes) / sizeof(float);
+  // This rank's slice of the region, as the all-reduce's slices (the last one shorter).
+  const std::size_t slice =
+      (n + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
+  const std::size_t begin = std::min(n, slice * static_cast<std::size_t>(me));
+  const std::size_t length = std::min(n, begin + slice) - begin;
+  const double t = after_peers_wrote(n, [&] {
+    for (int j = 1; j < ranks; ++j)
+      sink_ += checksum(regions_[static_cast<std::size_t>((me + j) % ranks)] + begin, length);
+  });
+  return 2.0 * (ranks - 1) / ranks * static_cast<double>(n * sizeof(float)) / t;
 }
 
 Bound BoundProbe::measure(std::size_t bytes) {
@@ -109,11 +132,13 @@ Bound BoundProbe::measure(std::size_t bytes) {
   const int n = comm_.size();
   if (n < 2) return b;
   const double share = 2.0 * (n - 1) / n;  // busbw's factor
-  b.rmw = rmw_rate();
+  b.rmw = rmw_rate(bytes);
   b.dram_busbw = b.rmw / (2.0 * n) * share;
-  b.cross_core = cross_core_rate(std::max<std::size_t>(bytes, kStateProbeBytes));
-  b.state_rate = bytes == kStateProbeBytes ? b.cross_core : cross_core_rate(kStateProbeBytes);
-  b.busbw = b.cross_core > 0 ? std::min(b.dram_busbw, 2 * b.cross_core) : b.dram_busbw;
+  b.busbw = b.dram_busbw;
+  if (!mine_) return b;  // not one host: memory only
+  b.cross_core_busbw = slice_fetch_busbw(bytes);
+  b.state_rate = state_rate();
+  b.busbw = std::min(b.dram_busbw, b.cross_core_busbw);
   return b;
 }
 
