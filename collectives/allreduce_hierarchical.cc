@@ -49,9 +49,6 @@ namespace {
 
 constexpr std::string_view kCall = "allreduce(hierarchical)";
 
-// auto's intra-group form switches from shm to direct above this size in crowded groups.
-constexpr std::size_t kShmCrowdedBytes = std::size_t{4} << 20;
-
 // The cross-group phase all-reduces each shard with halving_doubling below this size, with the
 // ring from it (the crossover measured on 2 and 4 ranks).
 constexpr std::size_t kRingFromBytes = std::size_t{4} << 20;
@@ -86,12 +83,9 @@ void attach_traffic(Communicator& sub, const std::shared_ptr<TrafficCounters>& c
 class Level {
  public:
   // `ids[l][r]`: the group of rank r of `comm` at level l (innermost first).
-  // `machine_ranks`: ranks running on this machine (for shm's spin-or-yield choice); `crowded`:
-  // some machine runs more ranks than it has hardware threads (the same on every rank).
+  // `machine_ranks`: ranks running on this machine (for shm's spin-or-yield choice).
   Level(Communicator& comm, std::vector<std::vector<int>> ids,
-        const std::shared_ptr<TrafficCounters>& counters, int traffic_group, int machine_ranks,
-        bool crowded_)
-      : crowded(crowded_) {
+        const std::shared_ptr<TrafficCounters>& counters, int traffic_group, int machine_ranks) {
     std::vector<std::vector<int>> groups;
     // Levels that do not split this communicator (one group, or groups of one rank) are skipped.
     while (!ids.empty()) {
@@ -133,7 +127,7 @@ class Level {
           outer.push_back(std::move(level));
         }
         auto nested = std::make_unique<Level>(*column, std::move(outer), counters, traffic_group,
-                                              machine_ranks, crowded);
+                                              machine_ranks);
         if (!nested->flat) next[static_cast<std::size_t>(c)] = std::move(nested);
       }
       column_comms[static_cast<std::size_t>(c)] = std::move(column);
@@ -189,8 +183,7 @@ class Level {
     }
   }
 
-  bool flat = true;      // no level splits the communicator
-  bool crowded = false;  // more ranks on this machine than cores
+  bool flat = true;  // no level splits the communicator
   int group_size = 1, local = 0, columns = 1;
   std::unique_ptr<Communicator> group_comm;
   std::vector<std::unique_ptr<Communicator>> column_comms;  // null where this rank is no owner
@@ -206,7 +199,7 @@ class Level {
     const bool shm_ok =
         shm_columns_fit(layout.columns, args.element_bytes()) && shm_available(*group_comm);
     if (asked == "shm") return shm_ok ? Intra::shm : Intra::direct;
-    return hierarchical_intra_auto(args.count * args.element_bytes(), group_size, shm_ok, crowded);
+    return hierarchical_intra_auto(shm_ok);
   }
 };
 
@@ -232,18 +225,15 @@ class Hierarchy : public Attachment {
               comm.config().hierarchical_intra + "'); set it identically for every rank"));
     }
     root = std::make_unique<Level>(comm, topo.levels, comm.attachment<Traffic>().shared_counters(),
-                                   topo.group(), topology::ranks_on_this_machine(comm),
-                                   topology::machine_oversubscribed(comm));
+                                   topo.group(), topology::ranks_on_this_machine(comm));
   }
   std::unique_ptr<Level> root;
 };
 
 }  // namespace
 
-Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok, bool crowded) {
-  if (!shm_ok) return Intra::direct;
-  if (crowded && group_size > 2 && bytes > kShmCrowdedBytes) return Intra::direct;
-  return Intra::shm;
+Intra hierarchical_intra_auto(bool shm_ok) {
+  return shm_ok ? Intra::shm : Intra::direct;
 }
 
 std::optional<double> AllreduceHierarchical::predicted_seconds(const CostModel& model,
@@ -252,8 +242,7 @@ std::optional<double> AllreduceHierarchical::predicted_seconds(const CostModel& 
   const double S = static_cast<double>(q.bytes);
   const double g = q.group_size;
   const double shard = S / g;
-  const bool shm_phases = model.group_shm && hierarchical_intra_auto(q.bytes, q.group_size, true,
-                                                                     model.crowded) == Intra::shm;
+  const bool shm_phases = hierarchical_intra_auto(model.group_shm) == Intra::shm;
   // direct: one round of messages each way; shm: 4 flag waits per staged round, copies in of the
   // others' columns, out of the owner's, and out of the others'.
   const double rounds = std::max(1.0, std::ceil(S / static_cast<double>(kShmRoundBytes)));

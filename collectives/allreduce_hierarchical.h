@@ -9,14 +9,15 @@ namespace gradcomm::collectives {
 // How hierarchical reduce-scatters and all-gathers inside a group (Config::hierarchical_intra).
 enum class Intra { direct, ring, shm };
 
-// The form "auto" picks for a call of `bytes` in a group of `group_size` ranks; `shm_ok` when the
-// group shares one host and its segment exists, `crowded` when this machine runs more ranks than
-// it has cores. shm wherever it can run, but for large calls in crowded groups of more than two:
-// every one of shm's flag rounds (one per 256 KiB) needs all the group's ranks scheduled, and
-// measured on 8 ranks over 2 cores (2 x 4) it fell behind direct from 8 MiB (README). direct
-// otherwise; the ring form is never picked here (it lost to direct at every size measured) and
-// is there for groups whose links form a ring. Same inputs on every member: same pick.
-Intra hierarchical_intra_auto(std::size_t bytes, int group_size, bool shm_ok, bool crowded);
+// The form "auto" picks; `shm_ok` when the group shares one host, its segment exists and a round
+// carries one element of every column. shm wherever it can run, direct otherwise. (Until the
+// shm phases read and wrote registered buffers in place and staged through 4-deep slots, crowded
+// groups of more than two ran direct above 4 MiB; measured since, on 8 ranks over 2 cores as
+// 2 x 4, shm wins 1.1-1.9x with private buffers and 2.0-5.1x with registered ones at 4-64 MiB:
+// docs/results/hierarchical.md.) The ring form is never picked here (it lost to direct at every
+// size measured) and is there for groups whose links form a ring. Same inputs on every member:
+// same pick.
+Intra hierarchical_intra_auto(bool shm_ok);
 
 class AllreduceHierarchical : public AllreduceAlgorithm {
  public:

@@ -47,28 +47,25 @@ void wait_for_slot(const ShmState& s, std::uint64_t r, const CallContext& call) 
   s.wait_all(&RankControl::drained, r < kShmStageSlots ? 0 : r - kShmStageSlots, "drain", call);
 }
 
-// out = sources[0] op sources[1] op ... in member order over `m` elements. When `out` is one of
-// the later sources (in place, as the third or later operand), each block is reduced in L1
-// scratch and copied out, so the operand is read before it is overwritten.
+// out = sources[0] op sources[1] op ... in member order over `m` elements, block by block, so
+// that each block of `out` stays in L1 across the chain instead of making one pass per member
+// over a whole column. When `out` is one of the later sources (in place, as the third or later
+// operand), each block is reduced in L1 scratch and copied out, so the operand is read before it
+// is overwritten.
 void reduce_chain(std::byte* out, const std::vector<const std::byte*>& sources, std::size_t m,
                   DataType dtype, ReduceOp op, bool out_is_a_later_source) {
-  if (!out_is_a_later_source) {
-    reduce_to(out, sources[0], sources[1], m, dtype, op);
-    for (std::size_t j = 2; j < sources.size(); ++j)
-      reduce_into(out, sources[j], m, dtype, op);
-    return;
-  }
   constexpr std::size_t kBlockBytes = std::size_t{8} << 10;
-  alignas(kShmLine) std::byte block[kBlockBytes];
+  alignas(kShmLine) std::byte scratch[kBlockBytes];
   const std::size_t es = element_size(dtype);
   const std::size_t per_block = kBlockBytes / es;
   for (std::size_t b = 0; b < m; b += per_block) {
     const std::size_t n = std::min(per_block, m - b);
     const std::size_t at = b * es;
-    reduce_to(block, sources[0] + at, sources[1] + at, n, dtype, op);
+    std::byte* result = out_is_a_later_source ? scratch : out + at;
+    reduce_to(result, sources[0] + at, sources[1] + at, n, dtype, op);
     for (std::size_t j = 2; j < sources.size(); ++j)
-      reduce_into(block, sources[j] + at, n, dtype, op);
-    std::memcpy(out + at, block, n * es);
+      reduce_into(result, sources[j] + at, n, dtype, op);
+    if (out_is_a_later_source) std::memcpy(out + at, scratch, n * es);
   }
 }
 
@@ -99,10 +96,10 @@ ShmPeers shm_reduce_scatter_to_owners(const AllreduceArgs& args, ReduceOp op,
     wait_for_slot(s, r, args.call);
     std::byte* slot = s.stage(me, r);
     for (std::size_t c = 0; c < layout.columns; ++c) {
-      if (layout.owner(c) == me) continue;
       const auto col = layout.column(c);
-      std::memcpy(slot + c * staged.q * es, send + (col.offset + staged.start(k)) * es,
-                  staged.length(col.length, k) * es);
+      const std::size_t m = staged.length(col.length, k);
+      if (layout.owner(c) == me || m == 0) continue;
+      std::memcpy(slot + c * staged.q * es, send + (col.offset + staged.start(k)) * es, m * es);
     }
   };
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::columns, input, output);
@@ -162,6 +159,7 @@ void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& la
     for (std::size_t c : layout.owned) {
       const auto col = layout.column(c);
       const std::size_t m = plan.length(col.length, k);
+      if (m == 0) continue;
       const std::size_t at = (col.offset + plan.start(k)) * es;
       for (int j = 0; j < s.size; ++j) {
         std::byte* out = peers.outputs[static_cast<std::size_t>(j)];
@@ -175,10 +173,11 @@ void shm_allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& la
     if (mine_private) {  // the others' columns, from their owners' slots
       for (std::size_t c = 0; c < layout.columns; ++c) {
         const int owner = layout.owner(c);
-        if (owner == me) continue;
         const auto col = layout.column(c);
+        const std::size_t m = plan.length(col.length, k);
+        if (owner == me || m == 0) continue;
         std::memcpy(recv + (col.offset + plan.start(k)) * es, s.stage(owner, r) + c * plan.q * es,
-                    plan.length(col.length, k) * es);
+                    m * es);
       }
     }
     mine.drained.store(r, std::memory_order_release);

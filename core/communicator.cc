@@ -189,7 +189,7 @@ std::size_t Communicator::next_attachment_slot() {
 }
 
 ProgressEngine& Communicator::engine() {
-  if (!engine_) engine_ = std::make_unique<ProgressEngine>();
+  if (!engine_) engine_ = std::make_unique<ProgressEngine>(config_.engine_poll_us);
   return *engine_;
 }
 

@@ -130,6 +130,10 @@ Config Config::from_environment() {
     }
     config.bind = value;
   }
+  if (const char* v = get("GRADCOMM_ENGINE_POLL_US")) {
+    config.engine_poll_us =
+        static_cast<int>(parse_integer("GRADCOMM_ENGINE_POLL_US", v, 0, 1000000));
+  }
   if (const char* v = get("GRADCOMM_TIMEOUT")) {
     config.timeout_seconds = static_cast<int>(parse_integer("GRADCOMM_TIMEOUT", v, 0, 1 << 30));
   }
@@ -191,6 +195,8 @@ void Config::validate() const {
   if (bind != "none" && bind != "core" && bind != "numa") bad("bind '" + bind + "' is invalid");
   if (timeout_seconds < 0)
     bad("timeout_seconds " + std::to_string(timeout_seconds) + " is negative");
+  if (engine_poll_us < 0 || engine_poll_us > 1000000)
+    bad("engine_poll_us " + std::to_string(engine_poll_us) + " is outside [0, 1000000]");
   if (device < -1) bad("device " + std::to_string(device) + " is below -1");
   if (gpu_inter_node != "nccl" && gpu_inter_node != "mpi") {
     bad("gpu_inter_node '" + gpu_inter_node + "' is not nccl or mpi");

@@ -57,6 +57,11 @@ struct Config {
   // report of every rank's recent calls on rank 0 and aborts the job; a GPU collective aborts its
   // NCCL communicator and fails first. 0 disables both (waits forever).
   int timeout_seconds = 300;
+  // GRADCOMM_ENGINE_POLL_US: microseconds the progress engine polls for a next request (yielding
+  // its core each time) before it sleeps. A submission meanwhile costs 0.2-1 us instead of a
+  // wake-up (7-15 us on a VM). 0 sleeps at once: on a machine running more ranks than cores, the
+  // polls compete with the ranks' own yielding waits (docs/results/overlap.md).
+  int engine_poll_us = 50;
   // GRADCOMM_CHECK: "default" (normal) compares every call's fingerprint (sequence number, kind,
   // count, dtype, op, algorithm, root) across ranks while the call runs; "full" compares before
   // the call starts and, after an all-reduce, a hash of every rank's output; "off" compares

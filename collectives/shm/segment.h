@@ -17,14 +17,13 @@
 // rank drained that round, which waited for every reducer of it; hierarchical's phases: every rank
 // drained it).
 //
-// A call's descriptor (count, dtype, op, path, where a registered input lies) is written with the
-// first round's input and read by every rank once that round's `copied` counters are up; ranks
-// then all see the same descriptors and decide the same way, including to fail.
+// A call's descriptor (count, dtype, op, path, where a registered input and output lie) is
+// written with the first round's input and read by every rank once that round's `copied` counters
+// are up; ranks then all see the same descriptors and decide the same way, including to fail.
 
 #include <sys/types.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>

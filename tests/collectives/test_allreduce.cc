@@ -602,7 +602,7 @@ TEST_P(HierarchicalLayouts, ShmPhasesOnRegisteredAndPrivateBuffers) {
       layout,
       [&](Communicator& comm) {
         const int me = comm.rank();
-        for (DataType dtype : {DataType::float32, DataType::int64}) {
+        for (DataType dtype : {DataType::float32, DataType::int64, DataType::bfloat16}) {
           const std::size_t es = element_size(dtype);
           const std::size_t offset = 3 * es;
           const std::size_t room = 1000003 * es + kGuardBytes + offset;

@@ -142,6 +142,7 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
       {"GRADCOMM_HIERARCHICAL_INTRA", "nvlink",
        "GRADCOMM_HIERARCHICAL_INTRA='nvlink' is invalid: expected one of auto, direct, ring, shm"},
       {"GRADCOMM_SHM_STORES", "cached", "GRADCOMM_SHM_STORES was removed"},
+      {"GRADCOMM_ENGINE_POLL_US", "fast", "GRADCOMM_ENGINE_POLL_US='fast' is invalid"},
       {"GRADCOMM_MPI_MIN_BYTES", "-1", "GRADCOMM_MPI_MIN_BYTES='-1' is invalid"},
       {"GRADCOMM_MPI_MIN_BYTES", "4k", "GRADCOMM_MPI_MIN_BYTES='4k' is invalid"},
       {"GRADCOMM_MPI_LOG", "yes", "GRADCOMM_MPI_LOG='yes' is invalid: expected 0 or 1"},
@@ -177,6 +178,10 @@ TEST_F(BadNames, OutOfRangeConfigInCode) {
   config.segment_bytes = 8;
   expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
                                 {"segment_bytes 8 is outside [16, 1073741824]"});
+  config = Config{};
+  config.engine_poll_us = -1;
+  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
+                                {"engine_poll_us -1 is outside [0, 1000000]"});
   expect_usable(world());
 }
 

@@ -119,6 +119,29 @@ TEST_F(NonBlocking, ManyRequestsInFlightMatchTheSerialSum) {
   }
 }
 
+// The engine polls for Config::engine_poll_us before it sleeps: a request submitted inside the
+// window (taken without a wake-up), one submitted after it (the engine asleep, woken), and with
+// no window at all, each give the serial sum.
+TEST_F(NonBlocking, SubmissionsDuringAndAfterTheEnginesPollFinish) {
+  for (int poll_us : {0, 50, 20000}) {
+    SCOPED_TRACE("engine_poll_us " + std::to_string(poll_us));
+    Config config;
+    config.engine_poll_us = poll_us;
+    Communicator comm(MPI_COMM_WORLD, config);
+    const int n = comm.size();
+    std::vector<float> v(1009);
+    for (int k = 0; k < 6; ++k) {
+      // Back to back (inside any window), then after a pause longer than 50 us.
+      if (k == 3) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::fill(v.begin(), v.end(), static_cast<float>(comm.rank() + k));
+      iallreduce(comm, v.data(), v.data(), v.size(), DataType::float32, ReduceOp::sum).wait();
+      const float expected = static_cast<float>(n * (n - 1) / 2 + n * k);
+      ASSERT_EQ(v.front(), expected) << "call " << k;
+      ASSERT_EQ(v.back(), expected) << "call " << k;
+    }
+  }
+}
+
 // One engine per communicator: ranks that submit on two communicators in opposite orders still
 // finish (one engine for both would run A before B on some ranks and B before A on others).
 TEST_F(NonBlocking, TwoCommunicatorsSubmittedInOppositeOrders) {
