@@ -55,6 +55,7 @@ ProgressEngine::~ProgressEngine() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
+  stop_polling_.store(true, std::memory_order_release);  // a poll under way ends now
   wake_.notify_one();
   if (thread_.joinable()) thread_.join();
 }
@@ -95,12 +96,13 @@ void ProgressEngine::loop() {
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   for (;;) {
     std::shared_ptr<detail::RequestState> state;
-    // Poll before sleeping (poll_us_). sched_yield gives the core to any runnable
-    // thread at once, so the poll only takes time nothing else wants. A submission during it
-    // finds idle_ false and skips the wake; the queue is checked again under the lock below, so
-    // none is missed either way.
+    // Poll before sleeping (poll_us_). sched_yield gives the core to any runnable thread on this
+    // CPU at once, so the poll mostly takes time nothing else wants. A submission during it finds
+    // idle_ false and skips the wake; the queue is checked again under the lock below, so none is
+    // missed either way. Shutdown ends a poll at once (stop_polling_).
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(poll_us_);
     while (pending_.load(std::memory_order_acquire) == 0 &&
+           !stop_polling_.load(std::memory_order_acquire) &&
            std::chrono::steady_clock::now() < until) {
       sched_yield();
     }

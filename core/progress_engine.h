@@ -55,6 +55,7 @@ class ProgressEngine {
   std::atomic<std::size_t> pending_{0};
   std::atomic<std::uint64_t> submitted_{0};
   const int poll_us_;
+  std::atomic<bool> stop_polling_{false};  // set by the destructor
   std::thread thread_;
 };
 

@@ -21,8 +21,8 @@ struct CostModel {
   double flag_alpha = 0.5e-6;      // seconds per flag round through shared memory
   bool one_host = false;           // every rank on one host: shm can run
   // Hierarchical may run its intra-group phases through shm (every group on one host, and
-  // Config::hierarchical_intra auto or shm), and whether a machine runs more ranks than it has
-  // hardware threads (which of the forms auto picks depends on it).
+  // Config::hierarchical_intra auto or shm); whether a machine runs more ranks than it has
+  // hardware threads (auto then probes the algorithms' times before trusting the model).
   bool group_shm = false;
   bool crowded = false;
 

@@ -143,6 +143,7 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
        "GRADCOMM_HIERARCHICAL_INTRA='nvlink' is invalid: expected one of auto, direct, ring, shm"},
       {"GRADCOMM_SHM_STORES", "cached", "GRADCOMM_SHM_STORES was removed"},
       {"GRADCOMM_ENGINE_POLL_US", "fast", "GRADCOMM_ENGINE_POLL_US='fast' is invalid"},
+      {"GRADCOMM_ENGINE_POLL_US", "1000001", "GRADCOMM_ENGINE_POLL_US='1000001' is invalid"},
       {"GRADCOMM_MPI_MIN_BYTES", "-1", "GRADCOMM_MPI_MIN_BYTES='-1' is invalid"},
       {"GRADCOMM_MPI_MIN_BYTES", "4k", "GRADCOMM_MPI_MIN_BYTES='4k' is invalid"},
       {"GRADCOMM_MPI_LOG", "yes", "GRADCOMM_MPI_LOG='yes' is invalid: expected 0 or 1"},

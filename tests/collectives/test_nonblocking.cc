@@ -119,9 +119,11 @@ TEST_F(NonBlocking, ManyRequestsInFlightMatchTheSerialSum) {
   }
 }
 
-// The engine polls for Config::engine_poll_us before it sleeps: a request submitted inside the
-// window (taken without a wake-up), one submitted after it (the engine asleep, woken), and with
-// no window at all, each give the serial sum.
+// The engine polls for Config::engine_poll_us before it sleeps. Requests submitted back to back
+// (inside a 50 us or 20 ms window), after a 2 ms pause (past a 50 us window: the engine asleep,
+// woken) and with no window at all each give the serial sum, and each communicator is destroyed
+// while its engine polls. Whether a given submission skipped the wake, and how soon a destroyed
+// engine stops polling, are timing, measured by gradcomm-nonblocking-bench, not asserted here.
 TEST_F(NonBlocking, SubmissionsDuringAndAfterTheEnginesPollFinish) {
   for (int poll_us : {0, 50, 20000}) {
     SCOPED_TRACE("engine_poll_us " + std::to_string(poll_us));
@@ -136,8 +138,8 @@ TEST_F(NonBlocking, SubmissionsDuringAndAfterTheEnginesPollFinish) {
       std::fill(v.begin(), v.end(), static_cast<float>(comm.rank() + k));
       iallreduce(comm, v.data(), v.data(), v.size(), DataType::float32, ReduceOp::sum).wait();
       const float expected = static_cast<float>(n * (n - 1) / 2 + n * k);
-      ASSERT_EQ(v.front(), expected) << "call " << k;
-      ASSERT_EQ(v.back(), expected) << "call " << k;
+      ASSERT_EQ(std::count(v.begin(), v.end(), expected), static_cast<long>(v.size()))
+          << "call " << k;
     }
   }
 }
