@@ -239,22 +239,15 @@ INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceExact,
                                   std::string(to_string(std::get<1>(info.param)));
                          });
 
-// shm's matrix on registered buffers (Communicator::allocate): every dtype, op and count, in and
-// out of place, at an odd element offset into the registered memory. Placements: every rank
-// registered; odd ranks on private buffers (the ranks mix paths in one call); registered input
-// with a private output, and the reverse, alternating by rank.
-TEST_P(AllreduceExact, RegisteredBuffersAtOffsets) {
-  const auto& [algorithm, dtype] = GetParam();
-  if (algorithm != "shm") GTEST_SKIP() << "shm's registered paths";
-  if (!topology::shares_one_host(world())) GTEST_SKIP() << "registered buffers live on one host";
-  const int n = world().size();
-  // 2 ranks (halves), 3 (slices not a power of two, an odd rank private), 5 (more ranks than
-  // cores, two private ranks among five).
-  if (n != 2 && n != 3 && n != 5) GTEST_SKIP() << "runs at 2, 3 and 5 ranks";
-  Communicator& comm = world();
+// Runs `check(send, recv, in_place_too)` with this rank's buffers, room for 1000003 elements of
+// `es` bytes and the guard, at an odd element offset (not a cache line: slices start mid-line),
+// in three placements: every rank registered (comm.allocate); odd ranks on private buffers (the
+// ranks mix paths in one call); registered input with a private output and the reverse,
+// alternating by rank (where in place is meaningless: in_place_too false).
+template <class Check>
+void for_each_placement(Communicator& comm, std::size_t es, Check check) {
   const int me = comm.rank();
-  const std::size_t es = element_size(dtype);
-  const std::size_t offset = 3 * es;  // not a cache line: the slices start mid-line
+  const std::size_t offset = 3 * es;
   const std::size_t room = 1000003 * es + kGuardBytes + offset;
   RegisteredBuffer a = comm.allocate(room), b = comm.allocate(room);
   std::vector<std::byte> pa(room), pb(room);
@@ -268,15 +261,33 @@ TEST_P(AllreduceExact, RegisteredBuffersAtOffsets) {
       recv = pb.data() + offset;
     }
     if (placement == in_xor_out) (me % 2 == 0 ? recv : send) = pb.data() + offset;
-    for (ReduceOp op : kAllReduceOps) {
-      for (std::size_t count : small_counts(comm.size())) {
-        for (bool in_place : {false, true}) {
-          if (in_place && placement == in_xor_out) continue;
-          check_exact_on(comm, algorithm, dtype, op, count, in_place, send, recv);
-        }
-      }
-    }
+    check(send, recv, placement != in_xor_out);
   }
+}
+
+// shm's matrix on registered buffers (Communicator::allocate): every dtype, op and count, in and
+// out of place, at an odd element offset into the registered memory. Placements: every rank
+// registered; odd ranks on private buffers (the ranks mix paths in one call); registered input
+// with a private output, and the reverse, alternating by rank.
+TEST_P(AllreduceExact, RegisteredBuffersAtOffsets) {
+  const auto& [algorithm, dtype] = GetParam();
+  if (algorithm != "shm") GTEST_SKIP() << "shm's registered paths";
+  if (!topology::shares_one_host(world())) GTEST_SKIP() << "registered buffers live on one host";
+  const int n = world().size();
+  // 2 ranks (halves), 3 (slices not a power of two, an odd rank private), 5 (more ranks than
+  // cores, two private ranks among five).
+  if (n != 2 && n != 3 && n != 5) GTEST_SKIP() << "runs at 2, 3 and 5 ranks";
+  for_each_placement(
+      world(), element_size(dtype), [&](std::byte* send, std::byte* recv, bool in_place_too) {
+        for (ReduceOp op : kAllReduceOps) {
+          for (std::size_t count : small_counts(world().size())) {
+            for (bool in_place : {false, true}) {
+              if (in_place && !in_place_too) continue;
+              check_exact_on(world(), algorithm, dtype, op, count, in_place, send, recv);
+            }
+          }
+        }
+      });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -601,33 +612,19 @@ TEST_P(HierarchicalLayouts, ShmPhasesOnRegisteredAndPrivateBuffers) {
   const bool ran = with_layout(
       layout,
       [&](Communicator& comm) {
-        const int me = comm.rank();
         for (DataType dtype : {DataType::float32, DataType::int64, DataType::bfloat16}) {
-          const std::size_t es = element_size(dtype);
-          const std::size_t offset = 3 * es;
-          const std::size_t room = 1000003 * es + kGuardBytes + offset;
-          RegisteredBuffer a = comm.allocate(room), b = comm.allocate(room);
-          std::vector<std::byte> pa(room), pb(room);
-          enum Placement { all_registered, odd_ranks_private, in_xor_out };
-          for (Placement placement : {all_registered, odd_ranks_private, in_xor_out}) {
-            SCOPED_TRACE("placement " + std::to_string(placement));
-            std::byte* send = a.data() + offset;
-            std::byte* recv = b.data() + offset;
-            if (placement == odd_ranks_private && me % 2 == 1) {
-              send = pa.data() + offset;
-              recv = pb.data() + offset;
-            }
-            if (placement == in_xor_out) (me % 2 == 0 ? recv : send) = pb.data() + offset;
-            for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
-              for (std::size_t count :
-                   {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1000003}}) {
-                for (bool in_place : {false, true}) {
-                  if (in_place && placement == in_xor_out) continue;
-                  check_exact_on(comm, "hierarchical", dtype, op, count, in_place, send, recv);
+          for_each_placement(
+              comm, element_size(dtype), [&](std::byte* send, std::byte* recv, bool in_place_too) {
+                for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+                  for (std::size_t count :
+                       {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1000003}}) {
+                    for (bool in_place : {false, true}) {
+                      if (in_place && !in_place_too) continue;
+                      check_exact_on(comm, "hierarchical", dtype, op, count, in_place, send, recv);
+                    }
+                  }
                 }
-              }
-            }
-          }
+              });
         }
       },
       "shm");
