@@ -8,11 +8,13 @@ namespace {
 
 constexpr int kTrials = 3;
 
-// The slowest rank's time of `kernel`, all ranks starting together; the best of kTrials.
-template <class Kernel>
-double best_of_trials(MPI_Comm mpi, Kernel&& kernel) {
+// The slowest rank's time of `kernel`, all ranks starting together; the best of kTrials. Each
+// trial first runs `prepare(trial)` untimed, before the barrier.
+template <class Prepare, class Kernel>
+double best_of_trials(MPI_Comm mpi, Prepare&& prepare, Kernel&& kernel) {
   double best = 1e30;
   for (int trial = 0; trial < kTrials; ++trial) {
+    prepare(trial);
     check_mpi(MPI_Barrier(mpi), "gradcomm-bench: MPI_Barrier");
     const double t0 = MPI_Wtime();
     kernel();
@@ -81,28 +83,19 @@ double BoundProbe::rmw_rate(std::size_t bytes) {
   const std::size_t n = std::clamp<std::size_t>(bytes, 4096, kStreamBytes) / sizeof(float);
   float* x = rmw_x_.data();
   const float* y = rmw_y_.data();
-  const double t = best_of_trials(comm_.mpi_comm(), [&] { add_into(x, y, n); });
+  const double t = best_of_trials(
+      comm_.mpi_comm(), [](int) {}, [&] { add_into(x, y, n); });
   sink_ += x[n / 2];
   return 3.0 * static_cast<double>(n * sizeof(float)) * comm_.size() / t;
 }
 
-// Every rank writes its region of `floats` (with memset, as --cycle rewrites a call's input), a
-// barrier, then (timed) `read` runs on every rank at
-// once, reading lines other cores have just written: the slowest rank's time, best of kTrials.
+// Every rank writes its region of `floats` (with memset, as --cycle rewrites a call's input),
+// then `read` runs on every rank at once, reading lines other cores have just written.
 template <class Read>
 double BoundProbe::after_peers_wrote(std::size_t floats, Read&& read) {
-  double best = 1e30;
-  for (int trial = 0; trial < kTrials; ++trial) {
-    std::memset(mine_, 0x3c + trial, floats * sizeof(float));  // as --cycle rewrites inputs
-    check_mpi(MPI_Barrier(comm_.mpi_comm()), "gradcomm-bench: MPI_Barrier");
-    const double t0 = MPI_Wtime();
-    read();
-    double elapsed = MPI_Wtime() - t0;
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, comm_.mpi_comm()),
-              "gradcomm-bench: MPI_Allreduce");
-    best = std::min(best, elapsed);
-  }
-  return best;
+  return best_of_trials(
+      comm_.mpi_comm(),
+      [&](int trial) { std::memset(mine_, 0x3c + trial, floats * sizeof(float)); }, read);
 }
 
 double BoundProbe::state_rate() {
