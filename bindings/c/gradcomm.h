@@ -83,7 +83,8 @@ gradcomm_status gradcomm_grouped_allreduce(gradcomm_comm comm, void* const* buff
                                            size_t n, gradcomm_op op, const char* algorithm,
                                            size_t fusion_threshold);
 
-/* Copies count elements of buffer on root to every rank. */
+/* Copies count elements of buffer on root to every rank. A buffer in GPU memory is staged
+ * through pinned host memory; the call returns once it holds the data. */
 gradcomm_status gradcomm_broadcast(gradcomm_comm comm, void* buffer, size_t count,
                                    gradcomm_dtype dtype, int root);
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and benchmarks on a GPU machine from the bundle scripts/device-bundle made
 # (.device/): adds Debian's Open MPI at its own paths (never replacing a file), finds NCCL, then
-# runs test_gpu at 1, 2 and 4 ranks, test_gpu_host, the GPU pack benchmark and
-# gradcomm-bench --device gpu. Results go to stdout and, when $OUT is set, to $OUT/*.txt.
+# runs test_gpu and test_gpu_c at 1, 2 and 4 ranks, test_gpu_host, the progress-engine bench,
+# the GPU pack benchmark and gradcomm-bench --device gpu. Results go to stdout and, when $OUT is set, to $OUT/*.txt.
 #
-#   tests/gpu/run_on_device.sh [all|bench]   (bench: only the benchmarks)
+#   tests/gpu/run_on_device.sh [all|bench|tests]   (only the benchmarks, or only the tests)
 #
 # Ranks that share one GPU are time-sliced between their CUDA contexts unless CUDA MPS runs; the
 # script starts the MPS daemon when the machine has it, so the ranks' kernels run side by side.
@@ -50,11 +50,24 @@ fi
 status=0
 [[ $what == bench ]] || for np in 1 2 4; do
   echo "== test_gpu np$np"
-  timeout 300 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 | tee "$out/test_gpu_np$np.txt" | tail -25
+  timeout 150 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 | tee "$out/test_gpu_np$np.txt" | tail -25
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+done
+[[ $what == bench ]] || for np in 1 2 4; do
+  echo "== test_gpu_c np$np"
+  timeout 90 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu_c" 2>&1 | tee "$out/test_gpu_c_np$np.txt" | tail -8
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 done
 [[ $what == bench ]] || echo "== test_gpu_host np2"
 [[ $what == bench ]] || timeout 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -3
+if [[ $what == tests ]]; then  # and the engine on spare cores, which is quick
+  for np in 2 4; do
+    echo "== gradcomm-nonblocking-bench np$np"
+    timeout 120 mpirun -n "$np" --bind-to core "$bundle/bin/gradcomm-nonblocking-bench" 2>&1 |
+      tee "$out/nonblocking_np$np.txt"
+  done
+  exit $status
+fi
 echo "== pack bench"
 (cd "$bundle" && timeout 120 bin/gradcomm-gpu-pack-bench workloads/resnet50.json \
    workloads/bert_base.json workloads/mobilenet_v2.json workloads/vgg16.json) 2>&1 | tee "$out/pack_bench.txt"
