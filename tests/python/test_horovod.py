@@ -1,8 +1,9 @@
 """gradcomm.torch as horovod.torch: every call of Horovod's PyTorch API that gradcomm implements,
 against references computed on every rank from every rank's known input (each rank's input is
 a function of its rank), in every dtype, in place and not, blocking and async; the refusals;
-and DistributedOptimizer against gradcomm's DistributedDataParallel."""
+DistributedOptimizer against gradcomm's DistributedDataParallel; and join() with uneven inputs."""
 
+import copy
 import json
 
 import numpy as np
@@ -173,7 +174,7 @@ def test_errors_and_refusals():
         hvd.ProcessSet([0])
     with pytest.raises(NotImplementedError, match="process sets"):
         hvd.allreduce(torch.ones(3), process_set=object())
-    for refused in (hvd.join, hvd.alltoall, hvd.reducescatter):
+    for refused in (hvd.alltoall, hvd.reducescatter):
         with pytest.raises(NotImplementedError):
             refused(torch.ones(3))
     with pytest.raises(NotImplementedError, match="elastic"):
@@ -332,3 +333,74 @@ def test_scheduler_made_before_wrapping_and_groups():
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()  # all-reduces first: the step's result is the same on every rank
     assert same_on_every_rank(flat(model))
+
+
+def test_join_stands_in_for_allreduces_and_optimizer_steps():
+    """Rank r trains 2 + r steps, then joins. Meanwhile the ranks still training all-reduce in
+    every form and step a DistributedOptimizer; the joined ranks contribute zeros to Sum and
+    Average (which still divides by every rank) and nothing to Min and Max. The reference is
+    computed here from every rank's data."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(6, 3)
+    reference_model = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
+
+    def batch(r, k):
+        g = torch.Generator().manual_seed(100 * r + k)
+        return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+    for k in range(2 + RANK):
+        active = [r for r in range(SIZE) if 2 + r > k]
+        x = torch.full((7,), float(RANK + 1))
+        total = float(sum(r + 1 for r in active))
+        assert torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((7,), total))
+        assert torch.allclose(hvd.allreduce(x), torch.full((7,), total / SIZE))
+        assert torch.equal(hvd.allreduce(x, op=hvd.Min), torch.full((7,), float(min(active) + 1)))
+        y = torch.full((5,), RANK + 1, dtype=torch.int64)
+        assert torch.equal(hvd.synchronize(hvd.allreduce_async_(y, op=hvd.Max)),
+                           torch.full((5,), max(active) + 1, dtype=torch.int64))
+        group = [torch.full((3,), RANK + 1, dtype=torch.int32), torch.full((5,), 1.0,
+                                                                            dtype=torch.float64)]
+        hvd.grouped_allreduce_(group, op=hvd.Sum, fusion_threshold=16)
+        assert group[0].tolist() == [int(total)] * 3 and group[1].tolist() == [len(active)] * 5
+        hvd.barrier()
+        opt.zero_grad()
+        xb, yb = batch(RANK, k)
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        reference_opt.zero_grad()
+        for r in active:  # every active rank's gradient, summed, over all ranks
+            xr, yr = batch(r, k)
+            torch.nn.functional.mse_loss(reference_model(xr), yr).backward()
+        for p in reference_model.parameters():
+            p.grad /= SIZE
+        reference_opt.step()
+        for p, q in zip(model.parameters(), reference_model.parameters()):
+            assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    assert hvd.join() == SIZE - 1
+    # Everyone trains again after it.
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
+
+
+def test_join_refuses_other_calls_on_every_rank():
+    if SIZE == 1:
+        assert hvd.join() == 0
+        return
+    if RANK == 0:
+        with pytest.raises(NotImplementedError, match="have joined"):
+            hvd.join()
+    else:
+        with pytest.raises(NotImplementedError, match="have joined"):
+            hvd.broadcast(torch.ones(3), root_rank=1)
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
+    assert hvd.join() == SIZE - 1  # every rank at once: the last to join is the highest
+
+
+def test_join_switched_off(monkeypatch):
+    """GRADCOMM_JOIN=0 on every rank: the calls make no join round, and join() says so."""
+    monkeypatch.setenv("GRADCOMM_JOIN", "0")
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
+    with pytest.raises(NotImplementedError, match="GRADCOMM_JOIN=0"):
+        hvd.join()

@@ -1,7 +1,7 @@
 """gradcomm.torch.DistributedDataParallel against torch's own DDP (gloo) trained side by side on
 the same data from the same seed: parameters after N steps with SGD+momentum and Adam, no_sync
-accumulation, unused parameters, gradient_as_bucket_view, compression hooks, buffers, and the
-errors. Every rank checks its own replica, and that replicas are bit-identical across ranks."""
+accumulation, unused parameters, gradient_as_bucket_view, compression hooks, buffers, join()
+with uneven inputs, and the errors. Every rank checks its own replica, and that replicas are bit-identical across ranks."""
 
 import pytest
 import torch
@@ -237,8 +237,6 @@ def test_errors():
     model = gt.DistributedDataParallel(net)
     with pytest.raises(NotImplementedError, match="custom Python comm hooks"):
         model.register_comm_hook(None, lambda state, bucket: None)
-    with pytest.raises(NotImplementedError, match="join"):
-        model.join()
     x, y = data(0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="before the first backward"):
@@ -254,3 +252,38 @@ def test_errors():
             gt.DistributedDataParallel(other)
     # Still usable.
     assert MPI.COMM_WORLD.allreduce(1) == SIZE
+
+
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_join_with_uneven_inputs_matches_torch_ddp(gloo, divide_by_initial):
+    """Rank r has 3 + r batches: inside join(), the ranks that run out stand in for the others'
+    steps (zeros in the same buckets, buffers from the highest rank still training), and at the
+    end every rank takes the model of the last to finish, as torch's DDP does."""
+    finals = []
+    for make in (gt.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        model = make(Net(21, batchnorm=True), bucket_cap_mb=0.01, find_unused_parameters=True)
+        opt = optimizer("sgd", model.parameters())
+        with model.join(divide_by_initial_world_size=divide_by_initial):
+            for step in range(3 + RANK):
+                x, y = data(step)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x, use_extra=step % 2 == 0), y).backward()
+                opt.step()
+        finals.append(torch.cat([flat(model), model.module.bn.running_mean]))
+    assert relative(finals[0], finals[1]) <= TOLERANCE
+    assert same_on_every_rank(finals[0])
+
+
+def test_join_throw_on_early_termination_raises_on_every_rank():
+    model = gt.DistributedDataParallel(Net(23))
+    with pytest.raises(RuntimeError, match="ran out of inputs"):
+        with model.join(throw_on_early_termination=True):
+            for step in range(2 + RANK):
+                x, y = data(step)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        if SIZE == 1:
+            raise RuntimeError("ran out of inputs")  # nothing to stand in for at one rank
+    # Every rank is out of the context and in step again.
+    x, y = data(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert same_on_every_rank(model.module.a.weight.grad)

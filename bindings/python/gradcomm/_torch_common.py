@@ -4,9 +4,10 @@ compiled packing::Reducer: buckets all-reduced on the progress engine while back
 
 import hashlib
 
+import numpy as np
 import torch
 
-from . import InvalidArgument, world
+from . import InvalidArgument, MismatchError, world
 from . import _gradcomm
 
 DTYPES = {
@@ -182,3 +183,57 @@ def grad_accumulator(p):
     gradient)."""
     with torch.enable_grad():
         return p.expand_as(p).grad_fn.next_functions[0][0]
+
+
+class JoinControl:
+    """The exchange that lets ranks which ran out of data (join) stand in for the collectives
+    of the ranks still training. Each round is one int64 SUM all-reduce of size + FIELDS
+    elements: a rank still training sets its own slot and the descriptor of the call it is about
+    to make; a joined rank sends zeros. Every rank then knows which ranks are still training and,
+    from their (agreeing) descriptors, what a joined rank must stand in for."""
+
+    FIELDS = 8
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._n = comm.size()
+        self._rank = comm.rank()
+        # NumPy, not torch: a round costs a few microseconds, most of it the all-reduce.
+        self._v = np.zeros(self._n + self.FIELDS, dtype=np.int64)
+        self._ptr = self._v.ctypes.data
+        # The ranks training in the newest round that had any: the last to join, at the end.
+        self.last_active = list(range(self._n))
+
+    def exchange(self, active, fields=()):
+        """One round; returns (the ranks still training, their descriptor)."""
+        n, v = self._n, self._v
+        v[:] = 0
+        if active:
+            v[self._rank] = 1
+            v[n:n + len(fields)] = fields
+        self.comm._allreduce_ptr(self._ptr, self._ptr, n + self.FIELDS, "int64", "sum", None)
+        values = v.tolist()
+        if sum(values[:n]) == n:  # nobody has joined: the common case
+            return range(n), values[n:]
+        active_ranks = [r for r in range(n) if values[r]]
+        if not active_ranks:
+            return active_ranks, [0] * self.FIELDS
+        self.last_active = active_ranks
+        k = len(active_ranks)
+        if any(x % k for x in values[n:]):
+            raise MismatchError(f"join: the {k} ranks still training are making different calls "
+                                f"(descriptor sums {values[n:]} over ranks {active_ranks})")
+        return active_ranks, [x // k for x in values[n:]]
+
+
+def neutral(op, dtype, count):
+    """A tensor of `count` elements that leaves `op` unchanged: what a joined rank contributes
+    in place of data (zeros for sum and average, as Horovod and torch's DDP join do)."""
+    if op in ("sum", "average"):
+        return torch.zeros(count, dtype=dtype)
+    if op == "product":
+        return torch.ones(count, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.full((count,), float("inf") if op == "min" else float("-inf"), dtype=dtype)
+    info = torch.iinfo(dtype)
+    return torch.full((count,), info.max if op == "min" else info.min, dtype=dtype)

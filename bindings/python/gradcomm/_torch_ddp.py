@@ -16,8 +16,8 @@ import torch
 from torch.autograd import Variable
 
 from . import InvalidArgument, world
-from ._torch_common import (GradientReducer, broadcast_coalesced, grad_accumulator,
-                            verify_same_across_ranks)
+from ._torch_common import (GradientReducer, JoinControl, broadcast_coalesced,
+                            grad_accumulator, verify_same_across_ranks)
 
 __all__ = ["DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
            "bf16_compress_hook"]
@@ -71,9 +71,9 @@ class DistributedDataParallel(torch.nn.Module):
     """torch.nn.parallel.DistributedDataParallel's call shape and behaviour over gradcomm
     (CPU modules). Supported: bucket_cap_mb, broadcast_buffers, find_unused_parameters,
     gradient_as_bucket_view, no_sync(), register_comm_hook with the built-in allreduce, fp16 and
-    bf16 compression hooks. Not supported, with an error that says so: device_ids /
-    output_device (GPU modules), process_group (pass comm=), static_graph, custom comm hooks,
-    join(). gradcomm's own keywords: comm (a gradcomm.Communicator; default the world),
+    bf16 compression hooks, join() for uneven inputs. Not supported, with an error that says so:
+    device_ids / output_device (GPU modules), process_group (pass comm=), static_graph, custom
+    comm hooks. gradcomm's own keywords: comm (a gradcomm.Communicator; default the world),
     algorithm, first_bucket_mb (1), overlap (False: the same buckets reduced after backward,
     the baseline overlap is measured against)."""
 
@@ -126,6 +126,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._used_unsynced = set()  # parameters given gradients inside no_sync since last sync
         self._fired = set()          # parameters whose hook ran in this backward
         self._scratch = {}
+        self._join = None            # inside join(): its _Join
+        self._grad_scale = 1.0       # join(divide_by_initial_world_size=False) rescales
         self._hooks = []
         self._accumulators = []
         for i, p in enumerate(self._params):
@@ -145,13 +147,17 @@ class DistributedDataParallel(torch.nn.Module):
                 self._finish_backward()
             except Exception:  # noqa: BLE001 - that backward's error was raised already
                 pass
-        if (self.broadcast_buffers and self._sync_buffers_next and self._buffers_list and
-                self._comm.size() > 1):
-            broadcast_coalesced(self._buffers_list, 0, self._comm)
-        output = self.module(*inputs, **kwargs)
         # As torch: only a grad-enabled forward outside no_sync prepares an all-reducing backward
         # (a no_grad forward in between leaves a pending backward as it was).
         syncing = torch.is_grad_enabled() and self._require_sync
+        sync_buffers = (self.broadcast_buffers and self._sync_buffers_next and
+                        bool(self._buffers_list) and self._comm.size() > 1)
+        buffer_root = 0
+        if self._join is not None:  # one join round: tells joined ranks what to stand in for
+            buffer_root = self._join.forward_round(syncing, sync_buffers)
+        if sync_buffers:
+            broadcast_coalesced(self._buffers_list, buffer_root, self._comm)
+        output = self.module(*inputs, **kwargs)
         self._sync_buffers_next = syncing
         if syncing:
             self._sync_pending = True
@@ -189,9 +195,16 @@ class DistributedDataParallel(torch.nn.Module):
         self._compression = compression
         self._reducer = self._make_reducer()  # collective, as register_comm_hook is
 
-    def join(self, *args, **kwargs):
-        raise NotImplementedError(f"{_CALL}.join (uneven inputs) is not supported by gradcomm: "
-                                  "give every rank the same number of batches (drop_last)")
+    def join(self, divide_by_initial_world_size=True, enable=True,
+             throw_on_early_termination=False):
+        """torch's DDP.join: a context manager for uneven inputs. Inside it, each forward runs one
+        small all-reduce that tells the ranks which ones are still training; a rank that has left
+        its loop stands in for the others' steps at the context's exit (zeros for its gradients,
+        in the same buckets; the buffers broadcast from a rank still training) until every rank
+        has left, and then every rank takes the model of the last rank to leave.
+        divide_by_initial_world_size=False averages over the ranks still training instead.
+        throw_on_early_termination=True raises on every rank as soon as one has left."""
+        return _Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     # ---- internals ---------------------------------------------------------------------------
     def _make_reducer(self):
@@ -266,6 +279,25 @@ class DistributedDataParallel(torch.nn.Module):
         except Exception as e:  # noqa: BLE001 - re-raised by _finish_backward
             self._hook_error = e
 
+    def _stand_in(self, sync_gradients, sync_buffers, buffer_root):
+        """A joined rank's part in one step of the ranks still training."""
+        if sync_buffers:
+            broadcast_coalesced(self._buffers_list, buffer_root, self._comm)
+        if not sync_gradients:
+            return
+        zeros = self._scratch.setdefault("join", [torch.zeros_like(
+            p, memory_format=torch.contiguous_format) for p in self._params])
+        for i, z in enumerate(zeros):
+            z.zero_()
+            self._reducer.mark(i, z)
+        try:
+            if self.find_unused_parameters:  # the used-flag all-reduce: nothing used here
+                flags = torch.zeros(len(self._params), dtype=torch.int32)
+                self._comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(),
+                                          "int32", "max", None)
+        finally:
+            self._reducer.finish()
+
     def _finish_backward(self):
         # Stand-ins for the parameters not marked: found unused by forward, reached with a None
         # gradient (zeros, as in torch), or not reached at all (`missing`: an error unless
@@ -305,6 +337,10 @@ class DistributedDataParallel(torch.nn.Module):
                             p.grad = s.clone()
                         else:
                             p.grad.copy_(s)
+                    if self._grad_scale != 1.0:  # join: the mean over the ranks still training
+                        for p in self._params:
+                            if p.grad is not None:
+                                p.grad.mul_(self._grad_scale)
         finally:
             hook_error, self._hook_error = self._hook_error, None
             self._in_backward = False
@@ -328,3 +364,58 @@ class DistributedDataParallel(torch.nn.Module):
         """The reducer's buckets: (dtype, wire dtype, parameter indices, elements)."""
         return self._reducer.buckets()
 
+
+
+class _Join:
+    """DistributedDataParallel.join()'s context (see there)."""
+
+    def __init__(self, ddp, divide_by_initial_world_size, enable, throw_on_early_termination):
+        self.ddp = ddp
+        self.divide_by_initial = divide_by_initial_world_size
+        self.enable = enable and ddp._comm.size() > 1
+        self.throw = throw_on_early_termination
+        self.control = JoinControl(ddp._comm) if self.enable else None
+
+    def __enter__(self):
+        if self.enable:
+            if self.ddp._join is not None:
+                raise RuntimeError(f"{_CALL}.join: already inside join()")
+            self.ddp._join = self
+        return self
+
+    def _early_termination(self):
+        return RuntimeError(f"{_CALL}.join(throw_on_early_termination=True): a rank ran out of "
+                            "inputs; raising on every rank")
+
+    def forward_round(self, sync_gradients, sync_buffers):
+        """A training rank's round at each forward; returns the rank buffers come from."""
+        ddp = self.ddp
+        active, _ = self.control.exchange(True, (1, int(sync_gradients), int(sync_buffers)))
+        n = ddp._comm.size()
+        if len(active) < n and self.throw:
+            raise self._early_termination()
+        ddp._grad_scale = 1.0 if self.divide_by_initial else n / len(active)
+        return max(active)  # as torch: the buffers of the highest rank still training
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.enable:
+            return False
+        ddp = self.ddp
+        try:
+            if exc_type is not None:
+                return False  # the other ranks' calls are not stood in for: the error ends it
+            while True:
+                active, d = self.control.exchange(False)
+                if not active:
+                    break
+                if self.throw:
+                    raise self._early_termination()
+                ddp._stand_in(bool(d[1]), bool(d[2]), max(active))
+            # Every rank takes the model (and buffers) of the last rank to leave its loop.
+            source = max(self.control.last_active)
+            broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_list, source,
+                                ddp._comm)
+        finally:
+            ddp._join = None
+            ddp._grad_scale = 1.0
+        return False

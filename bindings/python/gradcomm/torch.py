@@ -17,14 +17,15 @@ and torch's DDP by changing one line: ``gradcomm.torch.DistributedDataParallel(m
 
 Tensors are reduced in place through their data pointers (no copies for contiguous CPU tensors),
 of dtype float32, float64, float16, bfloat16, int32 or int64. What Horovod has and gradcomm
-cannot honour (Adasum, process sets, elastic training, join, alltoall, reducescatter, GPU
-tensors) raises NotImplementedError or InvalidArgument naming it; nothing silently does
+cannot honour (Adasum, process sets, elastic training, alltoall, reducescatter, GPU tensors)
+raises NotImplementedError or InvalidArgument naming it; nothing silently does
 something else. docs/coming-from-horovod.md lists the differences.
 """
 
 import contextlib
 import itertools
 import math
+import os
 import warnings
 
 import torch
@@ -34,7 +35,8 @@ from . import CommError, Error, InvalidArgument, MismatchError, Unsupported, wor
 from . import init as _init
 from . import is_initialized, local_rank, local_size, rank, shutdown, size  # noqa: F401
 from . import _gradcomm
-from ._torch_common import (GradientReducer, broadcast_coalesced, check_tensor,
+from ._torch_common import (DTYPES, GradientReducer, JoinControl, broadcast_coalesced,
+                            check_tensor, neutral,
                             grad_accumulator)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
@@ -268,6 +270,132 @@ class Compression:
     bf16 = BF16Compressor
 
 
+# ---- join: ranks out of data stand in for the others' collectives --------------------------------
+# Every collective on the world communicator first runs one JoinControl round (a small int64
+# all-reduce): the ranks still training send what they are about to call, a rank inside join()
+# sends zeros and then stands in for that call with neutral data (zeros for Sum and Average, as
+# in Horovod, so Average still divides by every rank). Stood in for: allreduce in every form,
+# grouped allreduce, barrier and DistributedOptimizer steps; any other call made while a rank
+# has joined raises on every rank, the joined ones included.
+_KIND_ALLREDUCE, _KIND_GROUPED, _KIND_BARRIER, _KIND_STEP, _KIND_OTHER = 1, 2, 3, 4, 5
+_DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+_TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+_OP_NAMES = ["sum", "average", "min", "max", "product"]
+_control = {}     # id(world communicator) -> JoinControl
+_optimizers = {}  # DistributedOptimizer id -> the optimizer (for the stand-in of its steps)
+_next_optimizer = itertools.count(1)
+
+
+def _code(names, name):
+    return 0 if name is None else names.index(name) + 1
+
+
+_algorithm_list = []
+
+
+def _algorithms():
+    if not _algorithm_list:
+        _algorithm_list.extend(["auto"] + sorted(_gradcomm.algorithm_names()))
+    return _algorithm_list
+
+
+def _algorithm_code(algorithm):
+    """0 for None; an unknown name also gives 0 (the call itself then refuses it)."""
+    names = _algorithms()
+    return names.index(algorithm) + 1 if algorithm in names else 0
+
+
+def _join_off():
+    return os.environ.get("GRADCOMM_JOIN", "1") == "0"
+
+
+def _join_control(c):
+    """The world communicator's JoinControl, or None (another communicator, one rank, or join
+    switched off with GRADCOMM_JOIN=0, which saves the round on every call)."""
+    if c.size() == 1 or c is not world() or _join_off():
+        return None
+    control = _control.get(id(c))
+    if control is None or control.comm is not c:
+        control = _control[id(c)] = JoinControl(c)
+    return control
+
+
+def _joined_error(call, joined):
+    return NotImplementedError(
+        f"{call}: ranks {joined} have joined (hvd.join); while a rank stands in for the others "
+        "only allreduce, grouped allreduce, barrier and DistributedOptimizer steps continue")
+
+
+def _checkpoint(c, call, kind, *fields):
+    """Run by every collective on the world communicator before it communicates. Returns the
+    ranks still training."""
+    control = _join_control(c)
+    if control is None:
+        return None
+    active, _ = control.exchange(True, (kind, *fields))
+    if len(active) < c.size() and kind == _KIND_OTHER:
+        raise _joined_error(call, [r for r in range(c.size()) if r not in active])
+    return active
+
+
+def _share_group(c, active, counts, dtypes):
+    """After a grouped call's round, when some rank has joined: the lowest rank still training
+    sends the list of counts and dtypes to every rank (the joined ones need it)."""
+    if active is None or len(active) == c.size():
+        return
+    layout = torch.tensor([v for n, d in zip(counts, dtypes) for v in (n, _code(_DTYPE_NAMES, d))],
+                          dtype=torch.int64)
+    c._broadcast_ptr(layout.data_ptr(), layout.numel(), "int64", min(active))
+
+
+def join(device=-1):
+    """Call when this rank has run out of data: until every rank has called it, this rank
+    stands in for the others' allreduces (contributing zeros to Sum and Average, the neutral
+    value to Min, Max and Product), grouped allreduces, barriers and DistributedOptimizer steps.
+    Returns the rank of the last rank to join (the highest, when several joined last)."""
+    c = world()
+    if _join_off():
+        raise NotImplementedError("join: switched off by GRADCOMM_JOIN=0 (the calls made no join "
+                                  "round); unset it on every rank to use join")
+    control = _join_control(c)
+    if control is None:
+        return c.rank()
+    try:
+        while True:
+            active, d = control.exchange(False)
+            if not active:
+                return max(control.last_active)
+            kind = d[0]
+            if kind == _KIND_ALLREDUCE:
+                dtype, count = _DTYPE_NAMES[d[1] - 1], d[2]
+                op, algorithm = _OP_NAMES[d[3] - 1], (_algorithms()[d[4] - 1] if d[4] else None)
+                t = neutral(op, _TORCH_DTYPES[dtype], count)
+                c._allreduce_ptr(t.data_ptr(), t.data_ptr(), count, dtype, op, algorithm)
+            elif kind == _KIND_GROUPED:
+                n, op = d[1], _OP_NAMES[d[2] - 1]
+                algorithm = _algorithms()[d[3] - 1] if d[3] else None
+                layout = torch.empty(2 * n, dtype=torch.int64)
+                c._broadcast_ptr(layout.data_ptr(), layout.numel(), "int64", min(active))
+                pairs = layout.tolist()
+                dtypes = [_DTYPE_NAMES[code - 1] for code in pairs[1::2]]
+                tensors = [neutral(op, _TORCH_DTYPES[dt], k) for k, dt in zip(pairs[0::2], dtypes)]
+                c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], pairs[0::2], dtypes, op,
+                                          algorithm, d[4] or None)
+            elif kind == _KIND_BARRIER:
+                world_mpi().Barrier()
+            elif kind == _KIND_STEP:
+                optimizer = _optimizers.get(d[1])
+                if optimizer is None:
+                    raise InvalidArgument(f"join: the ranks still training step "
+                                          f"DistributedOptimizer #{d[1]}, which this rank has not "
+                                          "created")
+                optimizer._gradcomm_stand_in()
+            else:
+                raise _joined_error("join", [r for r in range(c.size()) if r not in active])
+    finally:
+        control.last_active = list(range(c.size()))
+
+
 # ---- handles ---------------------------------------------------------------------------------
 _handles = {}
 _next_handle = itertools.count(1)
@@ -339,6 +467,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     dtype = check_tensor(tensor, call, writes=True)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
     _scale_(tensor, prescale_factor)
     ptr = tensor.data_ptr()
     request = c._allreduce_async_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
@@ -358,6 +487,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     dtype = check_tensor(tensor, call)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
     src = tensor.detach()
     if prescale_factor != 1.0:
         src = src.clone()
@@ -381,6 +511,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     dtype = check_tensor(tensor, call, writes=True)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
     _scale_(tensor, prescale_factor)
     ptr = tensor.data_ptr()
     c._allreduce_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
@@ -388,8 +519,14 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     return tensor
 
 
+def _allreduce_fields(dtype, count, opname, algorithm):
+    return (_KIND_ALLREDUCE, _code(_DTYPE_NAMES, dtype), count, _code(_OP_NAMES, opname),
+            _algorithm_code(algorithm))
+
+
 def _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, call):
     dtype = check_tensor(tensor, call)
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
     src = tensor.detach()
     if prescale != 1.0:
         src = src.clone()
@@ -444,13 +581,18 @@ def _grouped_args(tensors, call, writes):
     return tensors, dtypes
 
 
-def _grouped_prologue(tensors, average, op, prescale_factor, process_set, comm, call):
+def _grouped_prologue(tensors, average, op, prescale_factor, process_set, comm, call, algorithm,
+                      fusion_threshold):
     """What the in-place grouped all-reduces do before communicating: checks, the op, the
     communicator, the prescale. Returns (communicator, tensors, dtypes, op name)."""
     _check_process_set(process_set, call)
     tensors, dtypes = _grouped_args(tensors, call, True)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
+    counts = [t.numel() for t in tensors]
+    active = _checkpoint(c, call, _KIND_GROUPED, len(tensors), _code(_OP_NAMES, opname),
+                         _algorithm_code(algorithm), fusion_threshold or 0)
+    _share_group(c, active, counts, dtypes)
     for t in tensors:
         _scale_(t, prescale_factor)
     return c, tensors, dtypes, opname
@@ -462,7 +604,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     """Starts an in-place all-reduce of every tensor of the list, fused; returns a handle
     (synchronize() returns the list)."""
     c, tensors, dtypes, opname = _grouped_prologue(tensors, average, op, prescale_factor,
-                                                   process_set, comm, "grouped_allreduce_async_")
+                                                   process_set, comm, "grouped_allreduce_async_",
+                                                   algorithm, fusion_threshold)
     request = c._grouped_allreduce_async_ptrs([t.data_ptr() for t in tensors],
                                               [t.numel() for t in tensors], dtypes, opname,
                                               algorithm, fusion_threshold)
@@ -492,7 +635,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                        fusion_threshold=None, comm=None):
     """All-reduces every tensor of the list in place, fused into buckets. Returns the list."""
     c, tensors, dtypes, opname = _grouped_prologue(tensors, average, op, prescale_factor,
-                                                   process_set, comm, "grouped_allreduce_")
+                                                   process_set, comm, "grouped_allreduce_",
+                                                   algorithm, fusion_threshold)
     c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], [t.numel() for t in tensors],
                               dtypes, opname, algorithm, fusion_threshold)
     for t in tensors:
@@ -549,6 +693,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     call = "broadcast_async_"
     _check_process_set(process_set, call)
     dtype = check_tensor(tensor, call, writes=True)
+    _checkpoint(_comm(comm), call, _KIND_OTHER)
     request = _comm(comm)._broadcast_async_ptr(tensor.data_ptr(), tensor.numel(), dtype,
                                                int(root_rank))
     return _register(request, lambda: tensor, (tensor,))
@@ -566,6 +711,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set, *, 
     call = "broadcast_"
     _check_process_set(process_set, call)
     dtype = check_tensor(tensor, call, writes=True)
+    _checkpoint(_comm(comm), call, _KIND_OTHER)
     _comm(comm)._broadcast_ptr(tensor.data_ptr(), tensor.numel(), dtype, int(root_rank))
     return tensor
 
@@ -609,6 +755,7 @@ def _mpi(comm):
 
 
 def _allgather_impl(tensor, call, mpi):
+    _checkpoint(world(), call, _KIND_OTHER)
     # Every rank sees every rank's shape and dtype, so a mismatch raises on every rank.
     meta = mpi.allgather((tuple(tensor.shape), str(tensor.dtype)))
     me = mpi.Get_rank()
@@ -672,25 +819,22 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=N
 
 def barrier(process_set=global_process_set):
     _check_process_set(process_set, "barrier")
+    _checkpoint(world(), "barrier", _KIND_BARRIER)
     world_mpi().Barrier()
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Returns root_rank's `obj` (pickled) on every rank."""
     _check_process_set(process_set, "broadcast_object")
+    _checkpoint(world(), "broadcast_object", _KIND_OTHER)
     return world_mpi().bcast(obj, root=root_rank)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Returns the list of every rank's `obj` (pickled), in rank order."""
     _check_process_set(process_set, "allgather_object")
+    _checkpoint(world(), "allgather_object", _KIND_OTHER)
     return world_mpi().allgather(obj)
-
-
-def join(device=-1):
-    raise NotImplementedError("join: gradcomm has no join (a rank out of data cannot stand in "
-                              "for the others' collectives); give every rank the same number of "
-                              "batches (drop_last, or a DistributedSampler)")
 
 
 def _refused(name, why):
@@ -735,6 +879,7 @@ def broadcast_parameters(params, root_rank=0, *, comm=None, root=None):
     if not 0 <= int(root_rank) < c.size():
         raise InvalidArgument(f"broadcast_parameters: root {root_rank} is outside the "
                               f"communicator's {c.size()} ranks")
+    _checkpoint(c, "broadcast_parameters", _KIND_OTHER)
     broadcast_coalesced([t for _, t in named], int(root_rank), c)
 
 
@@ -743,6 +888,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, *, root=None):
     from the root, then load_state_dict), whatever state the other ranks hold."""
     if root is not None:
         root_rank = root
+    _checkpoint(world(), "broadcast_optimizer_state", _KIND_OTHER)
     state = world_mpi().bcast(optimizer.state_dict() if rank() == root_rank else None,
                               root=root_rank)
     optimizer.load_state_dict(state)
@@ -829,6 +975,10 @@ class _DistributedOptimizerMixin:
         self._gradcomm_reducer = GradientReducer(
             params, names, call, comm, opname, algorithm, cap, min(cap, 1 << 20),
             compression.wire, group_lists, overlap)
+        self._gradcomm_comm = self._gradcomm_reducer.comm
+        self._gradcomm_id = next(_next_optimizer)  # the same on every rank: made in one order
+        _optimizers[self._gradcomm_id] = self
+        self._gradcomm_zeros = None
         self._gradcomm_hooks = []
         self._gradcomm_accumulators = []
         for i, p in enumerate(params):
@@ -852,6 +1002,8 @@ class _DistributedOptimizerMixin:
             self._gradcomm_mark(i)
 
     def _gradcomm_mark(self, i):
+        if not self._gradcomm_reducer.busy:  # the step's first bucket: one join round first
+            _checkpoint(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP, self._gradcomm_id)
         p = self._gradcomm_params[i]
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -882,6 +1034,17 @@ class _DistributedOptimizerMixin:
             for p in self._gradcomm_params:
                 _scale_(p.grad.detach(), self._gradcomm_prediv)
         self._gradcomm_synchronized = True
+
+    def _gradcomm_stand_in(self):
+        """A joined rank's part in a step of the ranks still training: zeros for every
+        gradient, in the same buckets (hvd.join)."""
+        if self._gradcomm_zeros is None:
+            self._gradcomm_zeros = [torch.zeros_like(p, memory_format=torch.contiguous_format)
+                                    for p in self._gradcomm_params]
+        for i, z in enumerate(self._gradcomm_zeros):
+            z.zero_()
+            self._gradcomm_reducer.mark(i, z)
+        self._gradcomm_reducer.finish()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
