@@ -337,14 +337,17 @@ def test_scheduler_made_before_wrapping_and_groups():
 
 def test_join_stands_in_for_allreduces_and_optimizer_steps():
     """Rank r trains 2 + r steps, then joins. Meanwhile the ranks still training all-reduce in
-    every form and step a DistributedOptimizer; the joined ranks contribute zeros to Sum and
-    Average (which still divides by every rank) and nothing to Min and Max. The reference is
-    computed here from every rank's data."""
+    every form (an async one left in flight across the step), call the world between backward
+    and step(), and step a DistributedOptimizer whose buckets hold one layer each; the joined
+    ranks contribute zeros to Sum and Average (which still divides by every rank) and nothing
+    to Min and Max. The reference is computed here from every rank's data."""
     torch.manual_seed(3)
-    model = torch.nn.Linear(6, 3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     reference_model = copy.deepcopy(model)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold=64)
+    assert len(opt._gradcomm_reducer.buckets()) > 1
     reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
 
     def batch(r, k):
@@ -353,14 +356,13 @@ def test_join_stands_in_for_allreduces_and_optimizer_steps():
 
     for k in range(2 + RANK):
         active = [r for r in range(SIZE) if 2 + r > k]
-        x = torch.full((7,), float(RANK + 1))
         total = float(sum(r + 1 for r in active))
+        y = torch.full((5,), RANK + 1, dtype=torch.int64)
+        pending = hvd.allreduce_async_(y, op=hvd.Max)  # synchronized after the step
+        x = torch.full((7,), float(RANK + 1))
         assert torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((7,), total))
         assert torch.allclose(hvd.allreduce(x), torch.full((7,), total / SIZE))
         assert torch.equal(hvd.allreduce(x, op=hvd.Min), torch.full((7,), float(min(active) + 1)))
-        y = torch.full((5,), RANK + 1, dtype=torch.int64)
-        assert torch.equal(hvd.synchronize(hvd.allreduce_async_(y, op=hvd.Max)),
-                           torch.full((5,), max(active) + 1, dtype=torch.int64))
         group = [torch.full((3,), RANK + 1, dtype=torch.int32), torch.full((5,), 1.0,
                                                                             dtype=torch.float64)]
         hvd.grouped_allreduce_(group, op=hvd.Sum, fusion_threshold=16)
@@ -368,8 +370,12 @@ def test_join_stands_in_for_allreduces_and_optimizer_steps():
         hvd.barrier()
         opt.zero_grad()
         xb, yb = batch(RANK, k)
-        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        hvd.allreduce(loss.detach(), op=hvd.Sum)  # a world call between backward and step()
         opt.step()
+        assert torch.equal(hvd.synchronize(pending),
+                           torch.full((5,), max(active) + 1, dtype=torch.int64))
         reference_opt.zero_grad()
         for r in active:  # every active rank's gradient, summed, over all ranks
             xr, yr = batch(r, k)
@@ -380,7 +386,10 @@ def test_join_stands_in_for_allreduces_and_optimizer_steps():
         for p, q in zip(model.parameters(), reference_model.parameters()):
             assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
     assert hvd.join() == SIZE - 1
-    # Everyone trains again after it.
+    # Everyone trains again after it, and refuses a bad call before any round.
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
+    with pytest.raises(hvd.InvalidArgument, match="unknown algorithm"):
+        hvd.allreduce(torch.ones(2), algorithm="no-such-algorithm")
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
 
 

@@ -276,14 +276,40 @@ def test_join_with_uneven_inputs_matches_torch_ddp(gloo, divide_by_initial):
 
 def test_join_throw_on_early_termination_raises_on_every_rank():
     model = gt.DistributedDataParallel(Net(23))
-    with pytest.raises(RuntimeError, match="ran out of inputs"):
+
+    def train():
         with model.join(throw_on_early_termination=True):
             for step in range(2 + RANK):
                 x, y = data(step)
                 torch.nn.functional.cross_entropy(model(x), y).backward()
-        if SIZE == 1:
-            raise RuntimeError("ran out of inputs")  # nothing to stand in for at one rank
+    if SIZE == 1:
+        train()  # nobody to wait for: nothing raises
+    else:
+        with pytest.raises(RuntimeError, match="ran out of inputs"):
+            train()
     # Every rank is out of the context and in step again.
     x, y = data(0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     assert same_on_every_rank(model.module.a.weight.grad)
+
+
+def test_join_with_no_sync_and_a_rank_without_data(gloo):
+    """Accumulation inside join (no_sync every other batch), and rank 0 with no batch at all,
+    against torch's DDP join."""
+    finals = []
+    for make in (gt.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        model = make(Net(25, batchnorm=True), bucket_cap_mb=0.01)
+        opt = optimizer("sgd", model.parameters())
+        with model.join():
+            for step in range(0 if RANK == 0 else 2 * RANK + 1):
+                x, y = data(step)
+                if step % 2 == 0:
+                    opt.zero_grad()
+                    with model.no_sync():
+                        torch.nn.functional.cross_entropy(model(x), y).backward()
+                else:
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+        finals.append(torch.cat([flat(model), model.module.bn.running_mean]))
+    assert relative(finals[0], finals[1]) <= TOLERANCE
+    assert same_on_every_rank(finals[0])

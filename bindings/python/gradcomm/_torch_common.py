@@ -2,6 +2,7 @@
 every rank holds the same model, and the gradient reducer that autograd hooks feed (the
 compiled packing::Reducer: buckets all-reduced on the progress engine while backward runs)."""
 
+import collections
 import hashlib
 
 import numpy as np
@@ -201,11 +202,27 @@ class JoinControl:
         # NumPy, not torch: a round costs a few microseconds, most of it the all-reduce.
         self._v = np.zeros(self._n + self.FIELDS, dtype=np.int64)
         self._ptr = self._v.ctypes.data
-        # The ranks training in the newest round that had any: the last to join, at the end.
+        # The ranks training in the newest round this rank saw that had any.
         self.last_active = list(range(self._n))
+        self.rounds = 0       # rounds made so far: the same count on every rank
+        self._posted = collections.deque()  # (buffer, request) of non-blocking rounds
+
+    def post(self, fields):
+        """A training rank's round whose answer it does not need (before an all-reduce):
+        non-blocking, so an async call stays asynchronous; its buffer lives until it is done."""
+        a = np.zeros(self._n + self.FIELDS, dtype=np.int64)
+        a[self._rank] = 1
+        a[self._n:self._n + len(fields)] = fields
+        request = self.comm._allreduce_async_ptr(a.ctypes.data, a.ctypes.data, a.size, "int64",
+                                                 "sum", None)
+        self.rounds += 1
+        self._posted.append((a, request))
+        while self._posted and self._posted[0][1].done():
+            self._posted.popleft()
 
     def exchange(self, active, fields=()):
         """One round; returns (the ranks still training, their descriptor)."""
+        self.rounds += 1
         n, v = self._n, self._v
         v[:] = 0
         if active:
@@ -220,6 +237,9 @@ class JoinControl:
             return active_ranks, [0] * self.FIELDS
         self.last_active = active_ranks
         k = len(active_ranks)
+        # A sum that does not divide proves the training ranks disagree. One that divides may
+        # still hide a disagreement; the call itself then fails its fingerprint check on every
+        # rank, the joined ones included (unless GRADCOMM_CHECK=0).
         if any(x % k for x in values[n:]):
             raise MismatchError(f"join: the {k} ranks still training are making different calls "
                                 f"(descriptor sums {values[n:]} over ranks {active_ranks})")

@@ -283,13 +283,17 @@ class DistributedDataParallel(torch.nn.Module):
         """A joined rank's part in one step of the ranks still training."""
         if sync_buffers:
             broadcast_coalesced(self._buffers_list, buffer_root, self._comm)
+        # As the training ranks' forward set it: whether the next forward broadcasts buffers.
+        self._sync_buffers_next = sync_gradients
         if not sync_gradients:
             return
-        zeros = self._scratch.setdefault("join", [torch.zeros_like(
-            p, memory_format=torch.contiguous_format) for p in self._params])
-        for i, z in enumerate(zeros):
-            z.zero_()
-            self._reducer.mark(i, z)
+        zeros = self._scratch.get("join")
+        if zeros is None:
+            zeros = self._scratch["join"] = [torch.zeros_like(
+                p, memory_format=torch.contiguous_format) for p in self._params]
+        for i in reversed(range(len(zeros))):  # backward's order, should the buckets be replanned
+            zeros[i].zero_()
+            self._reducer.mark(i, zeros[i])
         try:
             if self.find_unused_parameters:  # the used-flag all-reduce: nothing used here
                 flags = torch.zeros(len(self._params), dtype=torch.int32)
@@ -338,8 +342,8 @@ class DistributedDataParallel(torch.nn.Module):
                         else:
                             p.grad.copy_(s)
                     if self._grad_scale != 1.0:  # join: the mean over the ranks still training
-                        for p in self._params:
-                            if p.grad is not None:
+                        for i, p in enumerate(self._params):
+                            if p.grad is not None and (used is None or used[i]):
                                 p.grad.mul_(self._grad_scale)
         finally:
             hook_error, self._hook_error = self._hook_error, None
@@ -366,6 +370,11 @@ class DistributedDataParallel(torch.nn.Module):
 
 
 
+# The kind of a DDP join round, apart from the Horovod API's (gradcomm.torch), which also runs
+# rounds on the world communicator: each side refuses the other's instead of misreading it.
+_DDP_ROUND = 101
+
+
 class _Join:
     """DistributedDataParallel.join()'s context (see there)."""
 
@@ -390,7 +399,8 @@ class _Join:
     def forward_round(self, sync_gradients, sync_buffers):
         """A training rank's round at each forward; returns the rank buffers come from."""
         ddp = self.ddp
-        active, _ = self.control.exchange(True, (1, int(sync_gradients), int(sync_buffers)))
+        active, _ = self.control.exchange(True, (_DDP_ROUND, int(sync_gradients),
+                                                 int(sync_buffers)))
         n = ddp._comm.size()
         if len(active) < n and self.throw:
             raise self._early_termination()
@@ -410,6 +420,11 @@ class _Join:
                     break
                 if self.throw:
                     raise self._early_termination()
+                if d[0] != _DDP_ROUND:
+                    raise RuntimeError(f"{_CALL}.join: the ranks still training made a call a "
+                                       "joined rank cannot stand in for (a Horovod-API call on "
+                                       "the same communicator?); inside join() only the model's "
+                                       "forward and backward are stood in for")
                 ddp._stand_in(bool(d[1]), bool(d[2]), max(active))
             # Every rank takes the model (and buffers) of the last rank to leave its loop.
             source = max(self.control.last_active)

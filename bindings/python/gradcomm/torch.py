@@ -27,6 +27,7 @@ import itertools
 import math
 import os
 import warnings
+import weakref
 
 import torch
 from mpi4py import MPI
@@ -277,12 +278,22 @@ class Compression:
 # in Horovod, so Average still divides by every rank). Stood in for: allreduce in every form,
 # grouped allreduce, barrier and DistributedOptimizer steps; any other call made while a rank
 # has joined raises on every rank, the joined ones included.
-_KIND_ALLREDUCE, _KIND_GROUPED, _KIND_BARRIER, _KIND_STEP, _KIND_OTHER = 1, 2, 3, 4, 5
+#
+# An async all-reduce's round is non-blocking (the ranks still training need nothing back), so
+# async calls stay asynchronous; a blocking call's round blocks (cheaper than a request). The other rounds block: grouped calls then send the joined ranks the
+# list of tensors, and a DistributedOptimizer step that finds a rank joined holds its buckets
+# until step() (a second round), so that the joined rank stands in for them at the same point.
+# While a rank has joined, collectives that make no round (gradcomm's own API, mpi4py) are not
+# seen by it: they wait until the watchdog ends the job.
+(_KIND_ALLREDUCE, _KIND_GROUPED, _KIND_BARRIER, _KIND_STEP, _KIND_STEP_GO,
+ _KIND_OTHER) = 1, 2, 3, 4, 5, 6
 _DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 _OP_NAMES = ["sum", "average", "min", "max", "product"]
-_control = {}     # id(world communicator) -> JoinControl
-_optimizers = {}  # DistributedOptimizer id -> the optimizer (for the stand-in of its steps)
+_control = {}  # id(world communicator) -> JoinControl
+# DistributedOptimizer id -> the optimizer, for the stand-in of its steps (weak: an optimizer
+# the script dropped is freed). Ids count in creation order, the same on every rank.
+_optimizers = weakref.WeakValueDictionary()
 _next_optimizer = itertools.count(1)
 
 
@@ -299,10 +310,18 @@ def _algorithms():
     return _algorithm_list
 
 
-def _algorithm_code(algorithm):
-    """0 for None; an unknown name also gives 0 (the call itself then refuses it)."""
+def _algorithm_code(algorithm, call):
+    """0 for None. An unknown name is refused here, before the round, on every rank alike."""
+    if algorithm is None:
+        return 0
     names = _algorithms()
-    return names.index(algorithm) + 1 if algorithm in names else 0
+    if algorithm not in names:
+        raise InvalidArgument(f"{call}: unknown algorithm {algorithm!r} (one of {names})")
+    return names.index(algorithm) + 1
+
+
+def _algorithm_of(code):
+    return _algorithms()[code - 1] if code else None
 
 
 def _join_off():
@@ -326,11 +345,23 @@ def _joined_error(call, joined):
         "only allreduce, grouped allreduce, barrier and DistributedOptimizer steps continue")
 
 
-def _checkpoint(c, call, kind, *fields):
-    """Run by every collective on the world communicator before it communicates. Returns the
-    ranks still training."""
+def _require_threads(c, call):
+    """Async calls need MPI_THREAD_MULTIPLE: refused before the round, on every rank alike."""
+    if c.size() > 1 and not mpi_threads_supported():
+        raise Unsupported(f"{call}: non-blocking calls need MPI at MPI_THREAD_MULTIPLE; MPI was "
+                          "initialized at a lower level (initialize it through gradcomm or "
+                          "mpi4py's default, which asks for MPI_THREAD_MULTIPLE)")
+
+
+def _checkpoint(c, call, kind, *fields, asynchronous=False):
+    """Run by every collective on the world communicator before it communicates, once the call
+    has passed every local check. Returns the ranks still training (None where no round runs,
+    or for an async all-reduce's round, which does not wait for its answer)."""
     control = _join_control(c)
     if control is None:
+        return None
+    if kind == _KIND_ALLREDUCE and asynchronous:
+        control.post((kind, *fields))
         return None
     active, _ = control.exchange(True, (kind, *fields))
     if len(active) < c.size() and kind == _KIND_OTHER:
@@ -360,40 +391,51 @@ def join(device=-1):
     control = _join_control(c)
     if control is None:
         return c.rank()
+    joined_at = control.rounds  # every rank counts the same rounds
     try:
         while True:
             active, d = control.exchange(False)
             if not active:
-                return max(control.last_active)
+                # The last to join: the latest first round in join(), the highest rank of those.
+                key = torch.tensor([joined_at * c.size() + c.rank()], dtype=torch.int64)
+                c._allreduce_ptr(key.data_ptr(), key.data_ptr(), 1, "int64", "max", None)
+                return int(key.item()) % c.size()
             kind = d[0]
             if kind == _KIND_ALLREDUCE:
                 dtype, count = _DTYPE_NAMES[d[1] - 1], d[2]
-                op, algorithm = _OP_NAMES[d[3] - 1], (_algorithms()[d[4] - 1] if d[4] else None)
+                op, algorithm = _OP_NAMES[d[3] - 1], _algorithm_of(d[4])
                 t = neutral(op, _TORCH_DTYPES[dtype], count)
                 c._allreduce_ptr(t.data_ptr(), t.data_ptr(), count, dtype, op, algorithm)
             elif kind == _KIND_GROUPED:
-                n, op = d[1], _OP_NAMES[d[2] - 1]
-                algorithm = _algorithms()[d[3] - 1] if d[3] else None
+                n, op, algorithm = d[1], _OP_NAMES[d[2] - 1], _algorithm_of(d[3])
                 layout = torch.empty(2 * n, dtype=torch.int64)
                 c._broadcast_ptr(layout.data_ptr(), layout.numel(), "int64", min(active))
                 pairs = layout.tolist()
                 dtypes = [_DTYPE_NAMES[code - 1] for code in pairs[1::2]]
                 tensors = [neutral(op, _TORCH_DTYPES[dt], k) for k, dt in zip(pairs[0::2], dtypes)]
                 c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], pairs[0::2], dtypes, op,
-                                          algorithm, d[4] or None)
+                                          algorithm, d[4] - 1 if d[4] else None)
             elif kind == _KIND_BARRIER:
                 world_mpi().Barrier()
             elif kind == _KIND_STEP:
+                pass  # announced at the step's first gradient; stood in for at its STEP_GO
+            elif kind == _KIND_STEP_GO:
                 optimizer = _optimizers.get(d[1])
                 if optimizer is None:
                     raise InvalidArgument(f"join: the ranks still training step "
-                                          f"DistributedOptimizer #{d[1]}, which this rank has not "
-                                          "created")
+                                          f"DistributedOptimizer #{d[1]}, which this rank does "
+                                          "not hold")
                 optimizer._gradcomm_stand_in()
-            else:
+            elif kind == _KIND_OTHER:
                 raise _joined_error("join", [r for r in range(c.size()) if r not in active])
+            else:
+                raise RuntimeError(f"join: the ranks still training made a call hvd.join cannot "
+                                   f"stand in for (round kind {kind}: DistributedDataParallel's "
+                                   "forward? use its own join())")
     finally:
-        control.last_active = list(range(c.size()))
+        for optimizer in list(_optimizers.values()):  # a part-spent accumulation starts over
+            optimizer._gradcomm_delay = [optimizer._gradcomm_passes] * \
+                len(optimizer._gradcomm_params)
 
 
 # ---- handles ---------------------------------------------------------------------------------
@@ -467,7 +509,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     dtype = check_tensor(tensor, call, writes=True)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
+    _require_threads(c, call)
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call),
+                asynchronous=True)
     _scale_(tensor, prescale_factor)
     ptr = tensor.data_ptr()
     request = c._allreduce_async_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
@@ -487,7 +531,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     dtype = check_tensor(tensor, call)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
+    _require_threads(c, call)
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call),
+                asynchronous=True)
     src = tensor.detach()
     if prescale_factor != 1.0:
         src = src.clone()
@@ -511,7 +557,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     dtype = check_tensor(tensor, call, writes=True)
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call))
     _scale_(tensor, prescale_factor)
     ptr = tensor.data_ptr()
     c._allreduce_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
@@ -519,14 +565,14 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     return tensor
 
 
-def _allreduce_fields(dtype, count, opname, algorithm):
+def _allreduce_fields(dtype, count, opname, algorithm, call):
     return (_KIND_ALLREDUCE, _code(_DTYPE_NAMES, dtype), count, _code(_OP_NAMES, opname),
-            _algorithm_code(algorithm))
+            _algorithm_code(algorithm, call))
 
 
 def _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, call):
     dtype = check_tensor(tensor, call)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm))
+    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call))
     src = tensor.detach()
     if prescale != 1.0:
         src = src.clone()
@@ -590,8 +636,11 @@ def _grouped_prologue(tensors, average, op, prescale_factor, process_set, comm, 
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
     counts = [t.numel() for t in tensors]
+    if call.endswith("async_"):
+        _require_threads(c, call)
     active = _checkpoint(c, call, _KIND_GROUPED, len(tensors), _code(_OP_NAMES, opname),
-                         _algorithm_code(algorithm), fusion_threshold or 0)
+                         _algorithm_code(algorithm, call),
+                         0 if fusion_threshold is None else int(fusion_threshold) + 1)
     _share_group(c, active, counts, dtypes)
     for t in tensors:
         _scale_(t, prescale_factor)
@@ -693,6 +742,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     call = "broadcast_async_"
     _check_process_set(process_set, call)
     dtype = check_tensor(tensor, call, writes=True)
+    _require_threads(_comm(comm), call)
     _checkpoint(_comm(comm), call, _KIND_OTHER)
     request = _comm(comm)._broadcast_async_ptr(tensor.data_ptr(), tensor.numel(), dtype,
                                                int(root_rank))
@@ -979,6 +1029,9 @@ class _DistributedOptimizerMixin:
         self._gradcomm_id = next(_next_optimizer)  # the same on every rank: made in one order
         _optimizers[self._gradcomm_id] = self
         self._gradcomm_zeros = None
+        self._gradcomm_announced = False  # this step's join round made
+        self._gradcomm_holding = False    # a rank has joined: buckets wait for step()
+        self._gradcomm_held = {}          # index -> gradient, while holding
         self._gradcomm_hooks = []
         self._gradcomm_accumulators = []
         for i, p in enumerate(params):
@@ -992,8 +1045,7 @@ class _DistributedOptimizerMixin:
         return hook
 
     def _gradcomm_on_gradient(self, i):
-        reducer = self._gradcomm_reducer
-        if reducer.is_marked(i) or self._gradcomm_delay[i] <= 0:
+        if self._gradcomm_is_marked(i) or self._gradcomm_delay[i] <= 0:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call "
                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
@@ -1001,9 +1053,17 @@ class _DistributedOptimizerMixin:
         if self._gradcomm_delay[i] == 0:
             self._gradcomm_mark(i)
 
+    def _gradcomm_is_marked(self, i):
+        return self._gradcomm_reducer.is_marked(i) or i in self._gradcomm_held
+
     def _gradcomm_mark(self, i):
-        if not self._gradcomm_reducer.busy:  # the step's first bucket: one join round first
-            _checkpoint(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP, self._gradcomm_id)
+        if not self._gradcomm_announced:  # the step's first gradient: one join round first
+            active = _checkpoint(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP,
+                                 self._gradcomm_id)
+            self._gradcomm_announced = True
+            # A rank has joined: hold the buckets until step(), where the joined rank stands
+            # in for them (a world call in between would otherwise meet it mid-step).
+            self._gradcomm_holding = active is not None and len(active) < self._gradcomm_comm.size()
         p = self._gradcomm_params[i]
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -1017,19 +1077,29 @@ class _DistributedOptimizerMixin:
         grad = p.grad.detach()  # same memory; a create_graph gradient is reduced as data
         if self._gradcomm_prediv != 1.0:
             _scale_(grad, 1.0 / self._gradcomm_prediv)
-        self._gradcomm_reducer.mark(i, grad)
+        if self._gradcomm_holding:
+            self._gradcomm_held[i] = grad
+        else:
+            self._gradcomm_reducer.mark(i, grad)
 
     def synchronize(self):
         """Waits for the gradients' all-reduce (starting it for gradients backward has not
         produced: they count as zeros). step() calls it unless done since the last step."""
         reducer = self._gradcomm_reducer
         for i in range(len(self._gradcomm_params)):
-            if not reducer.is_marked(i):
+            if not self._gradcomm_is_marked(i):
                 self._gradcomm_mark(i)
         try:
+            if self._gradcomm_holding:  # a rank has joined: it stands in from this round on
+                _checkpoint(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP_GO,
+                            self._gradcomm_id)
+                for i, grad in self._gradcomm_held.items():
+                    reducer.mark(i, grad)
             reducer.finish()
         finally:
             self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
+            self._gradcomm_announced = self._gradcomm_holding = False
+            self._gradcomm_held = {}
         if self._gradcomm_prediv != 1.0:
             for p in self._gradcomm_params:
                 _scale_(p.grad.detach(), self._gradcomm_prediv)
@@ -1041,7 +1111,8 @@ class _DistributedOptimizerMixin:
         if self._gradcomm_zeros is None:
             self._gradcomm_zeros = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                                     for p in self._gradcomm_params]
-        for i, z in enumerate(self._gradcomm_zeros):
+        for i in reversed(range(len(self._gradcomm_zeros))):  # backward's order
+            z = self._gradcomm_zeros[i]
             z.zero_()
             self._gradcomm_reducer.mark(i, z)
         self._gradcomm_reducer.finish()
@@ -1067,7 +1138,7 @@ class _DistributedOptimizerMixin:
         return self._gradcomm_base.step(self, closure)
 
     def zero_grad(self, *args, **kwargs):
-        if self._gradcomm_reducer.busy:
+        if self._gradcomm_reducer.busy or self._gradcomm_held:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
