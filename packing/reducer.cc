@@ -230,9 +230,18 @@ void Reducer::mark_ready(std::size_t index, void* data) {
                 ",\"bytes\":" + std::to_string(t.bytes()));
     }
     if (data != slot) convert(slot, bucket.wire, data, t.dtype, t.count);
+    if (divides_first(bucket)) divide_by(slot, t.count, bucket.wire, comm_.size());
   }
   --waiting_[b];
   launch_ready_buckets();
+}
+
+bool Reducer::divides_first(const ReducerBucket& bucket) const {
+  return options_.divide_before_sum && options_.op == ReduceOp::avg && bucket.wire != bucket.dtype;
+}
+
+ReduceOp Reducer::op_of(const ReducerBucket& bucket) const {
+  return divides_first(bucket) ? ReduceOp::sum : options_.op;
 }
 
 void Reducer::launch_ready_buckets() {
@@ -244,7 +253,8 @@ void Reducer::launch_ready_buckets() {
   while (next_launch_ + 1 < buckets_.size() && waiting_[next_launch_] == 0) {
     const ReducerBucket& bucket = buckets_[next_launch_];
     std::byte* p = bucket_data(bucket);
-    requests_[next_launch_] = iallreduce(comm_, p, p, bucket.count, bucket.wire, options_.op, call);
+    requests_[next_launch_] =
+        iallreduce(comm_, p, p, bucket.count, bucket.wire, op_of(bucket), call);
     ++next_launch_;
   }
 }
@@ -260,7 +270,7 @@ void Reducer::finish() {
     const AllreduceOptions call{.algorithm = options_.algorithm};
     for (std::size_t b = options_.overlap ? next_launch_ : 0; b < buckets_.size(); ++b) {
       std::byte* p = bucket_data(buckets_[b]);
-      allreduce(comm_, p, p, buckets_[b].count, buckets_[b].wire, options_.op, call);
+      allreduce(comm_, p, p, buckets_[b].count, buckets_[b].wire, op_of(buckets_[b]), call);
     }
   } catch (...) {
     start_iteration();  // the next iteration starts clean; the tensors keep their gradients

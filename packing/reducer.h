@@ -41,6 +41,11 @@ struct ReducerOptions {
   // calls on the caller's thread. The same buckets and bit-identical results, nothing overlapped:
   // the baseline that overlap is measured against.
   bool overlap = true;
+  // With op avg and compression: divide each gradient by the rank count in the wire dtype right
+  // after compressing it, then sum (torch DDP's fp16 / bf16 hooks: a float16 sum cannot
+  // overflow where the float32 average fits). false: sum, then divide (Horovod's
+  // Compression.fp16). Uncompressed buckets always sum, then divide.
+  bool divide_before_sum = false;
 };
 
 // One bucket: tensors of one dtype, laid out one after another in the reducer's buffer.
@@ -115,6 +120,10 @@ class Reducer {
  private:
   void plan(std::span<const std::size_t> order);
   void launch_ready_buckets();
+  // Whether `bucket`'s gradients are divided before the sum (divide_before_sum), and the op its
+  // all-reduce then runs.
+  bool divides_first(const ReducerBucket& bucket) const;
+  ReduceOp op_of(const ReducerBucket& bucket) const;
   void start_iteration();
   std::byte* slot_of(std::size_t index);
   std::byte* bucket_data(const ReducerBucket& bucket) { return buffer_ + bucket.byte_offset; }

@@ -436,7 +436,8 @@ class PyReducer {
             const std::string& op, const std::optional<std::string>& algorithm,
             std::size_t bucket_cap_bytes, std::size_t first_bucket_bytes,
             const std::string& compression, const std::vector<std::size_t>& order,
-            const std::vector<std::vector<std::size_t>>& groups, bool rebuild_buckets, bool overlap)
+            const std::vector<std::vector<std::size_t>>& groups, bool rebuild_buckets, bool overlap,
+            bool divide_before_sum)
       : held_(comm.get()) {
     const std::string call = "Reducer";
     const int rank = held_->rank();
@@ -460,6 +461,7 @@ class PyReducer {
     o.groups = groups;
     o.rebuild_buckets = rebuild_buckets;
     o.overlap = overlap;
+    o.divide_before_sum = divide_before_sum;
     py::gil_scoped_release release;  // collective: allocates the buckets
     reducer_ = std::make_unique<packing::Reducer>(*held_, std::move(tensors), std::move(o));
   }
@@ -592,11 +594,11 @@ PYBIND11_MODULE(_gradcomm, m) {
                     const std::vector<std::size_t>&, const std::vector<std::string>&,
                     const std::string&, const std::optional<std::string>&, std::size_t, std::size_t,
                     const std::string&, const std::vector<std::size_t>&,
-                    const std::vector<std::vector<std::size_t>>&, bool, bool>(),
+                    const std::vector<std::vector<std::size_t>>&, bool, bool, bool>(),
            py::arg("comm"), py::arg("ptrs"), py::arg("counts"), py::arg("dtypes"), py::arg("op"),
            py::arg("algorithm"), py::arg("bucket_cap_bytes"), py::arg("first_bucket_bytes"),
            py::arg("compression"), py::arg("order"), py::arg("groups"), py::arg("rebuild_buckets"),
-           py::arg("overlap"))
+           py::arg("overlap"), py::arg("divide_before_sum") = false)
       .def("mark_ready", &PyReducer::mark_ready, py::arg("index"), py::arg("data") = py::none())
       .def("finish", &PyReducer::finish)
       .def("view_offset", &PyReducer::view_offset)

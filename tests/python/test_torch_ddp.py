@@ -313,3 +313,19 @@ def test_join_with_no_sync_and_a_rank_without_data(gloo):
         finals.append(torch.cat([flat(model), model.module.bn.running_mean]))
     assert relative(finals[0], finals[1]) <= TOLERANCE
     assert same_on_every_rank(finals[0])
+
+
+def test_fp16_hook_divides_before_the_sum_as_torch(gloo):
+    """Gradients of 40000 on every rank: their float16 sum would overflow (65504), their average
+    does not. As torch's hook, gradcomm's divides each rank's gradient first."""
+    results = []
+    for make in (gt.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        torch.manual_seed(0)
+        model = make(torch.nn.Linear(8, 1, bias=False))
+        hook = gt.fp16_compress_hook if make is gt.DistributedDataParallel else \
+            default_hooks.fp16_compress_hook
+        model.register_comm_hook(None, hook)
+        model(torch.full((1, 8), 40000.0)).sum().backward()  # weight's gradient: 40000
+        results.append(model.module.weight.grad.clone())
+    assert torch.equal(results[0], torch.full((1, 8), 40000.0))
+    assert torch.equal(results[0], results[1])

@@ -111,7 +111,7 @@ class GradientReducer:
 
     def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
                  bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",
-                 groups=None, overlap=True):
+                 groups=None, overlap=True, divide_before_sum=False):
         self.comm = comm or world()
         for p, n in zip(params, names):
             check_parameter(p, call, n)
@@ -124,7 +124,7 @@ class GradientReducer:
             self.comm, [p.data_ptr() for p in params], [p.numel() for p in params],
             [DTYPES[p.dtype] for p in params], op, algorithm, int(bucket_cap_bytes),
             int(first_bucket_bytes), compression, [], [list(g) for g in (groups or [])],
-            True, overlap)
+            True, overlap, divide_before_sum)
         self._pending = {}  # index -> the tensor whose memory was marked
         self._flat = None
         self._views = {}

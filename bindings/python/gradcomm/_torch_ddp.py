@@ -208,9 +208,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---- internals ---------------------------------------------------------------------------
     def _make_reducer(self):
+        # As torch's fp16 / bf16 hooks: each gradient is divided by the rank count once
+        # compressed, then summed.
         return GradientReducer(self._params, self._names, _CALL, self._comm, "average",
                                self._algorithm, self._bucket_cap, self._first_bucket,
-                               self._compression, overlap=self._overlap)
+                               self._compression, overlap=self._overlap,
+                               divide_before_sum=True)
 
     def _unreached(self, output):
         """Indices of parameters the autograd graph of `output` does not reach."""
