@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -419,9 +420,10 @@ TEST_F(MpiTest, DevicePackerRoundTripsWithBothCopyMethods) {
 // communicator and throw CommError naming the timeout, instead of hanging. With the call check
 // on (the default), the check's fingerprint wait notices first and the watchdog reports which
 // rank never arrived and ends the job (exit code 70), as for host buffers; with it off, as here,
-// the NCCL wait's own deadline is what stops the call.
-TEST_F(MpiTest, AMissingRankTimesOutAndAbortsTheNcclCommunicator) {
-  REQUIRE_GPU();
+// the NCCL wait's own deadline is what stops the call. `stalled` makes the call rank 0 never
+// makes (on 1024 floats of device memory).
+void expect_missing_rank_times_out(gpu::Runtime* gpu,
+                                   const std::function<void(Communicator&, void*)>& stalled) {
   Config config = Config::from_environment();
   config.timeout_seconds = 3;
   config.check = CheckMode::off;
@@ -435,8 +437,7 @@ TEST_F(MpiTest, AMissingRankTimesOutAndAbortsTheNcclCommunicator) {
     DeviceBuffer data(gpu, 1024 * sizeof(float));
     const auto t0 = std::chrono::steady_clock::now();
     try {
-      allreduce(*comm, data.data, data.data, 1024, DataType::float32, ReduceOp::sum,
-                {.algorithm = "nccl"});
+      stalled(*comm, data.data);
       ADD_FAILURE() << "no error";
     } catch (const CommError& e) {
       EXPECT_NE(std::string(e.what()).find("GRADCOMM_TIMEOUT=3"), std::string::npos) << e.what();
@@ -453,36 +454,24 @@ TEST_F(MpiTest, AMissingRankTimesOutAndAbortsTheNcclCommunicator) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// The same through a request: the others' wait() throws the timeout on every rank that
-// submitted, the NCCL communicator is aborted, and nothing hangs (the check off, as above).
+TEST_F(MpiTest, AMissingRankTimesOutAndAbortsTheNcclCommunicator) {
+  REQUIRE_GPU();
+  expect_missing_rank_times_out(gpu, [](Communicator& comm, void* data) {
+    allreduce(comm, data, data, 1024, DataType::float32, ReduceOp::sum, {.algorithm = "nccl"});
+  });
+}
+
+// The same through a request on a stream: wait() throws the timeout on every rank that
+// submitted, and nothing hangs.
 TEST_F(MpiTest, ARequestWhosePeerNeverSubmitsTimesOutFromWait) {
   REQUIRE_GPU();
-  Config config = Config::from_environment();
-  config.timeout_seconds = 3;
-  config.check = CheckMode::off;
-  auto comm = std::make_unique<Communicator>(MPI_COMM_WORLD, config);
-  if (comm->size() == 1) GTEST_SKIP() << "needs two ranks";
-  EXPECT_EQ(run_and_count_wrong(gpu, *comm, DataType::float32, ReduceOp::sum, 1024, true,
-                                {.algorithm = "nccl"}),
-            0);
-  const collectives::NcclCommCounts before = collectives::nccl_comm_counts();
-  if (comm->rank() != 0) {
-    DeviceBuffer data(gpu, 1024 * sizeof(float));
-    void* stream = gpu->stream_create();
-    Request r = iallreduce(*comm, data.data, data.data, 1024, DataType::float32, ReduceOp::sum,
-                           {.algorithm = "nccl", .stream = stream});
-    try {
-      r.wait();
-      ADD_FAILURE() << "no error";
-    } catch (const CommError& e) {
-      EXPECT_NE(std::string(e.what()).find("GRADCOMM_TIMEOUT=3"), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(collectives::nccl_comm_counts().aborted - before.aborted, 1);
-    gpu->stream_destroy(stream);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  comm.reset();
-  MPI_Barrier(MPI_COMM_WORLD);
+  void* stream = gpu->stream_create();
+  expect_missing_rank_times_out(gpu, [stream](Communicator& comm, void* data) {
+    iallreduce(comm, data, data, 1024, DataType::float32, ReduceOp::sum,
+               {.algorithm = "nccl", .stream = stream})
+        .wait();
+  });
+  gpu->stream_destroy(stream);
 }
 
 }  // namespace
