@@ -372,7 +372,6 @@ class DistributedDataParallel(torch.nn.Module):
         return self._reducer.buckets()
 
 
-
 # The kind of a DDP join round, apart from the Horovod API's (gradcomm.torch), which also runs
 # rounds on the world communicator: each side refuses the other's instead of misreading it.
 _DDP_ROUND = 101
