@@ -1,7 +1,8 @@
 """gradcomm.torch.DistributedDataParallel against torch's own DDP (gloo) trained side by side on
 the same data from the same seed: parameters after N steps with SGD+momentum and Adam, no_sync
 accumulation, unused parameters, gradient_as_bucket_view, compression hooks, buffers, join()
-with uneven inputs, and the errors. Every rank checks its own replica, and that replicas are bit-identical across ranks."""
+with uneven inputs, and the errors. Every rank checks its own replica, and that replicas are
+bit-identical across ranks."""
 
 import pytest
 import torch

@@ -280,9 +280,10 @@ class Compression:
 # has joined raises on every rank, the joined ones included.
 #
 # An async all-reduce's round is non-blocking (the ranks still training need nothing back), so
-# async calls stay asynchronous; a blocking call's round blocks (cheaper than a request). The other rounds block: grouped calls then send the joined ranks the
-# list of tensors, and a DistributedOptimizer step that finds a rank joined holds its buckets
-# until step() (a second round), so that the joined rank stands in for them at the same point.
+# async calls stay asynchronous; a blocking call's round blocks (cheaper than a request). After
+# a grouped call's round the joined ranks are sent the list of tensors, and a
+# DistributedOptimizer step that finds a rank joined holds its buckets until step() (a second
+# round), so that the joined rank stands in for them at the same point.
 # While a rank has joined, collectives that make no round (gradcomm's own API, mpi4py) are not
 # seen by it: they wait until the watchdog ends the job.
 (_KIND_ALLREDUCE, _KIND_GROUPED, _KIND_BARRIER, _KIND_STEP, _KIND_STEP_GO,
