@@ -67,14 +67,21 @@ std::unique_ptr<Communicator> split(Communicator& comm, int color) {
 }
 
 // Counts a sub-communicator's messages into the root's counters, classified by the members'
-// topology groups.
+// topology groups; the members' hosts decide how messages between them are cut (p2p.h).
 void attach_traffic(Communicator& sub, const std::shared_ptr<TrafficCounters>& counters,
-                    int traffic_group) {
-  std::vector<int> member_groups(static_cast<std::size_t>(sub.size()));
-  check_mpi(
-      MPI_Allgather(&traffic_group, 1, MPI_INT, member_groups.data(), 1, MPI_INT, sub.mpi_comm()),
-      "allreduce(hierarchical): MPI_Allgather", sub.rank());
-  sub.attach(std::make_unique<Traffic>(counters, member_groups));
+                    int traffic_group, int host) {
+  const auto n = static_cast<std::size_t>(sub.size());
+  const int mine[2] = {traffic_group, host};
+  std::vector<int> both(2 * n);
+  check_mpi(MPI_Allgather(mine, 2, MPI_INT, both.data(), 2, MPI_INT, sub.mpi_comm()),
+            "allreduce(hierarchical): MPI_Allgather", sub.rank());
+  std::vector<int> member_groups(n), member_hosts(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    member_groups[i] = both[2 * i];
+    member_hosts[i] = both[2 * i + 1];
+  }
+  sub.attach(
+      std::make_unique<Traffic>(counters, std::move(member_groups), std::move(member_hosts)));
 }
 
 // One level of the hierarchy over a communicator: this rank's group communicator, and for each
@@ -83,9 +90,11 @@ void attach_traffic(Communicator& sub, const std::shared_ptr<TrafficCounters>& c
 class Level {
  public:
   // `ids[l][r]`: the group of rank r of `comm` at level l (innermost first).
-  // `machine_ranks`: ranks running on this machine (for shm's spin-or-yield choice).
+  // `machine_ranks`: ranks running on this machine (for shm's spin-or-yield choice); `host`:
+  // this rank's real host (topology's host_of_rank).
   Level(Communicator& comm, std::vector<std::vector<int>> ids,
-        const std::shared_ptr<TrafficCounters>& counters, int traffic_group, int machine_ranks) {
+        const std::shared_ptr<TrafficCounters>& counters, int traffic_group, int host,
+        int machine_ranks) {
     std::vector<std::vector<int>> groups;
     // Levels that do not split this communicator (one group, or groups of one rank) are skipped.
     while (!ids.empty()) {
@@ -102,7 +111,7 @@ class Level {
     const std::vector<int>& group_of_rank = ids.front();
     const int group = group_of_rank[static_cast<std::size_t>(comm.rank())];
     group_comm = split(comm, group);
-    attach_traffic(*group_comm, counters, traffic_group);
+    attach_traffic(*group_comm, counters, traffic_group, host);
     share_machine_with(*group_comm, machine_ranks);
     group_size = group_comm->size();
     local = group_comm->rank();
@@ -112,7 +121,7 @@ class Level {
       const bool owner = c % group_size == local;
       std::unique_ptr<Communicator> column = split(comm, owner ? 0 : MPI_UNDEFINED);
       if (!owner) continue;
-      attach_traffic(*column, counters, traffic_group);
+      attach_traffic(*column, counters, traffic_group, host);
       if (ids.size() > 1) {  // the outer levels, restricted to this column's owners
         const int parent_rank = comm.rank();
         std::vector<int> parents(static_cast<std::size_t>(column->size()));
@@ -127,7 +136,7 @@ class Level {
           outer.push_back(std::move(level));
         }
         auto nested = std::make_unique<Level>(*column, std::move(outer), counters, traffic_group,
-                                              machine_ranks);
+                                              host, machine_ranks);
         if (!nested->flat) next[static_cast<std::size_t>(c)] = std::move(nested);
       }
       column_comms[static_cast<std::size_t>(c)] = std::move(column);
@@ -225,7 +234,9 @@ class Hierarchy : public Attachment {
               comm.config().hierarchical_intra + "'); set it identically for every rank"));
     }
     root = std::make_unique<Level>(comm, topo.levels, comm.attachment<Traffic>().shared_counters(),
-                                   topo.group(), topology::ranks_on_this_machine(comm));
+                                   topo.group(),
+                                   topo.host_of_rank[static_cast<std::size_t>(topo.rank)],
+                                   topology::ranks_on_this_machine(comm));
   }
   std::unique_ptr<Level> root;
 };

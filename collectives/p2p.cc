@@ -24,13 +24,13 @@ int checked_count(std::size_t bytes, const Caller& call, const Communicator& com
   return static_cast<int>(bytes);
 }
 
-// Calls f(offset, length) for consecutive pieces of at most kMaxMessageBytes covering `bytes`;
-// at least once, so an empty transfer is still one (empty) message that pairs up.
+// Calls f(offset, length) for consecutive pieces of at most `piece` bytes covering `bytes`; at
+// least once, so an empty transfer is still one (empty) message that pairs up.
 template <class F>
-void for_each_piece(std::size_t bytes, F f) {
+void for_each_piece(std::size_t bytes, std::size_t piece, F f) {
   std::size_t offset = 0;
   do {
-    const std::size_t n = std::min(kMaxMessageBytes, bytes - offset);
+    const std::size_t n = std::min(piece, bytes - offset);
     f(offset, n);
     offset += n;
   } while (offset < bytes);
@@ -40,14 +40,41 @@ void count(Communicator& comm, int dest, std::size_t bytes) {
   comm.attachment<Traffic>().count(comm.rank(), dest, bytes);
 }
 
+MPI_Request isend_uncounted(const void* buf, std::size_t bytes, int dest, int tag,
+                            Communicator& comm, const Caller& call) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, call.context.tag(tag),
+                      comm.mpi_comm(), &request),
+            what(call, "MPI_Isend"), comm.rank());
+  return request;
+}
+
+// The requests of one transfer in pieces, kept so that a call allocates nothing once warm.
+struct PieceRequests : Attachment {
+  explicit PieceRequests(Communicator&) {}
+  std::vector<MPI_Request> requests;
+};
+
+// The largest message towards (or from) `peer`: Config::tcp_piece_bytes where the peer is on
+// another host, else kMaxMessageBytes. Both ends of a transfer compute the same.
+std::size_t piece_bytes(Communicator& comm, int peer) {
+  const std::size_t piece = comm.config().tcp_piece_bytes;
+  if (piece == 0 || !comm.attachment<Traffic>().remote(comm.rank(), peer)) return kMaxMessageBytes;
+  return piece;
+}
+
 }  // namespace
 
 Traffic::Traffic(Communicator& comm)
     : counters_(std::make_shared<TrafficCounters>()),
-      group_of_rank_(topology::topology_of(comm).group_of_rank) {}
+      group_of_rank_(topology::topology_of(comm).group_of_rank),
+      host_of_rank_(topology::topology_of(comm).host_of_rank) {}
 
-Traffic::Traffic(std::shared_ptr<TrafficCounters> counters, std::vector<int> group_of_rank)
-    : counters_(std::move(counters)), group_of_rank_(std::move(group_of_rank)) {}
+Traffic::Traffic(std::shared_ptr<TrafficCounters> counters, std::vector<int> group_of_rank,
+                 std::vector<int> host_of_rank)
+    : counters_(std::move(counters)),
+      group_of_rank_(std::move(group_of_rank)),
+      host_of_rank_(std::move(host_of_rank)) {}
 
 void Traffic::count(int self, int dest, std::size_t bytes) {
   const bool inter = group_of_rank_[static_cast<std::size_t>(self)] !=
@@ -58,10 +85,7 @@ void Traffic::count(int self, int dest, std::size_t bytes) {
 
 MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                         const Caller& call) {
-  MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Isend(buf, checked_count(bytes, call, comm), MPI_BYTE, dest, call.context.tag(tag),
-                      comm.mpi_comm(), &request),
-            what(call, "MPI_Isend"), comm.rank());
+  MPI_Request request = isend_uncounted(buf, bytes, dest, tag, comm, call);
   count(comm, dest, bytes);
   return request;
 }
@@ -78,15 +102,16 @@ MPI_Request irecv_bytes(void* buf, std::size_t bytes, int source, int tag, Commu
 void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                   const Caller& call, std::vector<MPI_Request>& requests) {
   const auto* p = static_cast<const std::byte*>(buf);
-  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
-    requests.push_back(isend_bytes(p + offset, n, dest, tag, comm, call));
+  for_each_piece(bytes, piece_bytes(comm, dest), [&](std::size_t offset, std::size_t n) {
+    requests.push_back(isend_uncounted(p + offset, n, dest, tag, comm, call));
   });
+  count(comm, dest, bytes);  // one transfer, however it is cut
 }
 
 void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                   const Caller& call, std::vector<MPI_Request>& requests) {
   auto* p = static_cast<std::byte*>(buf);
-  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
+  for_each_piece(bytes, piece_bytes(comm, source), [&](std::size_t offset, std::size_t n) {
     requests.push_back(irecv_bytes(p + offset, n, source, tag, comm, call));
   });
 }
@@ -113,6 +138,15 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
                      const Caller& call) {
   const auto* s = static_cast<const std::byte*>(send);
   auto* r = static_cast<std::byte*>(recv);
+  if (piece_bytes(comm, dest) < kMaxMessageBytes || piece_bytes(comm, source) < kMaxMessageBytes) {
+    // Across hosts: every receive posted, then every send (p2p.h).
+    std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
+    requests.clear();
+    irecv_pieces(r, recv_bytes, source, tag, comm, call, requests);
+    isend_pieces(s, send_bytes, dest, tag, comm, call, requests);
+    wait_all(requests.size(), requests.data(), call);
+    return;
+  }
   std::size_t offset = 0;
   // At least one round, so that two empty windows still pair up (cheap, and keeps it simple).
   do {
@@ -140,7 +174,14 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
 void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                 const Caller& call) {
   const auto* p = static_cast<const std::byte*>(buf);
-  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
+  if (piece_bytes(comm, dest) < kMaxMessageBytes) {
+    std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
+    requests.clear();
+    isend_pieces(p, bytes, dest, tag, comm, call, requests);
+    wait_all(requests.size(), requests.data(), call);
+    return;
+  }
+  for_each_piece(bytes, kMaxMessageBytes, [&](std::size_t offset, std::size_t n) {
     if (call.context.check_pending() || on_progress_thread()) {
       MPI_Request request = isend_bytes(p + offset, n, dest, tag, comm, call);
       return wait(request, call);
@@ -155,7 +196,14 @@ void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communica
 void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                 const Caller& call) {
   auto* p = static_cast<std::byte*>(buf);
-  for_each_piece(bytes, [&](std::size_t offset, std::size_t n) {
+  if (piece_bytes(comm, source) < kMaxMessageBytes) {
+    std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
+    requests.clear();
+    irecv_pieces(p, bytes, source, tag, comm, call, requests);
+    wait_all(requests.size(), requests.data(), call);
+    return;
+  }
+  for_each_piece(bytes, kMaxMessageBytes, [&](std::size_t offset, std::size_t n) {
     if (call.context.check_pending() || on_progress_thread()) {
       MPI_Request request = irecv_bytes(p + offset, n, source, tag, comm, call);
       return wait(request, call);

@@ -1,7 +1,11 @@
 #pragma once
 
 // Byte-level point-to-point helpers shared by the algorithms. MPI counts are int: messages larger
-// than kMaxMessageBytes are split into pieces, identically on both sides.
+// than kMaxMessageBytes are split into pieces, identically on both sides. Towards a rank on
+// another host, the transfers of any size (send_recv_bytes, send_bytes, recv_bytes and the
+// *_pieces helpers) go as pieces of Config::tcp_piece_bytes, every receive posted before the
+// sends: under the MPI library's eager limit, no piece waits for a clear-to-send that the peer's
+// own outgoing data delays (docs/algorithms.md#messages-between-hosts).
 
 #include <mpi.h>
 
@@ -27,7 +31,8 @@ enum Tag : int {
 };
 
 // Bytes and messages a rank sent inside its hierarchical group (node) and across groups, counted
-// by the helpers below for gradcomm's own algorithms (not for MPI_Allreduce's internals).
+// by the helpers below for gradcomm's own algorithms (not for MPI_Allreduce's internals). A
+// transfer cut into pieces (isend_pieces, the *_bytes helpers) counts as one message.
 struct TrafficCounters {
   std::uint64_t intra_bytes = 0;
   std::uint64_t inter_bytes = 0;
@@ -36,19 +41,27 @@ struct TrafficCounters {
 };
 
 // Per-communicator classification of destinations and the counters it adds to. By default the
-// groups come from the communicator's topology (discovered on first use, collectively) and the
-// counters are its own; a sub-communicator created by an algorithm shares its parent's.
+// groups and hosts come from the communicator's topology (discovered on first use, collectively)
+// and the counters are its own; a sub-communicator created by an algorithm shares its parent's.
 class Traffic : public Attachment {
  public:
   explicit Traffic(Communicator& comm);
-  Traffic(std::shared_ptr<TrafficCounters> counters, std::vector<int> group_of_rank);
+  Traffic(std::shared_ptr<TrafficCounters> counters, std::vector<int> group_of_rank,
+          std::vector<int> host_of_rank);
   void count(int self, int dest, std::size_t bytes);
+  // Whether `peer` runs on another host than `self` (the real hosts, whatever layout is
+  // emulated): messages between them go over the network.
+  bool remote(int self, int peer) const {
+    return host_of_rank_[static_cast<std::size_t>(self)] !=
+           host_of_rank_[static_cast<std::size_t>(peer)];
+  }
   TrafficCounters& counters() { return *counters_; }
   std::shared_ptr<TrafficCounters> shared_counters() const { return counters_; }
 
  private:
   std::shared_ptr<TrafficCounters> counters_;
   std::vector<int> group_of_rank_;
+  std::vector<int> host_of_rank_;
 };
 
 // Who sends or waits: `name` names the caller in errors ("allreduce(ring)"); `context` is the

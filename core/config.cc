@@ -77,6 +77,10 @@ Config Config::from_environment() {
         parse_integer("GRADCOMM_SEGMENT_BYTES", v, static_cast<long long>(kMinSegmentBytes),
                       static_cast<long long>(kMaxSegmentBytes)));
   }
+  if (const char* v = get("GRADCOMM_TCP_PIECE_BYTES")) {
+    config.tcp_piece_bytes = static_cast<std::size_t>(
+        parse_integer("GRADCOMM_TCP_PIECE_BYTES", v, 0, static_cast<long long>(kMaxSegmentBytes)));
+  }
   if (const char* v = get("GRADCOMM_PIPELINE_DEPTH")) {
     config.pipeline_depth = static_cast<int>(
         parse_integer("GRADCOMM_PIPELINE_DEPTH", v, kMinPipelineDepth, kMaxPipelineDepth));
@@ -179,6 +183,10 @@ void Config::validate() const {
   if (segment_bytes < kMinSegmentBytes || segment_bytes > kMaxSegmentBytes) {
     bad("segment_bytes " + std::to_string(segment_bytes) + " is outside [" +
         std::to_string(kMinSegmentBytes) + ", " + std::to_string(kMaxSegmentBytes) + "]");
+  }
+  if (tcp_piece_bytes > kMaxSegmentBytes) {
+    bad("tcp_piece_bytes " + std::to_string(tcp_piece_bytes) + " is above " +
+        std::to_string(kMaxSegmentBytes));
   }
   if (pipeline_depth < kMinPipelineDepth || pipeline_depth > kMaxPipelineDepth) {
     bad("pipeline_depth " + std::to_string(pipeline_depth) + " is outside [" +

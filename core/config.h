@@ -20,6 +20,11 @@ struct Config {
   // GRADCOMM_SEGMENT_BYTES: the unit in flight of the pipelined algorithms (ring, flat). Small
   // values are a test seam: 64 makes a 100-element call take the many-segment path.
   std::size_t segment_bytes = std::size_t{256} << 10;
+  // GRADCOMM_TCP_PIECE_BYTES: gradcomm's own messages to a rank on another host go as pieces of
+  // at most this many bytes, every receive posted first (collectives/p2p.h); 0 sends whole
+  // messages. The default stays under Open MPI's 64 KiB TCP eager limit (header included), so
+  // no piece waits for a clear-to-send. Must be the same on every rank (checked).
+  std::size_t tcp_piece_bytes = 64000;
   // GRADCOMM_PIPELINE_DEPTH: how many segments a pipelined algorithm keeps in flight.
   int pipeline_depth = 4;
   // GRADCOMM_FUSION_THRESHOLD: the largest fusion bucket of grouped_allreduce, in bytes; 0

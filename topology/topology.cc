@@ -185,6 +185,9 @@ Topology discover(Communicator& comm) {
   const Config& config = comm.config();
   check_same_on_all_ranks(comm, config.ranks_per_node, "GRADCOMM_RANKS_PER_NODE");
   check_same_on_all_ranks(comm, config.topology_preset.empty() ? 0 : 1, "GRADCOMM_TOPOLOGY");
+  // Both ends of a transfer between hosts cut it alike (collectives/p2p.h).
+  check_same_on_all_ranks(comm, static_cast<long long>(config.tcp_piece_bytes),
+                          "GRADCOMM_TCP_PIECE_BYTES");
   Topology t;
   t.rank = comm.rank();
   t.size = comm.size();
@@ -209,6 +212,9 @@ Topology discover(Communicator& comm) {
     }
     t.group_of_rank = t.node_of_rank;
   }
+  // The real hosts: the node split itself, or where nodes are emulated, discovered apart.
+  const bool emulated = config.ranks_per_node > 0 || !config.topology_preset.empty();
+  t.host_of_rank = emulated ? discover_nodes(comm) : t.node_of_rank;
   t.nodes = members(t.node_of_rank);
   t.groups = members(t.group_of_rank);
   t.levels = {t.group_of_rank};
@@ -218,9 +224,7 @@ Topology discover(Communicator& comm) {
   t.hardware = read_hardware(hw);
   if (config.bind != "none") {
     // Bind within the real host (shared-memory domain), whatever layout is emulated.
-    const std::vector<int> host = config.ranks_per_node > 0 || !config.topology_preset.empty()
-                                      ? discover_nodes(comm)
-                                      : t.node_of_rank;
+    const std::vector<int>& host = t.host_of_rank;
     const auto on_host = members(host)[static_cast<std::size_t>(host[n > 0 ? t.rank : 0])];
     const int local =
         static_cast<int>(std::find(on_host.begin(), on_host.end(), t.rank) - on_host.begin());

@@ -36,6 +36,7 @@ struct Topology {
   int size = 1;
   std::vector<int> node_of_rank;         // node index of every rank
   std::vector<std::vector<int>> nodes;   // ranks of every node, ascending
+  std::vector<int> host_of_rank;         // real host of every rank, whatever layout is emulated
   std::vector<int> group_of_rank;        // hierarchical group of every rank
   std::vector<std::vector<int>> groups;  // ranks of every group, ascending
   std::string source;                    // "discovered", "GRADCOMM_RANKS_PER_NODE=4", "dgx1"

@@ -124,6 +124,8 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
       {"GRADCOMM_SEGMENT_BYTES", "12abc", "GRADCOMM_SEGMENT_BYTES='12abc' is invalid"},
       {"GRADCOMM_SEGMENT_BYTES", "0", "an integer in [16, 1073741824]"},
       {"GRADCOMM_PIPELINE_DEPTH", "-3", "GRADCOMM_PIPELINE_DEPTH='-3'"},
+      {"GRADCOMM_TCP_PIECE_BYTES", "-1", "GRADCOMM_TCP_PIECE_BYTES='-1' is invalid"},
+      {"GRADCOMM_TCP_PIECE_BYTES", "2000000000", "an integer in [0, 1073741824]"},
       {"GRADCOMM_DETERMINISTIC", "yes", "GRADCOMM_DETERMINISTIC='yes' is invalid: expected 0 or 1"},
       {"GRADCOMM_FUSION_THRESHOLD", "-1", "GRADCOMM_FUSION_THRESHOLD='-1' is invalid"},
       {"GRADCOMM_CALIBRATE", "2", "GRADCOMM_CALIBRATE='2' is invalid: expected 0 or 1"},

@@ -72,6 +72,7 @@ TEST_F(Topology, DiscoveredLayoutMatchesHostNames) {
   }
   EXPECT_EQ(t.nodes, expected);
   EXPECT_EQ(t.groups, t.nodes);
+  EXPECT_EQ(t.host_of_rank, t.node_of_rank);
   for (int r = 0; r < n; ++r) {
     const auto& node =
         t.nodes[static_cast<std::size_t>(t.node_of_rank[static_cast<std::size_t>(r)])];
@@ -103,6 +104,8 @@ TEST_F(Topology, EmulatedLayouts) {
     EXPECT_EQ(t.nodes.back().size(), static_cast<std::size_t>(n - (n - 1) / k * k));  // remainder
     EXPECT_EQ(t.local_rank(), world().rank() % k);
     EXPECT_THAT(topology::describe(t), HasSubstr("GRADCOMM_RANKS_PER_NODE=" + std::to_string(k)));
+    // The real hosts stay those of the machine: emulated nodes send no message over a network.
+    EXPECT_EQ(t.host_of_rank, topology::topology_of(world()).node_of_rank) << k;
   }
   Config dgx;
   dgx.topology_preset = "dgx1";
@@ -122,6 +125,16 @@ TEST_F(Topology, InconsistentSettingsNameTheVariable) {
   EXPECT_THAT([&] { topology::topology_of(comm); },
               ::testing::ThrowsMessage<InvalidArgument>(
                   HasSubstr("GRADCOMM_RANKS_PER_NODE differs across ranks")));
+}
+
+TEST_F(Topology, TcpPieceBytesThatDifferAcrossRanksAreAnError) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  Config config;
+  config.tcp_piece_bytes = world().rank() == 1 ? 32000 : 64000;
+  Communicator comm(MPI_COMM_WORLD, config);
+  EXPECT_THAT([&] { topology::topology_of(comm); },
+              ::testing::ThrowsMessage<InvalidArgument>(
+                  HasSubstr("GRADCOMM_TCP_PIECE_BYTES differs across ranks")));
 }
 
 TEST_F(Topology, BadSettingsAreErrors) {
