@@ -140,11 +140,13 @@ Exploration explore_auto(Communicator& comm, const Options& o, std::size_t count
 // A round lasts at least kRoundSeconds for the fastest algorithm; the estimate of each
 // algorithm's time per call comes from calls that last at least kEstimateSeconds.
 constexpr double kRoundSeconds = 200e-6;
-// Back to back, a round is also at least this many calls: with one call per round (every size
-// from 16 MiB on 2 ranks), the figure was the first call after another algorithm's round, with
-// the caches holding that algorithm's buffers, which is neither back to back nor a training step
-// (--cycle measures that).
+// Back to back, a round is also at least this many calls, as long as the slowest algorithm's
+// batch stays within kMinCallsSeconds: with one call per round (every size from 16 MiB on 2
+// ranks), the figure was the first call after another algorithm's round, with the caches holding
+// that algorithm's buffers, which is neither back to back nor a training step (--cycle measures
+// that). The cap keeps slow links (0.5 s per 64 MiB call at 1 Gbit/s) and valgrind affordable.
 constexpr int kMinBackToBackCalls = 8;
+constexpr double kMinCallsSeconds = 1.0;
 constexpr double kEstimateSeconds = 50e-6;
 
 // Calls of `per_call` seconds each that last at least `seconds`.
@@ -205,9 +207,15 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   // exit skew, the first call's wake-up: several us on this machine) are then shared out over the
   // same count. Per-algorithm batches sized from one call each ranged from 2 to 63 calls at 512 B
   // on 2 ranks: a batch of 2 charged each call half a round's fixed cost, one of 63 a 63rd.
+  const int min_calls =
+      o.cycle ? 1
+              : std::min(kMinBackToBackCalls,
+                         calls_for(kMinCallsSeconds,
+                                   *std::max_element(per_call.begin(), per_call.end())) -
+                             1);
   const int round_calls =
-      std::max(o.cycle ? 1 : kMinBackToBackCalls,
-               calls_for(kRoundSeconds, *std::min_element(per_call.begin(), per_call.end())));
+      std::max({1, min_calls,
+                calls_for(kRoundSeconds, *std::min_element(per_call.begin(), per_call.end()))});
 
   // Interleaved rounds, each in a fresh random order (see the top of the file).
   const std::size_t algorithms = o.algorithms.size();

@@ -89,17 +89,22 @@ void allgather_from_owners(const AllreduceArgs& args, const ColumnLayout& layout
   const std::size_t es = args.element_bytes();
   auto* recv = static_cast<std::byte*>(args.recv);
   std::vector<MPI_Request> requests;
+  // Every receive first, then every send (p2p.h: pieces between hosts need no clear-to-send);
+  // between two ranks, columns go in column order either way.
   for (std::size_t c = 0; c < layout.columns; ++c) {
     const auto col = layout.column(c);
-    if (layout.owner(c) == layout.member) {
-      for (int m = 0; m < layout.members; ++m) {
-        if (m != layout.member) {
-          isend_pieces(recv + col.offset * es, col.length * es, m, kTag, group, kCall, requests);
-        }
-      }
-    } else {
+    if (layout.owner(c) != layout.member) {
       irecv_pieces(recv + col.offset * es, col.length * es, layout.owner(c), kTag, group, kCall,
                    requests);
+    }
+  }
+  for (std::size_t c = 0; c < layout.columns; ++c) {
+    const auto col = layout.column(c);
+    if (layout.owner(c) != layout.member) continue;
+    for (int m = 0; m < layout.members; ++m) {
+      if (m != layout.member) {
+        isend_pieces(recv + col.offset * es, col.length * es, m, kTag, group, kCall, requests);
+      }
     }
   }
   wait_all(requests.size(), requests.data(), kCall);

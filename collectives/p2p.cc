@@ -58,9 +58,12 @@ struct PieceRequests : Attachment {
 // The largest message towards (or from) `peer`: Config::tcp_piece_bytes where the peer is on
 // another host, else kMaxMessageBytes. Both ends of a transfer compute the same.
 std::size_t piece_bytes(Communicator& comm, int peer) {
-  const std::size_t piece = comm.config().tcp_piece_bytes;
-  if (piece == 0 || !comm.attachment<Traffic>().remote(comm.rank(), peer)) return kMaxMessageBytes;
-  return piece;
+  const Config& config = comm.config();
+  if (config.tcp_piece_bytes == 0) return kMaxMessageBytes;
+  const bool remote = config.tcp_pieces_on_host
+                          ? peer != comm.rank()
+                          : comm.attachment<Traffic>().remote(comm.rank(), peer);
+  return remote ? config.tcp_piece_bytes : kMaxMessageBytes;
 }
 
 }  // namespace
@@ -138,8 +141,9 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
                      const Caller& call) {
   const auto* s = static_cast<const std::byte*>(send);
   auto* r = static_cast<std::byte*>(recv);
-  if (piece_bytes(comm, dest) < kMaxMessageBytes || piece_bytes(comm, source) < kMaxMessageBytes) {
-    // Across hosts: every receive posted, then every send (p2p.h).
+  // Across hosts, and wherever the two directions have different peers (whose pieces must
+  // match their own receives and sends): every receive posted, then every send (p2p.h).
+  if (dest != source || piece_bytes(comm, dest) < kMaxMessageBytes) {
     std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
     requests.clear();
     irecv_pieces(r, recv_bytes, source, tag, comm, call, requests);
@@ -157,7 +161,7 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
     // On a progress thread the waits sleep between polls (wait_all_mpi): no blocking MPI call.
     if (call.context.check_pending() || on_progress_thread()) {
       MPI_Request pair[2] = {irecv_bytes(r + (nr ? offset : 0), nr, source, tag, comm, call),
-                             isend_bytes(s + (ns ? offset : 0), ns, dest, tag, comm, call)};
+                             isend_uncounted(s + (ns ? offset : 0), ns, dest, tag, comm, call)};
       wait_all(2, pair, call);
     } else {
       check_mpi(
@@ -165,10 +169,10 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
                        call.context.tag(tag), r + (nr ? offset : 0), static_cast<int>(nr), MPI_BYTE,
                        source, call.context.tag(tag), comm.mpi_comm(), MPI_STATUS_IGNORE),
           what(call, "MPI_Sendrecv"), comm.rank());
-      count(comm, dest, ns);
     }
     offset += kMaxMessageBytes;
   } while (offset < std::max(send_bytes, recv_bytes));
+  count(comm, dest, send_bytes);  // one transfer, however it is cut
 }
 
 void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
@@ -183,14 +187,14 @@ void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communica
   }
   for_each_piece(bytes, kMaxMessageBytes, [&](std::size_t offset, std::size_t n) {
     if (call.context.check_pending() || on_progress_thread()) {
-      MPI_Request request = isend_bytes(p + offset, n, dest, tag, comm, call);
+      MPI_Request request = isend_uncounted(p + offset, n, dest, tag, comm, call);
       return wait(request, call);
     }
     check_mpi(MPI_Send(p + offset, static_cast<int>(n), MPI_BYTE, dest, call.context.tag(tag),
                        comm.mpi_comm()),
               what(call, "MPI_Send"), comm.rank());
-    count(comm, dest, n);
   });
+  count(comm, dest, bytes);  // one transfer, however it is cut
 }
 
 void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,

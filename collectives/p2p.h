@@ -3,9 +3,10 @@
 // Byte-level point-to-point helpers shared by the algorithms. MPI counts are int: messages larger
 // than kMaxMessageBytes are split into pieces, identically on both sides. Towards a rank on
 // another host, the transfers of any size (send_recv_bytes, send_bytes, recv_bytes and the
-// *_pieces helpers) go as pieces of Config::tcp_piece_bytes, every receive posted before the
-// sends: under the MPI library's eager limit, no piece waits for a clear-to-send that the peer's
-// own outgoing data delays (docs/algorithms.md#messages-between-hosts).
+// *_pieces helpers, not isend_bytes / irecv_bytes) go as pieces of Config::tcp_piece_bytes,
+// every receive posted before the sends: under the MPI library's eager limit, no piece waits for
+// a clear-to-send that the peer's own outgoing data delays
+// (docs/algorithms.md#messages-between-hosts).
 
 #include <mpi.h>
 
@@ -89,8 +90,9 @@ void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communica
 void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                 const Caller& call);
 
-// Non-blocking transfers of any size, split into pieces of at most kMaxMessageBytes (both sides
-// split identically); the requests are appended to `requests`.
+// Non-blocking transfers of any size, split into pieces of at most kMaxMessageBytes, or of
+// Config::tcp_piece_bytes towards another host (both sides split identically); the requests are
+// appended to `requests`.
 void isend_pieces(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                   const Caller& call, std::vector<MPI_Request>& requests);
 void irecv_pieces(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,

@@ -12,6 +12,7 @@ namespace {
 constexpr std::string_view kLogLevels[] = {"error", "warn", "info", "debug", "trace"};
 constexpr std::size_t kMinSegmentBytes = 16;
 constexpr std::size_t kMaxSegmentBytes = std::size_t{1} << 30;
+constexpr std::size_t kMinTcpPieceBytes = 1024;
 constexpr int kMinPipelineDepth = 1;
 constexpr int kMaxPipelineDepth = 64;
 
@@ -80,6 +81,9 @@ Config Config::from_environment() {
   if (const char* v = get("GRADCOMM_TCP_PIECE_BYTES")) {
     config.tcp_piece_bytes = static_cast<std::size_t>(
         parse_integer("GRADCOMM_TCP_PIECE_BYTES", v, 0, static_cast<long long>(kMaxSegmentBytes)));
+    if (config.tcp_piece_bytes != 0 && config.tcp_piece_bytes < kMinTcpPieceBytes) {
+      bad_variable("GRADCOMM_TCP_PIECE_BYTES", v, "0, or an integer in [1024, 1073741824]");
+    }
   }
   if (const char* v = get("GRADCOMM_PIPELINE_DEPTH")) {
     config.pipeline_depth = static_cast<int>(
@@ -184,9 +188,10 @@ void Config::validate() const {
     bad("segment_bytes " + std::to_string(segment_bytes) + " is outside [" +
         std::to_string(kMinSegmentBytes) + ", " + std::to_string(kMaxSegmentBytes) + "]");
   }
-  if (tcp_piece_bytes > kMaxSegmentBytes) {
-    bad("tcp_piece_bytes " + std::to_string(tcp_piece_bytes) + " is above " +
-        std::to_string(kMaxSegmentBytes));
+  if (tcp_piece_bytes != 0 &&
+      (tcp_piece_bytes < kMinTcpPieceBytes || tcp_piece_bytes > kMaxSegmentBytes)) {
+    bad("tcp_piece_bytes " + std::to_string(tcp_piece_bytes) + " is outside {0} and [" +
+        std::to_string(kMinTcpPieceBytes) + ", " + std::to_string(kMaxSegmentBytes) + "]");
   }
   if (pipeline_depth < kMinPipelineDepth || pipeline_depth > kMaxPipelineDepth) {
     bad("pipeline_depth " + std::to_string(pipeline_depth) + " is outside [" +

@@ -20,11 +20,15 @@ struct Config {
   // GRADCOMM_SEGMENT_BYTES: the unit in flight of the pipelined algorithms (ring, flat). Small
   // values are a test seam: 64 makes a 100-element call take the many-segment path.
   std::size_t segment_bytes = std::size_t{256} << 10;
-  // GRADCOMM_TCP_PIECE_BYTES: gradcomm's own messages to a rank on another host go as pieces of
-  // at most this many bytes, every receive posted first (collectives/p2p.h); 0 sends whole
-  // messages. The default stays under Open MPI's 64 KiB TCP eager limit (header included), so
-  // no piece waits for a clear-to-send. Must be the same on every rank (checked).
+  // GRADCOMM_TCP_PIECE_BYTES: the transfers of collectives/p2p.h's *_bytes and *_pieces helpers
+  // (halving_doubling, the owner exchanges) to a rank on another host go as pieces of at most
+  // this many bytes, every receive posted first; 0 sends whole messages, else 1 KiB - 1 GiB. The
+  // default stays under Open MPI's 64 KiB TCP eager limit (header included), so no piece waits
+  // for a clear-to-send. Must be the same on every rank (checked).
   std::size_t tcp_piece_bytes = 64000;
+  // Test seam (no variable): every other rank counts as on another host for the pieces above,
+  // so that one machine runs their path.
+  bool tcp_pieces_on_host = false;
   // GRADCOMM_PIPELINE_DEPTH: how many segments a pipelined algorithm keeps in flight.
   int pipeline_depth = 4;
   // GRADCOMM_FUSION_THRESHOLD: the largest fusion bucket of grouped_allreduce, in bytes; 0
@@ -99,7 +103,8 @@ struct Config {
   }
 
   // Throws InvalidArgument naming the field when a value is out of range (segment_bytes
-  // 16 B - 1 GiB, pipeline_depth 1 - 64, a known log level, a non-empty algorithm name).
+  // 16 B - 1 GiB, tcp_piece_bytes 0 or 1 KiB - 1 GiB, pipeline_depth 1 - 64, a known log level,
+  // a non-empty algorithm name).
   // Communicator checks every Config it is given.
   void validate() const;
 };

@@ -465,6 +465,45 @@ INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceSegments, ::testing::ValuesIn(all_
                          [](const auto& info) { return param_name(info.param); });
 
 // ---------------------------------------------------------------------------------------------
+// Transfers between hosts in eager-sized pieces (collectives/p2p.h), on one machine through the
+// Config test seam: every peer counts as remote, and a piece is 1 KiB (256 float32), so counts
+// around a piece, a prime and a large count cut into hundreds of pieces, with the fold of
+// halving_doubling on 3 and 5 ranks, hierarchical's owner exchanges on emulated nodes of 2, and
+// the reproducible mode.
+
+class AllreducePieces : public MpiTest {};
+
+TEST_F(AllreducePieces, EverySizeAroundAPieceIsExact) {
+  struct Form {
+    std::string algorithm;
+    int ranks_per_node;
+    bool deterministic;
+  };
+  const Form forms[] = {
+      {"halving_doubling", 0, false}, {"hierarchical", 2, false}, {"halving_doubling", 0, true}};
+  std::vector<std::byte> send, recv;
+  for (const Form& form : forms) {
+    Config config;
+    config.tcp_piece_bytes = 1024;
+    config.tcp_pieces_on_host = true;
+    config.ranks_per_node = form.ranks_per_node;
+    config.deterministic = form.deterministic;
+    Communicator comm(MPI_COMM_WORLD, config);
+    SCOPED_TRACE(std::string(form.deterministic ? "deterministic " : "") + form.algorithm);
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{255}, std::size_t{256},
+                              std::size_t{257}, std::size_t{1021}, std::size_t{100003}}) {
+      for (DataType dtype : {DataType::float32, DataType::float64}) {
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+          for (bool in_place : {false, true}) {
+            check_exact(comm, form.algorithm, dtype, op, count, in_place, send, recv);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Sub-communicators (MPI_Comm_split): a prefix of k ranks for k = 3, 5, 7 and an even/odd split,
 // so one 8-rank launch also covers 3, 4, 5 and 7 ranks.
 

@@ -126,6 +126,7 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
       {"GRADCOMM_PIPELINE_DEPTH", "-3", "GRADCOMM_PIPELINE_DEPTH='-3'"},
       {"GRADCOMM_TCP_PIECE_BYTES", "-1", "GRADCOMM_TCP_PIECE_BYTES='-1' is invalid"},
       {"GRADCOMM_TCP_PIECE_BYTES", "2000000000", "an integer in [0, 1073741824]"},
+      {"GRADCOMM_TCP_PIECE_BYTES", "100", "expected 0, or an integer in [1024, 1073741824]"},
       {"GRADCOMM_DETERMINISTIC", "yes", "GRADCOMM_DETERMINISTIC='yes' is invalid: expected 0 or 1"},
       {"GRADCOMM_FUSION_THRESHOLD", "-1", "GRADCOMM_FUSION_THRESHOLD='-1' is invalid"},
       {"GRADCOMM_CALIBRATE", "2", "GRADCOMM_CALIBRATE='2' is invalid: expected 0 or 1"},
@@ -181,6 +182,10 @@ TEST_F(BadNames, OutOfRangeConfigInCode) {
   config.segment_bytes = 8;
   expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
                                 {"segment_bytes 8 is outside [16, 1073741824]"});
+  config = Config{};
+  config.tcp_piece_bytes = 100;
+  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
+                                {"tcp_piece_bytes 100 is outside {0} and [1024, 1073741824]"});
   config = Config{};
   config.engine_poll_us = -1;
   expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
