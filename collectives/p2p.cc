@@ -55,6 +55,16 @@ struct PieceRequests : Attachment {
   std::vector<MPI_Request> requests;
 };
 
+// Posts one transfer's pieces through `post` into the communicator's request list (reused, so a
+// warm call allocates nothing), then waits for them all.
+template <class Post>
+void post_and_wait(Communicator& comm, const Caller& call, Post post) {
+  std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
+  requests.clear();
+  post(requests);
+  wait_all(requests.size(), requests.data(), call);
+}
+
 // The largest message towards (or from) `peer`: Config::tcp_piece_bytes where the peer is on
 // another host, else kMaxMessageBytes. Both ends of a transfer compute the same.
 std::size_t piece_bytes(Communicator& comm, int peer) {
@@ -144,12 +154,10 @@ void send_recv_bytes(const void* send, std::size_t send_bytes, int dest, void* r
   // Across hosts, and wherever the two directions have different peers (whose pieces must
   // match their own receives and sends): every receive posted, then every send (p2p.h).
   if (dest != source || piece_bytes(comm, dest) < kMaxMessageBytes) {
-    std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
-    requests.clear();
-    irecv_pieces(r, recv_bytes, source, tag, comm, call, requests);
-    isend_pieces(s, send_bytes, dest, tag, comm, call, requests);
-    wait_all(requests.size(), requests.data(), call);
-    return;
+    return post_and_wait(comm, call, [&](std::vector<MPI_Request>& requests) {
+      irecv_pieces(r, recv_bytes, source, tag, comm, call, requests);
+      isend_pieces(s, send_bytes, dest, tag, comm, call, requests);
+    });
   }
   std::size_t offset = 0;
   // At least one round, so that two empty windows still pair up (cheap, and keeps it simple).
@@ -179,11 +187,9 @@ void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communica
                 const Caller& call) {
   const auto* p = static_cast<const std::byte*>(buf);
   if (piece_bytes(comm, dest) < kMaxMessageBytes) {
-    std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
-    requests.clear();
-    isend_pieces(p, bytes, dest, tag, comm, call, requests);
-    wait_all(requests.size(), requests.data(), call);
-    return;
+    return post_and_wait(comm, call, [&](std::vector<MPI_Request>& requests) {
+      isend_pieces(p, bytes, dest, tag, comm, call, requests);
+    });
   }
   for_each_piece(bytes, kMaxMessageBytes, [&](std::size_t offset, std::size_t n) {
     if (call.context.check_pending() || on_progress_thread()) {
@@ -201,11 +207,9 @@ void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator&
                 const Caller& call) {
   auto* p = static_cast<std::byte*>(buf);
   if (piece_bytes(comm, source) < kMaxMessageBytes) {
-    std::vector<MPI_Request>& requests = comm.attachment<PieceRequests>().requests;
-    requests.clear();
-    irecv_pieces(p, bytes, source, tag, comm, call, requests);
-    wait_all(requests.size(), requests.data(), call);
-    return;
+    return post_and_wait(comm, call, [&](std::vector<MPI_Request>& requests) {
+      irecv_pieces(p, bytes, source, tag, comm, call, requests);
+    });
   }
   for_each_piece(bytes, kMaxMessageBytes, [&](std::size_t offset, std::size_t n) {
     if (call.context.check_pending() || on_progress_thread()) {

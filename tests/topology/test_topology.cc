@@ -119,22 +119,19 @@ TEST_F(Topology, EmulatedLayouts) {
 
 TEST_F(Topology, InconsistentSettingsNameTheVariable) {
   if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  Config config;
-  config.ranks_per_node = world().rank() == 1 ? 3 : 2;
-  Communicator comm(MPI_COMM_WORLD, config);
-  EXPECT_THAT([&] { topology::topology_of(comm); },
-              ::testing::ThrowsMessage<InvalidArgument>(
-                  HasSubstr("GRADCOMM_RANKS_PER_NODE differs across ranks")));
-}
-
-TEST_F(Topology, TcpPieceBytesThatDifferAcrossRanksAreAnError) {
-  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  Config config;
-  config.tcp_piece_bytes = world().rank() == 1 ? 32000 : 64000;
-  Communicator comm(MPI_COMM_WORLD, config);
-  EXPECT_THAT([&] { topology::topology_of(comm); },
-              ::testing::ThrowsMessage<InvalidArgument>(
-                  HasSubstr("GRADCOMM_TCP_PIECE_BYTES differs across ranks")));
+  const bool odd = world().rank() == 1;
+  Config per_node;
+  per_node.ranks_per_node = odd ? 3 : 2;
+  Config pieces;
+  pieces.tcp_piece_bytes = odd ? 32000 : 64000;
+  const std::pair<Config, const char*> cases[] = {{per_node, "GRADCOMM_RANKS_PER_NODE"},
+                                                  {pieces, "GRADCOMM_TCP_PIECE_BYTES"}};
+  for (const auto& [config, variable] : cases) {
+    Communicator comm(MPI_COMM_WORLD, config);
+    EXPECT_THAT([&] { topology::topology_of(comm); },
+                ::testing::ThrowsMessage<InvalidArgument>(
+                    HasSubstr(std::string(variable) + " differs across ranks")));
+  }
 }
 
 TEST_F(Topology, BadSettingsAreErrors) {
