@@ -2,7 +2,8 @@
 //
 // Vocabulary: the buffer is cut into n chunks (1/n each; the first count % n chunks take one
 // extra element, so chunks may be empty when count < n); each chunk is cut into K segments of at
-// most Config::segment_bytes, the unit in flight.
+// most Config::segment_bytes (of ring_piece_bytes where a link crosses hosts: p2p.h), the unit in
+// flight.
 //
 // Phases, on ring r -> r+1:
 //   reduce-scatter, steps s = 0 .. n-2: send chunk (r-s), receive chunk (r-s-1) and reduce it
@@ -30,6 +31,9 @@
 
 namespace gradcomm::collectives {
 namespace {
+
+// Receives posted ahead at most, where segments are cut to pieces between hosts.
+constexpr std::size_t kMaxRingPiecesAhead = 64;
 
 struct Range {
   std::size_t offset;  // elements
@@ -63,13 +67,25 @@ void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
   const int left = (r + n - 1) % n;
   const std::size_t es = args.element_bytes();
 
+  // Where a link crosses hosts, no segment is larger than a piece (p2p.h): a larger one would
+  // wait for a clear-to-send queued behind the peer's own segments. More receives are then
+  // posted ahead, for as many bytes in flight as whole segments would have.
+  const Config& config = comm.config();
+  const std::size_t piece = ring_piece_bytes(comm);
+  const std::size_t segment_bytes = std::min(config.segment_bytes, piece);
+  const std::size_t ahead = static_cast<std::size_t>(config.pipeline_depth);
+  const std::size_t depth =
+      segment_bytes < config.segment_bytes
+          ? std::clamp((ahead * config.segment_bytes + segment_bytes - 1) / segment_bytes, ahead,
+                       kMaxRingPiecesAhead)
+          : ahead;
+
   const std::size_t max_chunk = (args.count + n - 1) / n;
-  const std::size_t segment_elems = std::max<std::size_t>(1, comm.config().segment_bytes / es);
+  const std::size_t segment_elems = std::max<std::size_t>(1, segment_bytes / es);
   const std::size_t K = std::max<std::size_t>(1, (max_chunk + segment_elems - 1) / segment_elems);
   const std::size_t max_segment_bytes = ((max_chunk + K - 1) / K) * es;
   const int steps = 2 * (n - 1);
   const std::size_t total = static_cast<std::size_t>(steps) * K;
-  const std::size_t depth = static_cast<std::size_t>(comm.config().pipeline_depth);
 
   auto chunk_of = [&](long long c) { return static_cast<std::size_t>(((c % n) + n) % n); };
   auto segment = [&](std::size_t chunk, std::size_t k) {

@@ -96,6 +96,19 @@ void Traffic::count(int self, int dest, std::size_t bytes) {
   ++(inter ? counters_->inter_messages : counters_->intra_messages);
 }
 
+std::size_t ring_piece_bytes(Communicator& comm) {
+  // First, on every rank: the topology's discovery is collective and checks that the setting
+  // is the same everywhere.
+  const Traffic& traffic = comm.attachment<Traffic>();
+  const Config& config = comm.config();
+  const int n = comm.size();
+  if (config.tcp_piece_bytes == 0 || n < 2) return kMaxMessageBytes;
+  for (int i = 0; i < n; ++i) {
+    if (config.tcp_pieces_on_host || traffic.remote(i, (i + 1) % n)) return config.tcp_piece_bytes;
+  }
+  return kMaxMessageBytes;
+}
+
 MPI_Request isend_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communicator& comm,
                         const Caller& call) {
   MPI_Request request = isend_uncounted(buf, bytes, dest, tag, comm, call);

@@ -6,7 +6,8 @@
 // *_pieces helpers, not isend_bytes / irecv_bytes) go as pieces of Config::tcp_piece_bytes,
 // every receive posted before the sends: under the MPI library's eager limit, no piece waits for
 // a clear-to-send that the peer's own outgoing data delays
-// (docs/algorithms.md#messages-between-hosts).
+// (docs/algorithms.md#messages-between-hosts). The ring, which sends isend_bytes segments, cuts
+// them no larger than ring_piece_bytes.
 
 #include <mpi.h>
 
@@ -89,6 +90,11 @@ void send_bytes(const void* buf, std::size_t bytes, int dest, int tag, Communica
                 const Caller& call);
 void recv_bytes(void* buf, std::size_t bytes, int source, int tag, Communicator& comm,
                 const Caller& call);
+
+// The largest message the ring (rank i to i + 1 mod n) should send: Config::tcp_piece_bytes
+// where any of its links crosses hosts (as for the pieces above), else kMaxMessageBytes. The same
+// on every rank; collective on a communicator's first use, as any transfer is (its topology).
+std::size_t ring_piece_bytes(Communicator& comm);
 
 // Non-blocking transfers of any size, split into pieces of at most kMaxMessageBytes, or of
 // Config::tcp_piece_bytes towards another host (both sides split identically); the requests are

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -468,8 +469,8 @@ INSTANTIATE_TEST_SUITE_P(Algorithms, AllreduceSegments, ::testing::ValuesIn(all_
 // Transfers between hosts in eager-sized pieces (collectives/p2p.h), on one machine through the
 // Config test seam: every peer counts as remote, and a piece is 1 KiB (256 float32), so counts
 // around a piece, a prime and a large count cut into hundreds of pieces, with the fold of
-// halving_doubling on 3 and 5 ranks, hierarchical's owner exchanges on emulated nodes of 2, and
-// the reproducible mode.
+// halving_doubling on 3 and 5 ranks, hierarchical's owner exchanges on emulated nodes of 2, the
+// reproducible mode, and the ring's segments cut to pieces (more receives posted ahead).
 
 class AllreducePieces : public MpiTest {};
 
@@ -479,8 +480,10 @@ TEST_F(AllreducePieces, EverySizeAroundAPieceIsExact) {
     int ranks_per_node;
     bool deterministic;
   };
-  const Form forms[] = {
-      {"halving_doubling", 0, false}, {"hierarchical", 2, false}, {"halving_doubling", 0, true}};
+  const Form forms[] = {{"halving_doubling", 0, false},
+                        {"hierarchical", 2, false},
+                        {"halving_doubling", 0, true},
+                        {"ring", 0, false}};
   std::vector<std::byte> send, recv;
   for (const Form& form : forms) {
     Config config;
@@ -678,6 +681,29 @@ std::size_t ring_sent(std::size_t count, std::size_t n, std::size_t index) {
   return 2 * count - chunk((index + 1) % n) - chunk((index + 2) % n);
 }
 
+// Segments the ring sends per step (each one message) for `count` floats over `ranks`: one, as
+// the test's segments are 1 GiB, except where a link of the ring crosses real hosts: then as many
+// pieces of Config::tcp_piece_bytes as the largest chunk needs (collectives/p2p.h).
+std::size_t ring_segments(std::size_t count, std::size_t ranks, bool crosses_hosts,
+                          std::size_t piece_bytes) {
+  if (!crosses_hosts || piece_bytes == 0) return 1;
+  const std::size_t chunk = (count + ranks - 1) / ranks;
+  const std::size_t per_piece = piece_bytes / 4;
+  return std::max<std::size_t>(1, (chunk + per_piece - 1) / per_piece);
+}
+
+// Whether a ring through `ranks` (in that order, cyclic) has a link between two real hosts.
+bool ring_crosses_hosts(const std::vector<int>& ranks, const std::vector<int>& host_of_rank) {
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const int next = ranks[(i + 1) % ranks.size()];
+    if (host_of_rank[static_cast<std::size_t>(ranks[i])] !=
+        host_of_rank[static_cast<std::size_t>(next)]) {
+      return true;
+    }
+  }
+  return false;
+}
+
 TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
   const Layout& layout = GetParam();
   const bool ran = with_layout(layout, [&](Communicator& comm) {
@@ -689,6 +715,12 @@ TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
     const auto G = topo.groups.size();
     const int my_group = topo.group_of_rank[r];
 
+    const std::size_t piece = comm.config().tcp_piece_bytes;
+    std::vector<int> everyone(n);
+    std::iota(everyone.begin(), everyone.end(), 0);
+    const std::size_t K =
+        ring_segments(count, n, ring_crosses_hosts(everyone, topo.host_of_rank), piece);
+
     // Flat ring: only ranks whose right neighbour is in another group send across.
     reset_traffic(comm);
     allreduce(comm, data.data(), data.data(), count, DataType::float32, ReduceOp::sum,
@@ -698,7 +730,7 @@ TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
     const std::uint64_t ring_bytes = 4 * ring_sent(count, n, r);
     EXPECT_EQ(boundary ? t.inter_bytes : t.intra_bytes, ring_bytes);
     EXPECT_EQ(boundary ? t.intra_bytes : t.inter_bytes, 0u);
-    EXPECT_EQ(boundary ? t.inter_messages : t.intra_messages, 2 * (n - 1));
+    EXPECT_EQ(boundary ? t.inter_messages : t.intra_messages, 2 * (n - 1) * K);
 
     if (G == 1) {  // one group (the discovered layout on one machine): hierarchical is the ring
       reset_traffic(comm);
@@ -707,7 +739,7 @@ TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
       t = traffic(comm);
       EXPECT_EQ(t.intra_bytes, ring_bytes);
       EXPECT_EQ(t.inter_bytes, 0u);
-      EXPECT_EQ(t.intra_messages, 2 * (n - 1));
+      EXPECT_EQ(t.intra_messages, 2 * (n - 1) * K);
       return;
     }
     const auto& mine = topo.groups[static_cast<std::size_t>(my_group)];
@@ -752,8 +784,13 @@ TEST_P(HierarchicalLayouts, TrafficCountersMatchTheModel) {
           }
           if (topo.levels.size() == 1) {
             // Phase 2: ring over the G owners of column c; this rank's index is its group's.
+            std::vector<int> owners;
+            for (const auto& group : topo.groups)
+              owners.push_back(group[c % group.size()]);
             inter += 4 * ring_sent(length(c), G, static_cast<std::size_t>(my_group));
-            inter_messages += 2 * (G - 1);
+            inter_messages +=
+                2 * (G - 1) *
+                ring_segments(length(c), G, ring_crosses_hosts(owners, topo.host_of_rank), piece);
           } else {
             // Two DGX-1 servers: the column's 4 owners (one per quad, all in other quads) pair
             // up inside each server, reduce-scatter the column (half to the partner), all-reduce
