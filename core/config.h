@@ -22,7 +22,8 @@ struct Config {
   std::size_t segment_bytes = std::size_t{256} << 10;
   // GRADCOMM_TCP_PIECE_BYTES: the transfers of collectives/p2p.h's *_bytes and *_pieces helpers
   // (halving_doubling, the owner exchanges) to a rank on another host go as pieces of at most
-  // this many bytes, every receive posted first; 0 sends whole messages, else 1 KiB - 1 GiB. The
+  // this many bytes, every receive posted first, and a ring with a link between hosts sends
+  // segments of at most this size; 0 sends whole messages, else 1 KiB - 1 GiB. The
   // default stays under Open MPI's 64 KiB TCP eager limit (header included), so no piece waits
   // for a clear-to-send. Must be the same on every rank (checked).
   std::size_t tcp_piece_bytes = 64000;
