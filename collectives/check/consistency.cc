@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -141,7 +140,9 @@ class CheckState : public Attachment {
   std::array<std::int64_t, 2 * kFields> send{}, recv{};
   MPI_Request request = MPI_REQUEST_NULL;
   Fields mine{};
-  std::set<std::string, std::less<>> used;  // algorithms compared before their first use
+  // Algorithms compared before their first use: a handful, scanned on every call (cheaper than a
+  // tree's string comparisons on the 8-byte path).
+  std::vector<std::string> used;
   bool renew = false;   // a mismatch ended a call: drop what cannot outlive it (every rank)
   SharedSegment board;  // empty: compare over MPI
   bool board_pending = false;
@@ -395,9 +396,9 @@ void CallScope::post_fingerprint(CheckState& state) {
 void CallScope::before_first_use(std::string_view what) {
   if (!outermost_ || comm_.size() == 1 || comm_.config().check == CheckMode::off) return;
   CheckState& state = *state_;
-  if (state.used.find(what) != state.used.end()) return;
+  if (std::find(state.used.begin(), state.used.end(), what) != state.used.end()) return;
   check_now();
-  state.used.emplace(what);
+  state.used.emplace_back(what);
 }
 
 void CallScope::start(std::string_view algorithm, bool polls_check) {
