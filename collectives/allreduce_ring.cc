@@ -16,9 +16,10 @@
 // Pipelining: work items are (step, segment) in that order. The chunk a rank sends at step s+1
 // is the one it reduced at step s, so segment k is forwarded as soon as it is reduced, while
 // later segments are still on the wire: communication of one segment overlaps the reduction of
-// the previous one. Up to Config::pipeline_depth receives are posted ahead, reduce-scatter ones
-// into that many scratch slots. Out-of-place, reductions read the send buffer and write the
-// output (dst = send op incoming), so there is no initial copy.
+// the previous one. Up to Config::pipeline_depth receives are posted ahead (a chunk more where
+// segments are pieces between hosts), reduce-scatter ones into that many scratch slots.
+// Out-of-place, reductions read the send buffer and write the output (dst = send op incoming),
+// so there is no initial copy.
 
 #include "collectives/allreduce_ring.h"
 
@@ -31,9 +32,6 @@
 
 namespace gradcomm::collectives {
 namespace {
-
-// Receives posted ahead at most, where segments are cut to pieces between hosts.
-constexpr std::size_t kMaxRingPiecesAhead = 64;
 
 struct Range {
   std::size_t offset;  // elements
@@ -68,17 +66,11 @@ void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
   const std::size_t es = args.element_bytes();
 
   // Where a link crosses hosts, no segment is larger than a piece (p2p.h): a larger one would
-  // wait for a clear-to-send queued behind the peer's own segments. More receives are then
-  // posted ahead, for as many bytes in flight as whole segments would have.
+  // wait for a clear-to-send queued behind the peer's own segments.
   const Config& config = comm.config();
   const std::size_t piece = ring_piece_bytes(comm);
-  const std::size_t segment_bytes = std::min(config.segment_bytes, piece);
-  const std::size_t ahead = static_cast<std::size_t>(config.pipeline_depth);
-  const std::size_t depth =
-      segment_bytes < config.segment_bytes
-          ? std::clamp((ahead * config.segment_bytes + segment_bytes - 1) / segment_bytes, ahead,
-                       kMaxRingPiecesAhead)
-          : ahead;
+  const bool pieces = piece < config.segment_bytes;
+  const std::size_t segment_bytes = pieces ? piece : config.segment_bytes;
 
   const std::size_t max_chunk = (args.count + n - 1) / n;
   const std::size_t segment_elems = std::max<std::size_t>(1, segment_bytes / es);
@@ -86,6 +78,11 @@ void AllreduceRing::run(const AllreduceArgs& args, Communicator& comm) {
   const std::size_t max_segment_bytes = ((max_chunk + K - 1) / K) * es;
   const int steps = 2 * (n - 1);
   const std::size_t total = static_cast<std::size_t>(steps) * K;
+  // Pieces go eagerly: one that finds no receive posted waits in the MPI library's buffers and
+  // is copied once more. A rank sends up to a chunk ahead of what its right neighbour reduces
+  // (all of step 0 at once, then each segment of the next step as soon as it is reduced), so
+  // with pieces the receives are posted a chunk ahead too (scratch: a chunk).
+  const std::size_t depth = static_cast<std::size_t>(config.pipeline_depth) + (pieces ? K : 0);
 
   auto chunk_of = [&](long long c) { return static_cast<std::size_t>(((c % n) + n) % n); };
   auto segment = [&](std::size_t chunk, std::size_t k) {

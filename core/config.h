@@ -17,8 +17,9 @@ struct Config {
   std::string algorithm = "auto";
   // GRADCOMM_LOG_LEVEL: error, warn, info, debug or trace. Logs go to stderr.
   LogLevel log_level = LogLevel::warn;
-  // GRADCOMM_SEGMENT_BYTES: the unit in flight of the pipelined algorithms (ring, flat). Small
-  // values are a test seam: 64 makes a 100-element call take the many-segment path.
+  // GRADCOMM_SEGMENT_BYTES: the unit in flight of the pipelined algorithms (ring, flat; the ring
+  // cuts it to tcp_piece_bytes where a link crosses hosts). Small values are a test seam: 64
+  // makes a 100-element call take the many-segment path.
   std::size_t segment_bytes = std::size_t{256} << 10;
   // GRADCOMM_TCP_PIECE_BYTES: the transfers of collectives/p2p.h's *_bytes and *_pieces helpers
   // (halving_doubling, the owner exchanges) to a rank on another host go as pieces of at most
@@ -30,7 +31,8 @@ struct Config {
   // Test seam (no variable): every other rank counts as on another host for the pieces above,
   // so that one machine runs their path.
   bool tcp_pieces_on_host = false;
-  // GRADCOMM_PIPELINE_DEPTH: how many segments a pipelined algorithm keeps in flight.
+  // GRADCOMM_PIPELINE_DEPTH: how many segments a pipelined algorithm keeps in flight (the ring
+  // with pieces between hosts posts a chunk's pieces more).
   int pipeline_depth = 4;
   // GRADCOMM_FUSION_THRESHOLD: the largest fusion bucket of grouped_allreduce, in bytes; 0
   // disables fusion (every tensor reduced on its own, in place). Tensors above it are reduced in

@@ -75,6 +75,8 @@ ShmState::ShmState(Communicator& comm)
   std::memcpy(&set, cpus.data(), sizeof set);
   const int cpus_of_ranks = std::max(topology::usable_cores(), CPU_COUNT(&set));
   const int busy = std::max(size, comm.attachment<MachineRanks>().ranks);
+  // The same on every rank (from values every rank gathered alike): the all-reduce's round size
+  // depends on it, and ranks with different round sizes would not meet.
   spin = busy <= cpus_of_ranks ? 2000 : 0;
 }
 

@@ -6,7 +6,9 @@
 //
 // Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (an all-reduce
 // is one round on the latency path and where every rank's buffers are registered, else ceil(bytes /
-// kShmRoundBytes) rounds; hierarchical's phases likewise per phase). Every rank owns three
+// round size) rounds, the round kShmRoundBytes or half that (allreduce_shm.cc's round_bytes, from
+// the call's size and `spin`, both the same on every rank); hierarchical's phases likewise per
+// phase, in rounds of kShmRoundBytes). Every rank owns three
 // monotonic counters in the segment, each holding the last round it finished a stage of: `copied`
 // (its input of that round is readable), `reduced` (its part of the round's result is written),
 // `drained` (it has copied the round out, or on the latency path reduced it). Small slots, packets
