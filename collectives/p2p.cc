@@ -65,15 +65,20 @@ void post_and_wait(Communicator& comm, const Caller& call, Post post) {
   wait_all(requests.size(), requests.data(), call);
 }
 
+// Whether messages between ranks a and b go as pieces: they run on different hosts, or the test
+// seam counts every other rank as remote.
+bool cut_into_pieces(const Config& config, const Traffic& traffic, int a, int b) {
+  return config.tcp_pieces_on_host ? a != b : traffic.remote(a, b);
+}
+
 // The largest message towards (or from) `peer`: Config::tcp_piece_bytes where the peer is on
 // another host, else kMaxMessageBytes. Both ends of a transfer compute the same.
 std::size_t piece_bytes(Communicator& comm, int peer) {
   const Config& config = comm.config();
   if (config.tcp_piece_bytes == 0) return kMaxMessageBytes;
-  const bool remote = config.tcp_pieces_on_host
-                          ? peer != comm.rank()
-                          : comm.attachment<Traffic>().remote(comm.rank(), peer);
-  return remote ? config.tcp_piece_bytes : kMaxMessageBytes;
+  return cut_into_pieces(config, comm.attachment<Traffic>(), comm.rank(), peer)
+             ? config.tcp_piece_bytes
+             : kMaxMessageBytes;
 }
 
 }  // namespace
@@ -104,7 +109,7 @@ std::size_t ring_piece_bytes(Communicator& comm) {
   const int n = comm.size();
   if (config.tcp_piece_bytes == 0 || n < 2) return kMaxMessageBytes;
   for (int i = 0; i < n; ++i) {
-    if (config.tcp_pieces_on_host || traffic.remote(i, (i + 1) % n)) return config.tcp_piece_bytes;
+    if (cut_into_pieces(config, traffic, i, (i + 1) % n)) return config.tcp_piece_bytes;
   }
   return kMaxMessageBytes;
 }
