@@ -45,8 +45,11 @@ parser.add_argument("--algorithm", default=None, help="gradcomm algorithm (defau
 parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="bucket cap of every variant (DDP's bucket_cap_mb; the optimizer's "
                          "fusion threshold)")
+parser.add_argument("--gradcomm-bucket-cap-mb", type=float, default=None,
+                    help="bucket cap of the gradcomm variants alone (default: --bucket-cap-mb)")
 parser.add_argument("--json", default=None, help="append the results to this file")
 args = parser.parse_args()
+gradcomm_cap_mb = args.gradcomm_bucket_cap_mb or args.bucket_cap_mb
 
 torch.set_num_threads(1)  # one core per rank
 hvd.init()
@@ -103,18 +106,18 @@ for name in variants:
         runs[name] = (model, sgd(model.parameters()))
     elif name == "gradcomm-ddp":
         ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm,
-                                          bucket_cap_mb=args.bucket_cap_mb)
+                                          bucket_cap_mb=gradcomm_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
     elif name == "gradcomm-ddp-no-overlap":
         ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm, overlap=False,
-                                          bucket_cap_mb=args.bucket_cap_mb)
+                                          bucket_cap_mb=gradcomm_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
     elif name == "gradcomm-hvd":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(sgd(model.parameters()),
                                        named_parameters=model.named_parameters(),
                                        algorithm=args.algorithm,
-                                       fusion_threshold=int(args.bucket_cap_mb * (1 << 20)))
+                                       fusion_threshold=int(gradcomm_cap_mb * (1 << 20)))
         runs[name] = (model, opt)
     elif name == "torch-ddp":
         if not dist.is_initialized():
@@ -148,11 +151,13 @@ if rank == 0:
     what = "CNN (digits)" if args.model == "cnn" else f"MLP {args.layers}"
     print(f"{size} ranks ({hvd.cross_size()} hosts), {what} ({params / 1e6:.2f} M "
           f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
-          f"{args.steps} steps per variant, alternated; buckets {args.bucket_cap_mb:g} MiB; gradcomm "
+          f"{args.steps} steps per variant, alternated; buckets {args.bucket_cap_mb:g} MiB "
+          f"(gradcomm's {gradcomm_cap_mb:g}); gradcomm "
           f"algorithm {args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
     med = {name: statistics.median(t) for name, t in slowest.items()}
     result = {"ranks": size, "hosts": hvd.cross_size(), "model": what,
               "batch": args.batch, "steps": args.steps, "bucket_cap_mb": args.bucket_cap_mb,
+              "gradcomm_bucket_cap_mb": gradcomm_cap_mb,
               "algorithm": args.algorithm or os.environ.get("GRADCOMM_ALGORITHM", "auto"),
               "variants": {}}
     for name, t in slowest.items():
