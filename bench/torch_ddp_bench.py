@@ -6,16 +6,18 @@ variants' steps alternated so all see the same machine state:
   gradcomm-hvd   gradcomm.torch.DistributedOptimizer (Horovod's API)
   torch-ddp      torch.nn.parallel.DistributedDataParallel, gloo backend
 
-    mpirun -np 2 /usr/bin/python3 bench/torch_ddp_bench.py
+    PYTHONPATH=build/python mpirun -np 2 /usr/bin/python3 bench/torch_ddp_bench.py
     scripts/hosts up 2 && scripts/hosts shape 1gbit && \\
-        GLOO_SOCKET_IFNAME=eth0 scripts/mpirun-hosts 2x1 -- /usr/bin/python3 bench/torch_ddp_bench.py
+        PYTHONPATH=build/python GLOO_SOCKET_IFNAME=eth0 scripts/mpirun-hosts 2x1 -- \\
+        /usr/bin/python3 bench/torch_ddp_bench.py
 
 A step is: zero_grad, forward, backward, optimizer step (SGD with momentum), each rank on its own
 batch; ranks start every step together (a barrier outside the timing). Rank 0 prints the median
 step time and range of each variant, each front end's ratio to torch-ddp, and the exposed
 communication ((step - compute) / step); --json appends one JSON object per run to a file.
 The default model is an MLP 1024-2048-2048-1024-10 (8.4 M parameters, 33.6 MB of gradients),
-batch 256 per rank: at 1 Gbit/s its gradients' all-reduce takes about as long as its backward.
+batch 32 per rank: with Debian's torch (generic BLAS, one thread) its backward takes about
+200 ms, and its gradients' all-reduce about 280 ms at 1 Gbit/s.
 """
 
 import argparse
@@ -37,7 +39,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
                     help="mlp: --layers; cnn: examples/torch_digits.py's CNN on 8x8 images")
 parser.add_argument("--layers", default="1024,2048,2048,1024,10", help="MLP widths")
-parser.add_argument("--batch", type=int, default=256, help="per rank")
+parser.add_argument("--batch", type=int, default=32, help="per rank")
 parser.add_argument("--steps", type=int, default=12, help="timed steps per variant")
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--variants", default="compute,gradcomm-ddp,gradcomm-hvd,torch-ddp")
