@@ -2,6 +2,7 @@
 own CPU work costs compute.
 
     overlap_floor.py TIMELINE_DIR SLOWDOWN [SLOWDOWN ...]
+    overlap_floor.py --link MB_PER_S TIMELINE_DIR
 
 TIMELINE_DIR holds the GRADCOMM_TIMELINE files (t.rank*.json or any *.json) of a
 `gradcomm-train --overlap off` run: backward packs each bucket as its gradients come, and the
@@ -17,6 +18,13 @@ overlapped one would run:
   - after backward and the last bucket, unpack and the optimizer step as measured.
 It prints, per SLOWDOWN, the median over steps of the ideal step and of the measured off step,
 and their ratio: the best on/off ratio any library could reach on that machine and link.
+
+--link: for timelines without forward and backward spans (gradcomm.torch's reducer, whose
+packs still mark when each bucket was ready). Each bucket takes bytes / MB_PER_S on the link
+(2 ranks: every byte crosses each direction once), one at a time, from when it was ready. It
+prints, per rank, the median over steps of the time from the last bucket's readiness (about the
+end of backward) to the end of the link's work: the least communication any library leaves
+exposed with those buckets, at no CPU cost.
 """
 
 import glob
@@ -102,6 +110,38 @@ def main():
               "ratio %.2f" % (slowdown, best, measured, best / measured))
 
 
+def link_floor(directory, rate):
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        events = load(path)
+        steps_ready, current = [], None
+        for e in events:
+            if e["name"] != "pack":
+                continue
+            bucket = e["args"]["bucket"]
+            if bucket == 0 and (current is None or max(current) > 0):
+                current = {}
+                steps_ready.append(current)
+            end = e["ts"] + e["dur"]
+            size = e["args"]["bytes"]
+            ready, total = current.get(bucket, (0.0, 0))
+            current[bucket] = (max(ready, end), total + size)
+        exposed = []
+        for step in steps_ready[1:]:  # the first step makes connections
+            link_free = 0.0
+            for bucket in sorted(step):
+                ready, size = step[bucket]
+                link_free = max(link_free, ready) + size / rate  # bytes / (MB/s) = us
+            exposed.append((link_free - step[max(step)][0]) / 1e3)
+        print("%s: %d steps, buckets %s MB; least exposed after the last bucket: median %.0f ms "
+              "(%.0f-%.0f)" % (os.path.basename(path), len(exposed),
+                               "/".join("%.1f" % (steps_ready[-1][b][1] / 1e6)
+                                        for b in sorted(steps_ready[-1])),
+                               statistics.median(exposed), min(exposed), max(exposed)))
+
+
 path_name = ""
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--link":
+        link_floor(sys.argv[3], float(sys.argv[2]))
+        sys.exit(0)
     main()
