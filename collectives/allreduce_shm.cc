@@ -26,13 +26,17 @@ constexpr std::size_t kShmBlockBytes = std::size_t{8} << 10;
 constexpr std::size_t kShmHalfRoundsFrom = std::size_t{2} << 20;
 constexpr std::size_t kShmHalfRoundsBelow = std::size_t{16} << 20;
 
-// The bytes of one staged round per rank for a call of `bytes` (the same on every rank that
-// makes the same call; a rank that differs finds out in agree_on_call, its slot written within
-// bounds).
-std::size_t round_bytes(const ShmState& s, std::size_t bytes) {
-  const bool own_cpus = s.spin > 0;
+// The bytes of one staged round per rank for a call of `bytes`, where every rank has a CPU of its
+// own or not.
+std::size_t round_bytes(bool own_cpus, std::size_t bytes) {
   return own_cpus && bytes >= kShmHalfRoundsFrom && bytes < kShmHalfRoundsBelow ? kShmRoundBytes / 2
                                                                                 : kShmRoundBytes;
+}
+
+// The same for a call on `s` (the same on every rank that makes the same call; a rank that
+// differs finds out in agree_on_call, its slot written within bounds).
+std::size_t round_bytes(const ShmState& s, std::size_t bytes) {
+  return round_bytes(s.spin > 0, bytes);
 }
 
 // result = src[0] op src[1] op ... in rank order, over `n` elements; avg divides at the end.
@@ -82,7 +86,8 @@ std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
   if (q.bytes <= kShmSmallBytes) {
     return model.flag_alpha + S * model.copy_beta + q.ranks * S * model.gamma;
   }
-  const double rounds = std::ceil(S / static_cast<double>(kShmRoundBytes));
+  // The machine-wide view (more ranks than hardware threads) stands in for the segment's own.
+  const double rounds = std::ceil(S / static_cast<double>(round_bytes(!model.crowded, q.bytes)));
   return 3 * rounds * model.flag_alpha + 2 * S * model.copy_beta + S * model.gamma;
 }
 
