@@ -13,24 +13,33 @@ PY=/usr/bin/python3
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MODEL=(--model mlp --hidden 2048,2048,1024 --features 1024 --samples 4096 --batch "${BATCH:-192}"
        --steps 9 --log-every 1 --overlap off)
-SUBNET=${GRADCOMM_HOSTS_SUBNET:-10.213.7}
 
+TMP=$(mktemp -d)
+client="" server=""
+cleanup() {
+  [ -n "$client$server" ] && kill -TERM $client $server 2>/dev/null || true
+  "$ROOT/scripts/hosts" down >/dev/null 2>&1 || true
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
 "$ROOT/scripts/hosts" up 2 >/dev/null
 "$ROOT/scripts/hosts" shape "${RATE:-1gbit}" >/dev/null
-trap '"$ROOT/scripts/hosts" down >/dev/null' EXIT
 
 # One compute run per host at once; prints the slower host's median ms per step.
 compute() {
-  local out=() i
+  local pids=() i
   for i in 0 1; do
     "$ROOT/scripts/hosts" exec "$i" mpirun -n 1 --bind-to none "$BUILD/trainer/gradcomm-train" \
-      "${MODEL[@]}" >"/tmp/network_tax.$i" 2>&1 &
-    out+=($!)
+      "${MODEL[@]}" >"$TMP/compute.$i" 2>&1 &
+    pids+=($!)
   done
-  wait "${out[@]}"
   for i in 0 1; do
-    grep '^step' "/tmp/network_tax.$i" | tail -n +2 | sed -E 's/.*\(([0-9.]+) ms\/step\).*/\1/' |
-      "$PY" -c 'import statistics, sys; print(statistics.median(float(l) for l in sys.stdin))'
+    wait "${pids[$i]}" || { echo "network_tax.sh: the run on host $i failed:" >&2;
+                            cat "$TMP/compute.$i" >&2; return 1; }
+  done
+  for i in 0 1; do
+    grep '^step' "$TMP/compute.$i" | tail -n +2 | sed -E 's/.*\(([0-9.]+) ms\/step\).*/\1/' |
+      "$PY" -c 'import statistics, sys; print("%.2f" % statistics.median(float(l) for l in sys.stdin))'
   done | sort -n | tail -1
 }
 
@@ -39,16 +48,17 @@ for ((p = 0; p < PAIRS; ++p)); do
   ms=$(compute)
   echo "quiet:  $ms ms/step"
   quiet+=("$ms")
-  "$ROOT/scripts/hosts" exec 1 "$PY" "$ROOT/bench/network_tax.py" serve 5999 120 >/tmp/network_tax.s &
+  "$ROOT/scripts/hosts" exec 1 "$PY" "$ROOT/bench/network_tax.py" serve 5999 120 >"$TMP/server" &
   server=$!
-  "$ROOT/scripts/hosts" exec 0 "$PY" "$ROOT/bench/network_tax.py" send "$SUBNET.2" 5999 120 \
-    >/tmp/network_tax.c &
+  "$ROOT/scripts/hosts" exec 0 "$PY" "$ROOT/bench/network_tax.py" send \
+    "$("$ROOT/scripts/hosts" address 1)" 5999 120 >"$TMP/client" &
   client=$!
   sleep 1
   ms=$(compute)
   kill -TERM "$client" "$server" 2>/dev/null || true
   wait "$client" "$server" 2>/dev/null || true
-  echo "loaded: $ms ms/step (traffic: $(cat /tmp/network_tax.s /tmp/network_tax.c 2>/dev/null | tr "\n" " "))"
+  client="" server=""
+  echo "loaded: $ms ms/step (traffic: $(cat "$TMP/server" "$TMP/client" | tr '\n' ' '))"
   loaded+=("$ms")
 done
 "$PY" - "${quiet[@]}" -- "${loaded[@]}" <<'PY'
