@@ -1,5 +1,6 @@
 """TCP traffic between two emulated hosts, both directions at once over one connection, for a
-fixed time (or until SIGTERM): what an all-reduce between the hosts puts on the link, without any MPI library.
+fixed time (or until SIGTERM): what an all-reduce between the hosts puts on the link, without
+any MPI library.
 
     network_tax.py serve PORT SECONDS           (on one host)
     network_tax.py send ADDRESS PORT SECONDS    (on the other)
