@@ -66,6 +66,7 @@ struct Options {
   bool cycle = false;  // --cycle: rewrite the input before and read the result after each call
   bool default_malloc = false;  // --default-malloc: leave glibc's malloc as it is
   bool no_baseline = false;     // --no-baseline: MPI_Allreduce is not measured
+  bool lead_in = true;          // --no-lead-in: no untimed call before each round's timed ones
   bool gpu = false;             // --device gpu: device buffers, nccl baseline
   bool algorithms_given = false;
 };

@@ -239,6 +239,16 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
   };
   for (int it = 0; it < o.iters; ++it) {
     for (const std::size_t a : round_order(algorithms, shuffle)) {
+      // The lead-in: one untimed call (with --cycle, a whole cycle) so that every timed call
+      // follows a call of its own algorithm, never another's. A call right after another
+      // algorithm's round starts from caches full of that algorithm's buffers, and random orders
+      // gave the algorithms different shares of such calls (see the method).
+      if (o.lead_in) {
+        if (o.cycle) rewrite(1);
+        call(o.algorithms[a]);
+        sync();
+        if (o.cycle) consume();
+      }
       MPI_Barrier(mpi);
       const double t0 = MPI_Wtime();
       if (o.cycle) {

@@ -59,6 +59,9 @@ const char kUsage[] =
     "      --no-baseline     do not measure MPI_Allreduce (vs_mpi is 0): the algorithms alone,\n"
     "                        as a program that calls only them sees them (MPI's calls between\n"
     "                        rounds change the caches the next round starts from)\n"
+    "      --no-lead-in      no untimed call of the same algorithm before each round's timed\n"
+    "                        calls (then the first timed call follows another algorithm's\n"
+    "                        round, as before this option)\n"
     "      --tune FILE       sweep every registered algorithm (and MPI_Allreduce) and write the\n"
     "                        fastest per size as a decision table for auto\n"
     "                        (GRADCOMM_TUNING_FILE=FILE)\n";
@@ -156,6 +159,8 @@ std::optional<Options> parse(int argc, char** argv, int rank) {
       o.default_malloc = true;
     else if (arg == "--no-baseline")
       o.no_baseline = true;
+    else if (arg == "--no-lead-in")
+      o.lead_in = false;
     else if (arg == "--csv")
       o.format = Options::Format::csv;
     else if (arg == "--json")
