@@ -19,26 +19,6 @@ namespace {
 // The staged path reduces in blocks of this many bytes (reduce_to_all).
 constexpr std::size_t kShmBlockBytes = std::size_t{8} << 10;
 
-// Rounds of half a stage slot for calls in [kShmHalfRoundsFrom, kShmHalfRoundsBelow) bytes where
-// every rank has a CPU of its own (docs/results/shm.md#2-ranks-rounds-of-half-a-slot): on 2 ranks
-// they took 0-43% less time at 2-8 MiB, and 3-13% more at 1 MiB (more flag rounds), about the
-// same from 16 MiB, and more on ranks that share CPUs.
-constexpr std::size_t kShmHalfRoundsFrom = std::size_t{2} << 20;
-constexpr std::size_t kShmHalfRoundsBelow = std::size_t{16} << 20;
-
-// The bytes of one staged round per rank for a call of `bytes`, where every rank has a CPU of its
-// own or not.
-std::size_t round_bytes(bool own_cpus, std::size_t bytes) {
-  return own_cpus && bytes >= kShmHalfRoundsFrom && bytes < kShmHalfRoundsBelow ? kShmRoundBytes / 2
-                                                                                : kShmRoundBytes;
-}
-
-// The same for a call on `s` (the same on every rank that makes the same call; a rank that
-// differs finds out in agree_on_call, its slot written within bounds).
-std::size_t round_bytes(const ShmState& s, std::size_t bytes) {
-  return round_bytes(s.spin > 0, bytes);
-}
-
 // result = src[0] op src[1] op ... in rank order, over `n` elements; avg divides at the end.
 void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sources, std::size_t n,
                     const AllreduceArgs& args, int ranks) {
@@ -86,8 +66,7 @@ std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
   if (q.bytes <= kShmSmallBytes) {
     return model.flag_alpha + S * model.copy_beta + q.ranks * S * model.gamma;
   }
-  // The machine-wide view (more ranks than hardware threads) stands in for the segment's own.
-  const double rounds = std::ceil(S / static_cast<double>(round_bytes(!model.crowded, q.bytes)));
+  const double rounds = std::ceil(S / static_cast<double>(kShmRoundBytes));
   return 3 * rounds * model.flag_alpha + 2 * S * model.copy_beta + S * model.gamma;
 }
 
@@ -153,7 +132,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   const std::optional<RegisteredLocation> output =
       args.in_place() ? input : find_registered(recv, bytes, s.pids);
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::staged, input, output);
-  const std::size_t round_elements = round_bytes(s, bytes) / es;
+  const std::size_t round_elements = kShmRoundBytes / es;
   // Round k's chunk is [k * chunk, ...) of the buffer; this rank reduces [p0, p1) of it.
   struct Piece {
     std::size_t e0, m, p0, p1;
@@ -168,7 +147,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     return p;
   };
   // Stages the parts of round k's chunk that peers reduce (all but [p0, p1)) into this rank's
-  // slot, at their offsets in the chunk. A private input's rounds are round_bytes.
+  // slot, at their offsets in the chunk. A private input's rounds are kShmRoundBytes.
   auto stage_in = [&](std::uint64_t k) {
     if (input) return;
     const Piece p = piece(round_elements, k);

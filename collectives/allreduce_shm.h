@@ -13,8 +13,7 @@ namespace gradcomm::collectives {
 //   - registered buffers (Communicator::allocate) where every rank's input and output are
 //     registered: one round; each rank reduces its 1/n slice from all n inputs into all n
 //     outputs, the lines it just read; no copy-in, no copy-out;
-//   - otherwise rounds of kShmRoundBytes (half that for 2-16 MiB calls where every rank has a CPU
-//     of its own, measured faster there): a private input stages only the parts peers reduce into
+//   - otherwise rounds of kShmRoundBytes: a private input stages only the parts peers reduce into
 //     its rank's slot; each reducer writes its slice into its own output and back into each
 //     peer's slot (or registered output), and owners copy their result out of their slot.
 // Each slice is reduced by one rank, in rank order, so every rank ends with the same bits (those

@@ -90,23 +90,6 @@ TEST(Selection, CostModelPrefersFewStepsSmallAndFewBytesLarge) {
   EXPECT_FALSE(predict("hierarchical", 8, 4, 1, 4).has_value());
 }
 
-// shm's model counts the staged rounds a call runs: half a slot each for 2-16 MiB where every
-// rank has a CPU of its own, a whole slot where ranks share CPUs or outside that band.
-TEST(Selection, ShmModelCountsTheRoundsTheCallRuns) {
-  collectives::CostModel own;
-  own.one_host = true;
-  collectives::CostModel crowded = own;
-  crowded.crowded = true;
-  const collectives::AllreduceAlgorithm* shm = collectives::find_prototype("shm");
-  auto t = [&](const collectives::CostModel& m, std::size_t bytes) {
-    return *shm->predicted_seconds(m, {bytes, 2});
-  };
-  // 4 MiB: 32 rounds of 128 KiB against 16 of 256 KiB, three flag rounds each.
-  EXPECT_NEAR(t(own, 4 << 20) - t(crowded, 4 << 20), 3 * 16 * own.flag_alpha, 1e-12);
-  EXPECT_EQ(t(own, 16 << 20), t(crowded, 16 << 20));
-  EXPECT_EQ(t(own, 1 << 20), t(crowded, 1 << 20));
-}
-
 // The measured refinement, as pure logic: `truth` is every algorithm's real time; the model's
 // predictions are 1, 2, 3. Runs `calls` calls and returns how many each algorithm ran.
 std::vector<int> simulate(collectives::MeasuredChoice& m, const std::vector<double>& predicted,

@@ -159,7 +159,7 @@ TEST_F(Shm, SwitchingBetweenRegisteredAndPrivateBackToBack) {
     return static_cast<float>(
         1.0 / (1.0 + static_cast<double>(r) * 2.3 + static_cast<double>(i % 997) * 0.41));
   };
-  const std::size_t largest = 600011;  // 2.4 MB: rounds of half a slot where ranks have CPUs
+  const std::size_t largest = 600011;  // 2.4 MB: ten staged rounds
   RegisteredBuffer reg_in = comm.allocate(largest * sizeof(float));
   RegisteredBuffer reg_out = comm.allocate(largest * sizeof(float));
   std::vector<float> priv_in(largest), priv_out(largest), serial(largest);
@@ -187,7 +187,7 @@ TEST_F(Shm, SwitchingBetweenRegisteredAndPrivateBackToBack) {
 TEST_F(Shm, DisagreeingCallsFailOnEveryRank) {
   Communicator& comm = world();
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  // 524287 / 524288: one side of the half-round size bound each (2 MiB).
+  // 524287 / 524288: a count either side of 2 MiB.
   for (std::size_t base : {std::size_t{10}, std::size_t{200000}, std::size_t{524287}}) {
     const std::size_t count = base + (comm.rank() == comm.size() - 1 ? 1 : 0);
     std::vector<float> data(count, 1.0f);
