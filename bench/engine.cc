@@ -396,6 +396,11 @@ void print_header(const Options& o, int n) {
         "# time: per call, slowest rank, over rounds (a round: the same number of calls of "
         "each\n#   algorithm, >= 200 us for the fastest); algbw = size / mean time (GB/s); "
         "busbw = algbw * 2(n-1)/n\n");
+    std::printf(o.lead_in
+                    ? "# rounds: each algorithm's timed calls follow an untimed call of its own "
+                      "(the lead-in)\n"
+                    : "# rounds: no lead-in (--no-lead-in): a round's first timed call "
+                      "follows another algorithm's round\n");
     std::printf(
         "# vs_mpi: MPI_Allreduce median / this median, same run, interleaved (> 1 is "
         "faster)\n");
