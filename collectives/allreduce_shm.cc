@@ -19,6 +19,11 @@ namespace {
 // The staged path reduces in blocks of this many bytes (reduce_to_all).
 constexpr std::size_t kShmBlockBytes = std::size_t{8} << 10;
 
+// A staged round's bytes per rank: one stage slot, or all of them where ranks share CPUs.
+constexpr std::size_t round_bytes(bool crowded) {
+  return crowded ? kShmRoundBytes * kShmStageSlots : kShmRoundBytes;
+}
+
 // result = src[0] op src[1] op ... in rank order, over `n` elements; avg divides at the end.
 void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sources, std::size_t n,
                     const AllreduceArgs& args, int ranks) {
@@ -66,7 +71,8 @@ std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
   if (q.bytes <= kShmSmallBytes) {
     return model.flag_alpha + S * model.copy_beta + q.ranks * S * model.gamma;
   }
-  const double rounds = std::ceil(S / static_cast<double>(kShmRoundBytes));
+  // The machine-wide view (more ranks than hardware threads) stands in for the segment's own.
+  const double rounds = std::ceil(S / static_cast<double>(round_bytes(model.crowded)));
   return 3 * rounds * model.flag_alpha + 2 * S * model.copy_beta + S * model.gamma;
 }
 
@@ -132,7 +138,12 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   const std::optional<RegisteredLocation> output =
       args.in_place() ? input : find_registered(recv, bytes, s.pids);
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::staged, input, output);
-  const std::size_t round_elements = kShmRoundBytes / es;
+  // Where ranks share CPUs (spin == 0, the same on every rank), a round takes all of a rank's
+  // stage slots and is staged only once the last is drained: a quarter of the waits, each of
+  // which may cost a context switch (docs/results/shm.md#ranks-that-share-cpus-whole-slot-rounds).
+  const bool whole = s.spin == 0;
+  const std::size_t round_elements = round_bytes(whole) / es;
+  auto stage_of = [&](int j, std::uint64_t r) { return whole ? s.stage(j, 0) : s.stage(j, r); };
   // Round k's chunk is [k * chunk, ...) of the buffer; this rank reduces [p0, p1) of it.
   struct Piece {
     std::size_t e0, m, p0, p1;
@@ -147,11 +158,11 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     return p;
   };
   // Stages the parts of round k's chunk that peers reduce (all but [p0, p1)) into this rank's
-  // slot, at their offsets in the chunk. A private input's rounds are kShmRoundBytes.
+  // slot, at their offsets in the chunk. A private input's rounds are round_bytes.
   auto stage_in = [&](std::uint64_t k) {
     if (input) return;
     const Piece p = piece(round_elements, k);
-    std::byte* slot = s.stage(me, first + k);
+    std::byte* slot = stage_of(me, first + k);
     std::memcpy(slot, send + p.e0 * es, p.p0 * es);
     std::memcpy(slot + p.p1 * es, send + (p.e0 + p.p1) * es, (p.m - p.p1) * es);
   };
@@ -179,7 +190,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     const std::size_t at = (p.e0 + p.p0) * es;
     for (int j = 0; j < n; ++j) {
       const auto jj = static_cast<std::size_t>(j);
-      std::byte* slot = s.stage(j, r) + p.p0 * es;
+      std::byte* slot = stage_of(j, r) + p.p0 * es;
       if (j == me) {
         sources[jj] = send + at;
         targets[jj] = recv + at;
@@ -190,17 +201,21 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     }
     reduce_to_all(targets, sources, p.p1 - p.p0, args, n);
     mine.reduced.store(r, std::memory_order_release);
-    if (k + 1 < rounds) {  // the next round's copy-in overlaps the peers' reductions
+    if (k + 1 < rounds && !whole) {  // the next round's copy-in overlaps the peers' reductions
       stage_in(k + 1);
       mine.copied.store(r + 1, std::memory_order_release);
     }
     s.wait_all(&RankControl::reduced, r, "reduce", args.call);
     if (!output) {  // the peers' parts of my result, from my slot
-      const std::byte* slot = s.stage(me, r);
+      const std::byte* slot = stage_of(me, r);
       std::memcpy(recv + p.e0 * es, slot, p.p0 * es);
       std::memcpy(recv + (p.e0 + p.p1) * es, slot + p.p1 * es, (p.m - p.p1) * es);
     }
     mine.drained.store(r, std::memory_order_release);
+    if (k + 1 < rounds && whole) {
+      stage_in(k + 1);
+      mine.copied.store(r + 1, std::memory_order_release);
+    }
   }
   s.round = first + rounds - 1;
 }

@@ -13,8 +13,10 @@ namespace gradcomm::collectives {
 //   - registered buffers (Communicator::allocate) where every rank's input and output are
 //     registered: one round; each rank reduces its 1/n slice from all n inputs into all n
 //     outputs, the lines it just read; no copy-in, no copy-out;
-//   - otherwise rounds of kShmRoundBytes: a private input stages only the parts peers reduce into
-//     its rank's slot; each reducer writes its slice into its own output and back into each
+//   - otherwise rounds of kShmRoundBytes, the next round's copy-in overlapping the peers'
+//     reductions (where ranks share CPUs: rounds of all kShmStageSlots slots at once, one after
+//     the other, for a quarter of the waits): a private input stages only the parts peers reduce
+//     into its rank's slot; each reducer writes its slice into its own output and back into each
 //     peer's slot (or registered output), and owners copy their result out of their slot.
 // Each slice is reduced by one rank, in rank order, so every rank ends with the same bits (those
 // of the serial reduction). Ranks that disagree on count, dtype or op get an error on every rank

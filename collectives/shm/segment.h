@@ -6,9 +6,9 @@
 //
 // Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (an all-reduce
 // is one round on the latency path and where every rank's buffers are registered, else ceil(bytes /
-// round size) rounds, the round kShmRoundBytes or half that (allreduce_shm.cc's round_bytes, from
-// the call's size and `spin`, both the same on every rank); hierarchical's phases likewise per
-// phase, in rounds of kShmRoundBytes). Every rank owns three
+// round size) rounds, the round kShmRoundBytes, or kShmStageSlots times that where `spin` is 0
+// (allreduce_shm.cc's round_bytes; `spin` is the same on every rank); hierarchical's phases
+// likewise per phase, in rounds of kShmRoundBytes). Every rank owns three
 // monotonic counters in the segment, each holding the last round it finished a stage of: `copied`
 // (its input of that round is readable), `reduced` (its part of the round's result is written),
 // `drained` (it has copied the round out, or on the latency path reduced it). Small slots, packets
@@ -17,7 +17,8 @@
 // reads round r - 2's). Stage slots come in kShmStageSlots: round r stores into slot r %
 // kShmStageSlots once the last readers of round r - kShmStageSlots are done (the all-reduce: this
 // rank drained that round, which waited for every reducer of it; hierarchical's phases: every rank
-// drained it).
+// drained it). An all-reduce round that takes all the slots stores only once this rank has
+// drained every earlier round, so no reader of any of them is left.
 //
 // A call's descriptor (count, dtype, op, path, where a registered input and output lie) is
 // written with the first round's input and read by every rank once that round's `copied` counters

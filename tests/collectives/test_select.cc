@@ -90,6 +90,24 @@ TEST(Selection, CostModelPrefersFewStepsSmallAndFewBytesLarge) {
   EXPECT_FALSE(predict("hierarchical", 8, 4, 1, 4).has_value());
 }
 
+// shm's model counts the staged rounds a call runs: a stage slot each where every rank has a CPU
+// of its own, all kShmStageSlots slots at once where ranks share CPUs.
+TEST(Selection, ShmModelCountsTheRoundsTheCallRuns) {
+  collectives::CostModel own;
+  own.one_host = true;
+  collectives::CostModel crowded = own;
+  crowded.crowded = true;
+  const collectives::AllreduceAlgorithm* shm = collectives::find_prototype("shm");
+  auto t = [&](const collectives::CostModel& m, std::size_t bytes) {
+    return *shm->predicted_seconds(m, {bytes, 2});
+  };
+  // 4 MiB: 16 rounds of 256 KiB against 4 of 1 MiB, three flag rounds each.
+  EXPECT_NEAR(t(own, 4 << 20) - t(crowded, 4 << 20), 3 * 12 * own.flag_alpha, 1e-12);
+  // 1 MiB + 1: 5 rounds against 2.
+  EXPECT_NEAR(t(own, (1 << 20) + 1) - t(crowded, (1 << 20) + 1), 3 * 3 * own.flag_alpha, 1e-12);
+  EXPECT_EQ(t(own, 200 << 10), t(crowded, 200 << 10));  // one round either way
+}
+
 // The measured refinement, as pure logic: `truth` is every algorithm's real time; the model's
 // predictions are 1, 2, 3. Runs `calls` calls and returns how many each algorithm ran.
 std::vector<int> simulate(collectives::MeasuredChoice& m, const std::vector<double>& predicted,
