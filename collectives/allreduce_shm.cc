@@ -140,7 +140,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::staged, input, output);
   // Where ranks share CPUs (spin == 0, the same on every rank), a round takes all of a rank's
   // stage slots and is staged only once the last is drained: a quarter of the waits, each of
-  // which may cost a context switch (docs/results/shm.md#ranks-that-share-cpus-whole-slot-rounds).
+  // which may cost a context switch (docs/results/shm.md, "The lead-in").
   const bool whole = s.spin == 0;
   const std::size_t round_elements = round_bytes(whole) / es;
   auto stage_of = [&](int j, std::uint64_t r) { return whole ? s.stage(j, 0) : s.stage(j, r); };
