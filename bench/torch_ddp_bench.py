@@ -12,7 +12,9 @@ variants' steps alternated so all see the same machine state:
         /usr/bin/python3 bench/torch_ddp_bench.py
 
 A step is: zero_grad, forward, backward, optimizer step (SGD with momentum), each rank on its own
-batch; ranks start every step together (a barrier outside the timing). Rank 0 prints the median
+batch; ranks start every step together (a barrier outside the timing). Each timed step follows
+an untimed step of the same variant (the lead-in; --no-lead-in drops it), so that no variant is
+timed right after another one's step, as gradcomm-bench's rounds do (docs/benchmarking.md). Rank 0 prints the median
 step time and range of each variant, each front end's ratio to torch-ddp, and the exposed
 communication ((step - compute) / step); --json appends one JSON object per run to a file.
 The default model is an MLP 1024-2048-2048-1024-10 (8.4 M parameters, 33.6 MB of gradients),
@@ -50,6 +52,9 @@ parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
 parser.add_argument("--gradcomm-bucket-cap-mb", type=float, default=None,
                     help="bucket cap of the gradcomm variants alone (default: --bucket-cap-mb)")
 parser.add_argument("--json", default=None, help="append the results to this file")
+parser.add_argument("--no-lead-in", dest="lead_in", action="store_false",
+                    help="no untimed step of a variant before its timed one (then each timed step "
+                         "follows another variant's step, always the same one)")
 args = parser.parse_args()
 gradcomm_cap_mb = (args.bucket_cap_mb if args.gradcomm_bucket_cap_mb is None
                    else args.gradcomm_bucket_cap_mb)
@@ -136,13 +141,22 @@ x = torch.randn(*shape, generator=g)
 y = torch.randint(0, 10 if args.model == "cnn" else widths[-1], (args.batch,), generator=g)
 loss_fn = torch.nn.CrossEntropyLoss()
 times = {name: [] for name in runs}
+
+
+def train_step(model, opt):
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+
 for step in range(args.warmup + args.steps):
     for name, (model, opt) in runs.items():
+        if args.lead_in:  # untimed: the timed step follows a step of its own variant
+            world.Barrier()
+            train_step(model, opt)
         world.Barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
+        train_step(model, opt)
         elapsed = time.perf_counter() - t0
         if step >= args.warmup:
             times[name].append(elapsed)
@@ -154,7 +168,8 @@ if rank == 0:
     what = "CNN (digits)" if args.model == "cnn" else f"MLP {args.layers}"
     print(f"{size} ranks ({hvd.cross_size()} hosts), {what} ({params / 1e6:.2f} M "
           f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
-          f"{args.steps} steps per variant, alternated; buckets {args.bucket_cap_mb:g} MiB "
+          f"{args.steps} steps per variant, alternated"
+          f"{', each after an untimed one of its own' if args.lead_in else ', no lead-in'}; buckets {args.bucket_cap_mb:g} MiB "
           f"(gradcomm's {gradcomm_cap_mb:g}); gradcomm "
           f"algorithm {args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
     med = {name: statistics.median(t) for name, t in slowest.items()}
@@ -162,7 +177,7 @@ if rank == 0:
               "batch": args.batch, "steps": args.steps, "bucket_cap_mb": args.bucket_cap_mb,
               "gradcomm_bucket_cap_mb": gradcomm_cap_mb,
               "algorithm": args.algorithm or os.environ.get("GRADCOMM_ALGORITHM", "auto"),
-              "variants": {}}
+              "lead_in": args.lead_in, "variants": {}}
     for name, t in slowest.items():
         line = (f"  {name:24s} median {1e3 * med[name]:8.1f} ms  range {1e3 * min(t):7.1f}-"
                 f"{1e3 * max(t):7.1f}")
