@@ -14,9 +14,10 @@ variants' steps alternated so all see the same machine state:
 A step is: zero_grad, forward, backward, optimizer step (SGD with momentum), each rank on its own
 batch; ranks start every step together (a barrier outside the timing). Each timed step follows
 an untimed step of the same variant (the lead-in; --no-lead-in drops it), so that no variant is
-timed right after another one's step, as gradcomm-bench's rounds do (docs/benchmarking.md). Rank 0 prints the median
-step time and range of each variant, each front end's ratio to torch-ddp, and the exposed
-communication ((step - compute) / step); --json appends one JSON object per run to a file.
+timed right after another one's step, as gradcomm-bench's rounds do (docs/benchmarking.md).
+Rank 0 prints the median step time and range of each variant, each front end's ratio to
+torch-ddp, and the exposed communication ((step - compute) / step); --json appends one JSON
+object per run to a file.
 The default model is an MLP 1024-2048-2048-1024-10 (8.4 M parameters, 33.6 MB of gradients),
 batch 32 per rank: with Debian's torch (generic BLAS, one thread) its backward takes about
 200 ms here, and its gradients' all-reduce about 285 ms at 1 Gbit/s.
@@ -169,7 +170,8 @@ if rank == 0:
     print(f"{size} ranks ({hvd.cross_size()} hosts), {what} ({params / 1e6:.2f} M "
           f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
           f"{args.steps} steps per variant, alternated"
-          f"{', each after an untimed one of its own' if args.lead_in else ', no lead-in'}; buckets {args.bucket_cap_mb:g} MiB "
+          f"{', each after an untimed one of its own' if args.lead_in else ', no lead-in'}; "
+          f"buckets {args.bucket_cap_mb:g} MiB "
           f"(gradcomm's {gradcomm_cap_mb:g}); gradcomm "
           f"algorithm {args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
     med = {name: statistics.median(t) for name, t in slowest.items()}
