@@ -43,6 +43,30 @@ void watch_finalize() {
   });
 }
 
+// MPI_Comm_test_inter on a handle that may be invalid: false instead of MPI's default abort.
+// MPICH's handles are integers, so MPI_Comm_f2c of an unknown index is a handle no check above
+// can tell from a real one; the error is raised on MPI_COMM_WORLD's handler (MPI_COMM_SELF's
+// under MPI 4 sessions), which returns it for the duration of this call.
+bool test_inter(MPI_Comm comm, int* inter) {
+  MPI_Errhandler world_handler = MPI_ERRHANDLER_NULL, self_handler = MPI_ERRHANDLER_NULL;
+  check_mpi(MPI_Comm_get_errhandler(MPI_COMM_WORLD, &world_handler),
+            "Communicator: MPI_Comm_get_errhandler");
+  check_mpi(MPI_Comm_get_errhandler(MPI_COMM_SELF, &self_handler),
+            "Communicator: MPI_Comm_get_errhandler");
+  check_mpi(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN),
+            "Communicator: MPI_Comm_set_errhandler");
+  check_mpi(MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN),
+            "Communicator: MPI_Comm_set_errhandler");
+  const int rc = MPI_Comm_test_inter(comm, inter);
+  check_mpi(MPI_Comm_set_errhandler(MPI_COMM_WORLD, world_handler),
+            "Communicator: MPI_Comm_set_errhandler");
+  check_mpi(MPI_Comm_set_errhandler(MPI_COMM_SELF, self_handler),
+            "Communicator: MPI_Comm_set_errhandler");
+  check_mpi(MPI_Errhandler_free(&world_handler), "Communicator: MPI_Errhandler_free");
+  check_mpi(MPI_Errhandler_free(&self_handler), "Communicator: MPI_Errhandler_free");
+  return rc == MPI_SUCCESS;
+}
+
 }  // namespace
 
 bool mpi_finalized() {
@@ -117,7 +141,10 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
         error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL or invalid"));
   }
   int inter = 0;
-  check_mpi(MPI_Comm_test_inter(comm, &inter), "Communicator: MPI_Comm_test_inter");
+  if (!test_inter(comm, &inter)) {
+    throw InvalidArgument(
+        error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL or invalid"));
+  }
   if (inter) {
     throw InvalidArgument(
         error_message("Communicator", -1,

@@ -104,12 +104,14 @@ FusionPlan make_plan(const Communicator& comm, std::span<const TensorDesc> tenso
       break;
     }
   }
-  // The lowest differing index, and the lowest rank differing there.
+  // The lowest differing index, and the lowest rank differing there. Every value stays small
+  // (a rank that does not differ there offers the size): MPICH 4.0's MPI_MIN compares unsigned
+  // 64-bit integers as signed, so ~0 would win.
   unsigned long long key[2] = {first, static_cast<unsigned long long>(comm.rank())};
   unsigned long long global[2] = {0, 0};
   check_mpi(MPI_Allreduce(&key[0], &global[0], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi), kAllreduce,
             me);
-  if (key[0] != global[0]) key[1] = ~0ull;
+  if (key[0] != global[0]) key[1] = static_cast<unsigned long long>(comm.size());
   check_mpi(MPI_Allreduce(&key[1], &global[1], 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, mpi), kAllreduce,
             me);
   const std::size_t index = global[0];

@@ -1,8 +1,8 @@
 // libgradcomm_mpi.so: MPI_Allreduce and MPI_Iallreduce through gradcomm, under an unmodified MPI
 // program (docs/mpi-preload.md).
 //
-// The library defines MPI_Allreduce, MPI_Iallreduce, MPI_Init, MPI_Init_thread and
-// MPI_Finalize. A call it takes runs on gradcomm's Communicator for the user's communicator (a
+// The library defines MPI_Allreduce, MPI_Iallreduce, MPI_Init, MPI_Init_thread, MPI_Finalize
+// and MPI_Request_free (for its own requests still in flight: pending_call.h). A call it takes runs on gradcomm's Communicator for the user's communicator (a
 // private duplicate, so tags never meet the application's), made on first use and cached on the
 // communicator with an attribute whose delete callback frees it (when the user frees the
 // communicator, or at MPI_Finalize). A call it does not take goes to PMPI_* unchanged.
@@ -13,6 +13,9 @@
 // are not renamed, so the application still finds MPI_Allreduce here.
 
 #include "bindings/mpi/gradcomm_mpi.h"
+
+#include "bindings/mpi/errors.h"
+#include "bindings/mpi/pending_call.h"
 
 #include <mpi.h>
 
@@ -39,6 +42,8 @@
 
 namespace {
 
+using gradcomm::mpi_preload::PendingCall;
+using gradcomm::mpi_preload::raise;
 using gradcomm::DataType;
 using gradcomm::ReduceOp;
 
@@ -228,102 +233,6 @@ bool find_op(MPI_Op op, ReduceOp* out) {
   return true;
 }
 
-// --- Errors: the communicator's error handler decides ------------------------------------------
-
-std::mutex g_error_mutex;
-
-// An MPI error code of `error_class` whose MPI_Error_string is `message`. Each message gets a code
-// of its own (MPI_Add_error_code), so a code the application keeps still says what went wrong;
-// past kCodesPerClass messages of one class, the least recently used code of the class takes
-// the new message. The class itself where MPI cannot add codes.
-int error_code(int error_class, const std::string& message) {
-  constexpr std::size_t kCodesPerClass = 16;
-  struct Code {
-    int error_class;
-    int code;
-    std::string text;
-    unsigned long long used;
-  };
-  static std::vector<Code> codes;
-  static unsigned long long clock = 0;
-  const std::string text = message.substr(0, MPI_MAX_ERROR_STRING - 1);
-  std::lock_guard<std::mutex> lock(g_error_mutex);
-  ++clock;
-  Code* oldest = nullptr;
-  std::size_t of_class = 0;
-  for (Code& c : codes) {
-    if (c.error_class != error_class) continue;
-    if (c.text == text) {
-      c.used = clock;
-      return c.code;
-    }
-    ++of_class;
-    if (!oldest || c.used < oldest->used) oldest = &c;
-  }
-  if (of_class < kCodesPerClass) {
-    int code = error_class;
-    if (PMPI_Add_error_code(error_class, &code) != MPI_SUCCESS) return error_class;
-    codes.push_back({error_class, code, std::string(), 0});
-    oldest = &codes.back();
-  }
-  if (PMPI_Add_error_string(oldest->code, text.c_str()) != MPI_SUCCESS) return error_class;
-  oldest->text = text;
-  oldest->used = clock;
-  return oldest->code;
-}
-
-int error_class_of(const std::exception_ptr& error, std::string* message) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const gradcomm::Error& e) {
-    *message = e.what();
-    switch (e.code()) {
-      case gradcomm::ErrorCode::invalid_argument:
-        return MPI_ERR_ARG;
-      case gradcomm::ErrorCode::unsupported:
-        return MPI_ERR_UNSUPPORTED_OPERATION;
-      case gradcomm::ErrorCode::internal:
-        return MPI_ERR_INTERN;
-      default:
-        return MPI_ERR_OTHER;
-    }
-  } catch (const std::exception& e) {
-    *message = e.what();
-  } catch (...) {
-    *message = "an unknown exception";
-  }
-  return MPI_ERR_INTERN;
-}
-
-// The MPI error code for `error` in `call` (its MPI_Error_string is gradcomm's message).
-int code_of(const char* call, const std::exception_ptr& error, int* error_class,
-            std::string* message) {
-  std::string detail;
-  *error_class = error_class_of(error, &detail);
-  *message = std::string(call) + " (gradcomm): " + detail;
-  return error_code(*error_class, *message);
-}
-
-// Hands a failed call to `comm`'s error handler, in the calling thread: MPI_ERRORS_ARE_FATAL
-// prints gradcomm's message and aborts; MPI_ERRORS_RETURN returns the code (MPI_Error_string
-// gives the message); a user handler is called with it. Returns the code.
-int raise(MPI_Comm comm, const char* call, const std::exception_ptr& error) {
-  int error_class = MPI_ERR_OTHER;
-  std::string message;
-  const int code = code_of(call, error, &error_class, &message);
-  MPI_Errhandler handler = MPI_ERRHANDLER_NULL;
-  PMPI_Comm_get_errhandler(comm, &handler);
-  if (handler == MPI_ERRORS_ARE_FATAL) {
-    std::fprintf(stderr, "%s\n", message.c_str());
-    std::fflush(stderr);
-    PMPI_Abort(comm, error_class);
-  } else if (handler != MPI_ERRORS_RETURN && handler != MPI_ERRHANDLER_NULL) {
-    PMPI_Comm_call_errhandler(comm, code);
-  }
-  if (handler != MPI_ERRHANDLER_NULL) PMPI_Errhandler_free(&handler);
-  return code;
-}
-
 // --- Per-communicator state ---------------------------------------------------------------------
 
 // gradcomm's Communicator for one user communicator, built on the first call taken on it. Building
@@ -463,44 +372,7 @@ bool nonblocking_ready(CommState& state) {
   return state.comm != nullptr || state.failed != nullptr;
 }
 
-// --- MPI_Iallreduce as a generalized request ----------------------------------------------------
-
-struct PendingCall {
-  MPI_Request request = MPI_REQUEST_NULL;
-  int code = MPI_SUCCESS;
-};
-
-int query_call(void* extra, MPI_Status* status) {
-  const auto* call = static_cast<PendingCall*>(extra);
-  PMPI_Status_set_elements(status, MPI_BYTE, 0);
-  PMPI_Status_set_cancelled(status, 0);
-  status->MPI_SOURCE = MPI_UNDEFINED;
-  status->MPI_TAG = MPI_UNDEFINED;
-  status->MPI_ERROR = call->code;
-  return call->code;
-}
-
-int free_call(void* extra) {
-  delete static_cast<PendingCall*>(extra);
-  return MPI_SUCCESS;
-}
-
-int cancel_call(void*, int) {
-  return MPI_SUCCESS;  // a collective cannot be cancelled (MPI-3.1 5.12): it runs to the end
-}
-
-// Ends `call` with `error` (null: success). Runs on gradcomm's threads, so it only records the
-// error's code: MPI_Wait (or MPI_Test, ...) returns it and raises it through the error handler
-// MPI uses for the request, in the application's thread. Nothing touches `call` afterwards: MPI
-// may free it as soon as it is complete.
-void complete(PendingCall* call, const std::exception_ptr& error) {
-  if (error) {
-    int error_class = MPI_ERR_OTHER;
-    std::string message;
-    call->code = code_of("MPI_Iallreduce", error, &error_class, &message);
-  }
-  PMPI_Grequest_complete(call->request);
-}
+// --- MPI_Iallreduce on gradcomm's progress engine ---------------------------------------------
 
 struct CallArgs {
   const void* send;
@@ -523,7 +395,7 @@ void launch(gradcomm::Communicator& comm, const CallArgs& a, PendingCall* call) 
     } catch (...) {
       error = std::current_exception();
     }
-    complete(call, error);
+    call->complete(error);
   };
   comm.engine().submit(std::move(finish));
 }
@@ -556,14 +428,11 @@ void run_builder(CommState& state) {
 }
 
 int start_nonblocking(CommState& state, const CallArgs& a, MPI_Comm user, MPI_Request* request) {
-  auto* call = new PendingCall;
-  const int rc = PMPI_Grequest_start(query_call, free_call, cancel_call, call, &call->request);
-  if (rc != MPI_SUCCESS) {
-    delete call;
-    return raise(user, "MPI_Iallreduce",
-                 std::make_exception_ptr(gradcomm::Error(
-                     gradcomm::ErrorCode::internal,
-                     "MPI_Grequest_start failed (MPI error " + std::to_string(rc) + ")")));
+  PendingCall* call = nullptr;
+  try {
+    call = PendingCall::start();
+  } catch (...) {
+    return raise(user, "MPI_Iallreduce", std::current_exception());
   }
   std::unique_lock<std::mutex> lock(state.mutex);
   if (!state.building && (state.comm || state.failed || state.single)) {
@@ -573,24 +442,20 @@ int start_nonblocking(CommState& state, const CallArgs& a, MPI_Comm user, MPI_Re
     } catch (...) {  // rejected on this rank before anything was submitted
       lock.unlock();
       const std::exception_ptr error = std::current_exception();
-      // A copy of the handle: freeing the request deletes `call` (free_call), and MPI then
-      // writes MPI_REQUEST_NULL through the pointer it was given.
-      MPI_Request handle = call->request;
-      PMPI_Grequest_complete(handle);
-      PMPI_Request_free(&handle);
+      call->discard();
       return raise(user, "MPI_Iallreduce", error);
     }
-    *request = call->request;
+    *request = call->request();
     return MPI_SUCCESS;
   }
   // MPI_COMM_WORLD, being built (or about to be): the call queues behind the build.
-  *request = call->request;
+  *request = call->request();
   state.waiting.push_back([a, call](gradcomm::Communicator* comm, const std::exception_ptr& error) {
-    if (!comm) return complete(call, error);
+    if (!comm) return call->complete(error);
     try {
       launch(*comm, a, call);
     } catch (...) {
-      complete(call, std::current_exception());
+      call->complete(std::current_exception());
     }
   });
   if (!state.building) {
@@ -793,6 +658,14 @@ int MPI_Iallreduce(const void* sendbuf, void* recvbuf, int count, MPI_Datatype d
   return start_nonblocking(*state, args, comm, request);
 }
 
+int MPI_Request_free(MPI_Request* request) {
+  if (request && PendingCall::free_if_pending(*request)) {
+    *request = MPI_REQUEST_NULL;
+    return MPI_SUCCESS;
+  }
+  return PMPI_Request_free(request);
+}
+
 int gradcomm_mpi_get_stats(gradcomm_mpi_stats* stats) {
   if (!stats) return -1;
   const Counters& c = g_counters;
@@ -809,6 +682,10 @@ int gradcomm_mpi_get_stats(gradcomm_mpi_stats* stats) {
 
 const char* gradcomm_mpi_reason_name(int reason) {
   return reason_name(reason);
+}
+
+int gradcomm_mpi_error_strings(void) {
+  return gradcomm::mpi_preload::codes_carry_strings() ? 1 : 0;
 }
 
 // gradcomm's own calls (see the top of the file): straight to MPI.
@@ -828,6 +705,9 @@ int __wrap_MPI_Init_thread(int* argc, char*** argv, int required, int* provided)
 }
 int __wrap_MPI_Finalize(void) {
   return PMPI_Finalize();
+}
+int __wrap_MPI_Request_free(MPI_Request* request) {
+  return PMPI_Request_free(request);
 }
 
 }  // extern "C"

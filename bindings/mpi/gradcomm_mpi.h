@@ -46,6 +46,11 @@ int gradcomm_mpi_get_stats(gradcomm_mpi_stats* stats);
 /* "below GRADCOMM_MPI_MIN_BYTES", ...; "unknown" outside the enum. */
 const char* gradcomm_mpi_reason_name(int reason);
 
+/* 1 when MPI_Error_string of the codes the library returns gives gradcomm's message; 0 where
+   this MPI loses the strings of codes added to its predefined classes (MPICH 4.0): there a failed
+   call returns the predefined class (MPI_ERR_ARG, ...) and the message goes to standard error. */
+int gradcomm_mpi_error_strings(void);
+
 #ifdef __cplusplus
 }
 #endif

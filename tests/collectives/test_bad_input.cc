@@ -218,7 +218,8 @@ TEST_F(BadNames, HierarchicalIntraFormDiffersAcrossRanks) {
 TEST_F(BadNames, NullCommunicator) {
   expect_error<InvalidArgument>([] { Communicator comm(MPI_COMM_NULL); },
                                 {"Communicator", "MPI_COMM_NULL"});
-  // What Open MPI's MPI_Comm_f2c returns for an unknown handle: an error, not an MPI abort.
+  // MPI_Comm_f2c of an unknown index (a null handle in Open MPI, an invalid integer handle in
+  // MPICH): an error, not an MPI abort.
   expect_error<InvalidArgument>([] { Communicator comm(MPI_Comm_f2c(123456)); },
                                 {"Communicator", "MPI_COMM_NULL or invalid"});
 }
