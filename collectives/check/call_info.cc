@@ -34,6 +34,16 @@ std::string_view to_string(CallKind kind) {
       return "allgatherv";
     case CallKind::grouped_allreduce:
       return "grouped_allreduce";
+    case CallKind::gather:
+      return "gather";
+    case CallKind::allgather:
+      return "allgather";
+    case CallKind::scatter:
+      return "scatter";
+    case CallKind::alltoall:
+      return "alltoall";
+    case CallKind::barrier:
+      return "barrier";
   }
   return "collective";
 }
@@ -43,7 +53,8 @@ std::string describe(const CallInfo& call) {
   std::string text(to_string(call.kind));
   text.append(" #").append(std::to_string(call.sequence));
   text.append(": ").append(std::to_string(call.count));
-  if (call.kind == CallKind::broadcast) {
+  if (call.kind == CallKind::broadcast || call.kind == CallKind::gather ||
+      call.kind == CallKind::allgather || call.kind == CallKind::scatter) {
     text.append(" bytes");
   } else if (call.dtype >= 0) {
     text.append(" x ").append(to_string(static_cast<DataType>(call.dtype)));

@@ -17,6 +17,11 @@ enum class CallKind : std::uint8_t {
   broadcast = 2,
   allgatherv = 3,
   grouped_allreduce = 4,
+  gather = 5,
+  allgather = 6,
+  scatter = 7,
+  alltoall = 8,
+  barrier = 9,
 };
 std::string_view to_string(CallKind kind);
 

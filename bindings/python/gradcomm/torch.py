@@ -41,6 +41,9 @@ from ._torch_common import (DTYPES, GradientReducer, JoinControl, broadcast_coal
                             grad_accumulator)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
+from . import _c10d
+
+_c10d.register()  # torch.distributed.init_process_group("gradcomm")
 
 __all__ = [
     # set-up and introspection

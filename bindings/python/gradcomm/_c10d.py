@@ -1,0 +1,102 @@
+"""gradcomm as a torch.distributed backend. ``import gradcomm.torch`` registers it::
+
+    import gradcomm.torch                                  # registers "gradcomm"
+    torch.distributed.init_process_group("gradcomm")       # was: "gloo" / "nccl" / "mpi"
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Launch with ``mpirun -np N python train.py``: the ranks come from MPI. torch's rendezvous still
+wants ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; where the launcher set none
+of them, registering sets them from MPI (rank 0's host name and a free port of its, broadcast to
+every rank), as DeepSpeed's MPI discovery does. Variables already set are left alone, and the
+backend checks that what torch was given agrees with MPI.
+
+The compiled backend comes in one module per torch version it was built for
+(``_c10d_torch<major>_<minor>``); the one matching the running torch is loaded.
+"""
+
+import importlib
+import inspect
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+NAME = "gradcomm"
+_module = None
+
+
+def _torch_tag():
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"{int(major)}_{int(minor)}"
+
+
+def compiled():
+    """The compiled backend for the running torch; ImportError naming the versions built."""
+    global _module
+    if _module is None:
+        tag = _torch_tag()
+        try:
+            _module = importlib.import_module(f"gradcomm._c10d_torch{tag}")
+        except ImportError as error:
+            here = os.path.dirname(__file__)
+            built = sorted(f[len("_c10d_torch"):].split(".")[0].replace("_", ".")
+                           for f in os.listdir(here) if f.startswith("_c10d_torch"))
+            raise ImportError(
+                f"gradcomm: no torch.distributed backend for torch {torch.__version__} "
+                f"(built for: {', '.join(built) or 'none'}); rebuild gradcomm with this torch "
+                f"(GRADCOMM_TORCH_PYTHONS, or pip install . in this environment): {error}"
+            ) from error
+    return _module
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _fill_rendezvous_from_mpi():
+    """Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from MPI
+    where none of torch's rendezvous variables is set. Collective over MPI_COMM_WORLD then."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if any(n in os.environ for n in names):
+        return
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        address = None
+        if world.Get_rank() == 0:
+            address = (socket.gethostname(), _free_port())
+        host, port = world.bcast(address, root=0)
+        os.environ.setdefault("RANK", str(world.Get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(world.Get_size()))
+        os.environ.setdefault("LOCAL_RANK", str(local.Get_rank()))
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(local.Get_size()))
+        os.environ.setdefault("MASTER_ADDR", host)
+        os.environ.setdefault("MASTER_PORT", str(port))
+    finally:
+        local.Free()
+
+
+def _create(options, _backend_options=None):
+    """torch's creator (extended API): options has group_rank, group_size and
+    global_ranks_in_group (empty for the default group)."""
+    ranks = list(getattr(options, "global_ranks_in_group", []) or [])
+    return compiled().create(options.group_rank, options.group_size, ranks)
+
+
+def register():
+    """Registers the backend with torch.distributed (once) and fills the rendezvous variables
+    from MPI where the launcher left them unset. Where gradcomm was not built for the running
+    torch, init_process_group("gradcomm") raises the ImportError that says so."""
+    if NAME.upper() in dist.Backend._plugins:
+        return
+    _fill_rendezvous_from_mpi()
+    kwargs = {"extended_api": True}
+    if "devices" in inspect.signature(dist.Backend.register_backend).parameters:
+        # CUDA tensors reach the backend, which names what it takes instead of torch's
+        # "no backend for cuda".
+        kwargs["devices"] = ["cpu", "cuda"]
+    dist.Backend.register_backend(NAME, _create, **kwargs)

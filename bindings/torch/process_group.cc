@@ -1,0 +1,907 @@
+#include "bindings/torch/process_group.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <climits>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <utility>
+
+#include "collectives/allreduce.h"
+#include "collectives/broadcast.h"
+#include "collectives/exchange.h"
+#include "core/error.h"
+#include "core/progress_engine.h"
+#include "core/request.h"
+#include "packing/grouped_allreduce.h"
+
+namespace gradcomm::torch_backend {
+namespace {
+
+// --- Checks, on the caller's thread, before anything is submitted
+// ---------------------------------
+
+[[noreturn]] void invalid(const std::string& call, int rank, const std::string& detail) {
+  throw InvalidArgument(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
+}
+
+[[noreturn]] void unsupported(const std::string& call, int rank, const std::string& detail) {
+  throw Unsupported(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
+}
+
+std::string describe(const at::Tensor& t) {
+  std::string text = std::string(c10::toString(t.scalar_type())) + "[";
+  for (std::size_t i = 0; i < static_cast<std::size_t>(t.dim()); ++i) {
+    if (i) text += ", ";
+    text += std::to_string(t.sizes()[i]);
+  }
+  return text + "] on " + t.device().str();
+}
+
+// A tensor gradcomm can communicate: dense, contiguous, on the CPU.
+void check_tensor(const std::string& call, int rank, const at::Tensor& t,
+                  const char* what = "tensor") {
+  if (!t.defined()) invalid(call, rank, std::string("the ") + what + " is undefined");
+  if (t.is_sparse())
+    invalid(call, rank, std::string("the ") + what + " is sparse; pass a dense one");
+  if (!t.device().is_cpu()) {
+    unsupported(call, rank,
+                std::string("the ") + what + " is " + describe(t) +
+                    ": this build of the gradcomm backend takes CPU tensors (use the nccl "
+                    "backend for CUDA tensors)");
+  }
+  if (!t.is_contiguous()) {
+    invalid(call, rank,
+            std::string("the ") + what + " (" + describe(t) +
+                ") is not contiguous; pass tensor.contiguous()");
+  }
+}
+
+void check_one(const std::string& call, int rank, const std::vector<at::Tensor>& tensors) {
+  if (tensors.size() != 1) {
+    invalid(call, rank, "takes one tensor per process, got " + std::to_string(tensors.size()));
+  }
+  check_tensor(call, rank, tensors[0]);
+}
+
+void check_root(const std::string& call, int rank, int size, int64_t root) {
+  if (root < 0 || root >= size) {
+    invalid(
+        call, rank,
+        "root " + std::to_string(root) + " is not a rank of the group of " + std::to_string(size));
+  }
+}
+
+// Two tensors that must hold the same elements (a list's entries, input against output).
+void check_like(const std::string& call, int rank, const at::Tensor& t, const at::Tensor& like,
+                const char* what) {
+  check_tensor(call, rank, t, what);
+  if (t.scalar_type() != like.scalar_type() || t.numel() != like.numel()) {
+    invalid(call, rank,
+            std::string("the ") + what + " is " + describe(t) + ", the input " + describe(like) +
+                ": they must have the same dtype and size");
+  }
+}
+
+std::size_t bytes_of(const at::Tensor& t) {
+  return static_cast<std::size_t>(t.numel()) * t.element_size();
+}
+
+// --- Reductions ------------------------------------------------------------------------------
+
+std::optional<DataType> native_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return DataType::float32;
+    case at::kDouble:
+      return DataType::float64;
+    case at::kHalf:
+      return DataType::float16;
+    case at::kBFloat16:
+      return DataType::bfloat16;
+    case at::kInt:
+      return DataType::int32;
+    case at::kLong:
+      return DataType::int64;
+    default:
+      return std::nullopt;
+  }
+}
+
+const char* op_name(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return "SUM";
+    case c10d::ReduceOp::AVG:
+      return "AVG";
+    case c10d::ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case c10d::ReduceOp::MIN:
+      return "MIN";
+    case c10d::ReduceOp::MAX:
+      return "MAX";
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM:
+      return "PREMUL_SUM";
+    default:
+      return "an unknown op";
+  }
+}
+
+// How one reduction runs: gradcomm's op on a dtype gradcomm reduces, and the conversion of the
+// caller's tensor into and out of it where its dtype is another.
+struct Reduction {
+  ReduceOp op = ReduceOp::sum;
+  DataType dtype = DataType::float32;
+  enum class Via { native, complex_parts, widened } via = Via::native;
+};
+
+Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
+                         const c10d::ReduceOp& op) {
+  Reduction r;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      r.op = ReduceOp::sum;
+      break;
+    case c10d::ReduceOp::AVG:
+      r.op = ReduceOp::avg;
+      break;
+    case c10d::ReduceOp::PRODUCT:
+      r.op = ReduceOp::prod;
+      break;
+    case c10d::ReduceOp::MIN:
+      r.op = ReduceOp::min;
+      break;
+    case c10d::ReduceOp::MAX:
+      r.op = ReduceOp::max;
+      break;
+    default:
+      unsupported(call, rank,
+                  std::string("ReduceOp.") + op_name(op) +
+                      " is not supported (SUM, AVG, PRODUCT, MIN and MAX are); for PREMUL_SUM "
+                      "scale the tensor first and use SUM");
+  }
+  if (const auto native = native_dtype(type)) {
+    r.dtype = *native;
+    return r;
+  }
+  if (type == at::kComplexFloat || type == at::kComplexDouble) {
+    if (r.op != ReduceOp::sum && r.op != ReduceOp::avg) {
+      unsupported(call, rank,
+                  std::string("ReduceOp.") + op_name(op) + " of complex tensors " +
+                      "(SUM and AVG are defined on them)");
+    }
+    r.dtype = type == at::kComplexFloat ? DataType::float32 : DataType::float64;
+    r.via = Reduction::Via::complex_parts;
+    return r;
+  }
+  if (type == at::kBool) {
+    // Logical: SUM and MAX are "any", PRODUCT and MIN "all", as on 0/1 integers.
+    if (r.op == ReduceOp::avg) unsupported(call, rank, "ReduceOp.AVG of bool tensors");
+    r.op = r.op == ReduceOp::sum || r.op == ReduceOp::max ? ReduceOp::max : ReduceOp::min;
+    r.dtype = DataType::int32;
+    r.via = Reduction::Via::widened;
+    return r;
+  }
+  if (at::isIntegralType(type, /*includeBool=*/false)) {
+    // Reduced as int64 and converted back: sums and products wrap as in the narrow type.
+    r.dtype = DataType::int64;
+    r.via = Reduction::Via::widened;
+    return r;
+  }
+  unsupported(call, rank, "reductions of " + std::string(c10::toString(type)) + " tensors");
+}
+
+at::ScalarType scalar_type_of(DataType dtype) {
+  switch (dtype) {
+    case DataType::float32:
+      return at::kFloat;
+    case DataType::float64:
+      return at::kDouble;
+    case DataType::float16:
+      return at::kHalf;
+    case DataType::bfloat16:
+      return at::kBFloat16;
+    case DataType::int32:
+      return at::kInt;
+    case DataType::int64:
+      return at::kLong;
+  }
+  return at::kFloat;
+}
+
+// Reduces `in` across the group into `out` (the same tensor for in place). On the engine.
+void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
+                 const at::Tensor& out) {
+  switch (r.via) {
+    case Reduction::Via::native:
+      allreduce(comm, in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(in.numel()), r.dtype,
+                r.op);
+      return;
+    case Reduction::Via::complex_parts: {
+      const at::Tensor parts_in = at::view_as_real(in), parts_out = at::view_as_real(out);
+      allreduce(comm, parts_in.data_ptr(), parts_out.data_ptr(),
+                static_cast<std::size_t>(parts_in.numel()), r.dtype, r.op);
+      return;
+    }
+    case Reduction::Via::widened: {
+      at::Tensor wide = in.to(scalar_type_of(r.dtype));
+      allreduce(comm, wide.data_ptr(), wide.data_ptr(), static_cast<std::size_t>(wide.numel()),
+                r.dtype, r.op);
+      out.copy_(wide);
+      return;
+    }
+  }
+}
+
+// --- Work ------------------------------------------------------------------------------------
+
+c10::intrusive_ptr<c10::ivalue::Future> make_future() {
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
+// Completes its future once MPI says the transfer is done (send, recv). Not on the engine:
+// point-to-point calls must not queue behind each other (a pair of ranks that each send, then
+// receive, would wait for each other forever).
+class PointToPointWork : public c10d::Work {
+ public:
+  PointToPointWork(c10d::OpType type, const char* title, at::Tensor tensor, MPI_Request request,
+                   int rank)
+      : c10d::Work(rank, type, title, c10::optional<std::vector<at::Tensor>>({tensor})),
+        tensor_(std::move(tensor)),
+        request_(request),
+        future_(make_future()) {}
+
+  ~PointToPointWork() override {
+    std::lock_guard<std::mutex> lock(request_mutex_);
+    if (request_ != MPI_REQUEST_NULL && mpi_ready()) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  }
+
+  bool isCompleted() override {
+    poll(false);
+    return c10d::Work::isCompleted();
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    poll(true);
+    return c10d::Work::wait(timeout);
+  }
+
+  int sourceRank() const override { return source_; }
+  std::vector<at::Tensor> result() override { return {tensor_}; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  void poll(bool block) {
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(request_mutex_);
+      if (request_ == MPI_REQUEST_NULL) return;
+      MPI_Status status;
+      int done = 0;
+      const int rc = block ? MPI_Wait(&request_, &status) : MPI_Test(&request_, &done, &status);
+      if (rc != MPI_SUCCESS) {
+        char text[MPI_MAX_ERROR_STRING] = "";
+        int length = 0;
+        MPI_Error_string(rc, text, &length);
+        error = std::make_exception_ptr(
+            CommError(std::string("torch.distributed send/recv (gradcomm): ") + text));
+        request_ = MPI_REQUEST_NULL;
+      } else if (block || done) {
+        source_ = status.MPI_SOURCE;
+      } else {
+        return;
+      }
+    }
+    if (error) {
+      future_->setError(error);
+      finish(error);
+    } else {
+      future_->markCompleted(c10::IValue(std::vector<at::Tensor>{tensor_}));
+      finish();
+    }
+  }
+
+  at::Tensor tensor_;
+  std::mutex request_mutex_;
+  MPI_Request request_;
+  int source_ = -1;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+}  // namespace
+
+GradcommWork::GradcommWork(c10d::OpType type, const char* profiling_title,
+                           std::vector<at::Tensor> outputs)
+    : c10d::Work(-1, type, profiling_title, c10::optional<std::vector<at::Tensor>>(outputs)),
+      outputs_(std::move(outputs)),
+      future_(make_future()) {}
+
+void GradcommWork::complete() {
+  future_->markCompleted(c10::IValue(outputs_));
+  finish();
+}
+
+void GradcommWork::fail(std::exception_ptr error) {
+  future_->setError(error);
+  finish(error);
+}
+
+std::vector<at::Tensor> GradcommWork::result() {
+  return outputs_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> GradcommWork::getFuture() {
+  return future_;
+}
+
+// --- The group ---------------------------------------------------------------------------------
+
+ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size)
+    : BackendBase(rank, size), comm_(std::make_unique<Communicator>(comm)) {
+  if (comm_->rank() != rank || comm_->size() != size) {
+    throw InvalidArgument(
+        error_message("torch.distributed (gradcomm)", comm_->rank(),
+                      "torch gave rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                          ", the MPI communicator has rank " + std::to_string(comm_->rank()) +
+                          " of " + std::to_string(comm_->size())));
+  }
+  check_mpi(MPI_Comm_dup(comm_->mpi_comm(), &p2p_), "torch.distributed (gradcomm): MPI_Comm_dup",
+            rank);
+}
+
+ProcessGroupGradcomm::~ProcessGroupGradcomm() {
+  comm_.reset();  // waits for the calls in flight
+  if (p2p_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&p2p_);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, const char* title,
+                                                            std::vector<at::Tensor> outputs,
+                                                            std::function<void()> body) {
+  auto work = c10::make_intrusive<GradcommWork>(type, title, std::move(outputs));
+  auto state = std::make_shared<detail::RequestState>();
+  state->call = title;
+  state->work = [work, body = std::move(body)] {
+    std::exception_ptr error;
+    try {
+      body();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    // The future's callbacks (DDP's, a comm hook's) run here, on the engine.
+    if (error) {
+      work->fail(error);
+    } else {
+      work->complete();
+    }
+  };
+  comm_->engine().submit(std::move(state));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::Tensor>& tensors,
+                                                               const c10d::BroadcastOptions& opts) {
+  const std::string call = "broadcast";
+  check_one(call, rank_, tensors);
+  check_root(call, rank_, size_, opts.rootRank);
+  if (opts.rootTensor != 0) invalid(call, rank_, "rootTensor must be 0 (one tensor per process)");
+  at::Tensor t = tensors[0];
+  Communicator& comm = *comm_;
+  const int root = static_cast<int>(opts.rootRank);
+  return submit(c10d::OpType::BROADCAST, "gradcomm:broadcast", tensors,
+                [&comm, t, root] { broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::Tensor>& tensors,
+                                                               const c10d::AllreduceOptions& opts) {
+  const std::string call = "all_reduce";
+  check_one(call, rank_, tensors);
+  at::Tensor t = tensors[0];
+  const Reduction r = plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp);
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::ALLREDUCE, "gradcomm:all_reduce", tensors,
+                [&comm, t, r] { reduce_into(comm, r, t, t); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const std::string call = "all_reduce_coalesced";
+  if (tensors.empty()) invalid(call, rank_, "the tensor list is empty");
+  std::vector<Reduction> plans;
+  bool all_native = true;
+  for (const at::Tensor& t : tensors) {
+    check_tensor(call, rank_, t);
+    plans.push_back(plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp));
+    all_native = all_native && plans.back().via == Reduction::Via::native;
+  }
+  Communicator& comm = *comm_;
+  std::vector<at::Tensor> list = tensors;
+  if (all_native) {
+    // One fused call: gradcomm's buckets, checked as one call.
+    const ReduceOp op = plans[0].op;
+    return submit(c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
+                  [&comm, list, plans, op] {
+                    std::vector<packing::TensorDesc> descs;
+                    for (std::size_t i = 0; i < list.size(); ++i) {
+                      descs.push_back({list[i].data_ptr(),
+                                       static_cast<std::size_t>(list[i].numel()), plans[i].dtype});
+                    }
+                    grouped_allreduce(comm, descs, op);
+                  });
+  }
+  return submit(c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
+                [&comm, list, plans] {
+                  for (std::size_t i = 0; i < list.size(); ++i)
+                    reduce_into(comm, plans[i], list[i], list[i]);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tensor>& tensors,
+                                                            const c10d::ReduceOptions& opts) {
+  const std::string call = "reduce";
+  check_one(call, rank_, tensors);
+  check_root(call, rank_, size_, opts.rootRank);
+  at::Tensor t = tensors[0];
+  const Reduction r = plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp);
+  const bool root = opts.rootRank == rank_;
+  // Every rank reduces; only the root's tensor receives the result.
+  at::Tensor out = root ? t : at::empty_like(t);
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::REDUCE, "gradcomm:reduce", tensors,
+                [&comm, t, out, r] { reduce_into(comm, r, t, out); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  const std::string call = "all_gather";
+  check_one(call, rank_, inputs);
+  if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
+    invalid(call, rank_,
+            "the output list must hold one tensor per rank (" + std::to_string(size_) + "), got " +
+                std::to_string(outputs.size() == 1 ? outputs[0].size() : outputs.size()));
+  }
+  const at::Tensor in = inputs[0];
+  for (const at::Tensor& o : outputs[0])
+    check_like(call, rank_, o, in, "output tensor");
+  at::Tensor flat = at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
+  std::vector<at::Tensor> outs = outputs[0];
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::ALLGATHER, "gradcomm:all_gather", outs, [&comm, in, flat, outs] {
+    allgather_bytes(comm, in.data_ptr(), flat.data_ptr(), bytes_of(in));
+    for (std::size_t r = 0; r < outs.size(); ++r)
+      outs[r].view({-1}).copy_(flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& /*opts*/) {
+  const std::string call = "all_gather_into_tensor";
+  check_tensor(call, rank_, input, "input");
+  check_tensor(call, rank_, output, "output");
+  if (output.scalar_type() != input.scalar_type() ||
+      output.numel() != static_cast<int64_t>(size_) * input.numel()) {
+    invalid(call, rank_,
+            "the output is " + describe(output) + ", the input " + describe(input) +
+                ": the output must hold group size (" + std::to_string(size_) +
+                ") times the input's elements, of its dtype");
+  }
+  at::Tensor in = input, out = output;
+  Communicator& comm = *comm_;
+  return submit(
+      c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
+      [&comm, in, out] { allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in)); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  const std::string call = "all_gather_coalesced";
+  if (outputs.size() != inputs.size()) {
+    invalid(call, rank_,
+            std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +
+                " output lists");
+  }
+  std::vector<at::Tensor> flats, all_outs;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(call, rank_, inputs[i], "input");
+    if (outputs[i].size() != static_cast<std::size_t>(size_)) {
+      invalid(call, rank_, "output list " + std::to_string(i) + " must hold one tensor per rank");
+    }
+    for (const at::Tensor& o : outputs[i]) {
+      check_like(call, rank_, o, inputs[i], "output tensor");
+      all_outs.push_back(o);
+    }
+    flats.push_back(
+        at::empty({static_cast<int64_t>(size_) * inputs[i].numel()}, inputs[i].options()));
+  }
+  std::vector<at::Tensor> ins = inputs;
+  std::vector<std::vector<at::Tensor>> outs = outputs;
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::ALLGATHER_COALESCED, "gradcomm:all_gather_coalesced", all_outs,
+                [&comm, ins, flats, outs] {
+                  for (std::size_t i = 0; i < ins.size(); ++i) {
+                    allgather_bytes(comm, ins[i].data_ptr(), flats[i].data_ptr(), bytes_of(ins[i]));
+                    for (std::size_t r = 0; r < outs[i].size(); ++r) {
+                      outs[i][r].view({-1}).copy_(flats[i].narrow(
+                          0, static_cast<int64_t>(r) * ins[i].numel(), ins[i].numel()));
+                    }
+                  }
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const std::string call = "gather";
+  check_one(call, rank_, inputs);
+  check_root(call, rank_, size_, opts.rootRank);
+  const bool root = opts.rootRank == rank_;
+  const at::Tensor in = inputs[0];
+  std::vector<at::Tensor> outs;
+  if (root) {
+    if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
+      invalid(
+          call, rank_,
+          "the root's output list must hold one tensor per rank (" + std::to_string(size_) + ")");
+    }
+    outs = outputs[0];
+    for (const at::Tensor& o : outs)
+      check_like(call, rank_, o, in, "output tensor");
+  } else if (!outputs.empty() && !outputs[0].empty()) {
+    invalid(call, rank_,
+            "only the root (rank " + std::to_string(opts.rootRank) + ") passes an output list");
+  }
+  at::Tensor flat =
+      root ? at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options()) : at::Tensor();
+  const int root_rank = static_cast<int>(opts.rootRank);
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::GATHER, "gradcomm:gather", outs, [&comm, in, flat, outs, root_rank] {
+    gather_bytes(comm, in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, bytes_of(in),
+                 root_rank);
+    for (std::size_t r = 0; r < outs.size(); ++r) {
+      outs[r].view({-1}).copy_(flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const std::string call = "scatter";
+  check_one(call, rank_, outputs);
+  check_root(call, rank_, size_, opts.rootRank);
+  const bool root = opts.rootRank == rank_;
+  const at::Tensor out = outputs[0];
+  std::vector<at::Tensor> ins;
+  if (root) {
+    if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
+      invalid(
+          call, rank_,
+          "the root's input list must hold one tensor per rank (" + std::to_string(size_) + ")");
+    }
+    ins = inputs[0];
+    for (const at::Tensor& i : ins)
+      check_like(call, rank_, i, out, "input tensor");
+  } else if (!inputs.empty() && !inputs[0].empty()) {
+    invalid(call, rank_,
+            "only the root (rank " + std::to_string(opts.rootRank) + ") passes an input list");
+  }
+  at::Tensor flat =
+      root ? at::empty({static_cast<int64_t>(size_) * out.numel()}, out.options()) : at::Tensor();
+  const int root_rank = static_cast<int>(opts.rootRank);
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::SCATTER, "gradcomm:scatter", outputs,
+                [&comm, out, flat, ins, root_rank] {
+                  for (std::size_t r = 0; r < ins.size(); ++r) {
+                    flat.narrow(0, static_cast<int64_t>(r) * out.numel(), out.numel())
+                        .copy_(ins[r].view({-1}));
+                  }
+                  scatter_bytes(comm, flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
+                                bytes_of(out), root_rank);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const std::string call = "reduce_scatter";
+  check_one(call, rank_, outputs);
+  const at::Tensor out = outputs[0];
+  if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
+    invalid(call, rank_,
+            "the input list must hold one tensor per rank (" + std::to_string(size_) + ")");
+  }
+  for (const at::Tensor& i : inputs[0])
+    check_like(call, rank_, i, out, "input tensor");
+  const Reduction r = plan_reduction(call, rank_, out.scalar_type(), opts.reduceOp);
+  at::Tensor flat = at::empty({static_cast<int64_t>(size_) * out.numel()}, out.options());
+  std::vector<at::Tensor> ins = inputs[0];
+  const int64_t me = rank_;
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::REDUCE_SCATTER, "gradcomm:reduce_scatter", outputs,
+                [&comm, out, flat, ins, r, me] {
+                  for (std::size_t k = 0; k < ins.size(); ++k) {
+                    flat.narrow(0, static_cast<int64_t>(k) * out.numel(), out.numel())
+                        .copy_(ins[k].view({-1}));
+                  }
+                  reduce_into(comm, r, flat, flat);
+                  out.view({-1}).copy_(flat.narrow(0, me * out.numel(), out.numel()));
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const std::string call = "reduce_scatter_tensor";
+  check_tensor(call, rank_, input, "input");
+  check_tensor(call, rank_, output, "output");
+  if (output.scalar_type() != input.scalar_type() ||
+      input.numel() != static_cast<int64_t>(size_) * output.numel()) {
+    invalid(call, rank_,
+            "the input is " + describe(input) + ", the output " + describe(output) +
+                ": the input must hold group size (" + std::to_string(size_) +
+                ") times the output's elements, of its dtype");
+  }
+  const Reduction r = plan_reduction(call, rank_, output.scalar_type(), opts.reduceOp);
+  at::Tensor in = input, out = output, flat = at::empty_like(input);
+  const int64_t me = rank_;
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
+                [&comm, in, out, flat, r, me] {
+                  reduce_into(comm, r, in, flat);
+                  out.view({-1}).copy_(flat.view({-1}).narrow(0, me * out.numel(), out.numel()));
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& /*opts*/) {
+  const std::string call = "all_to_all_single";
+  check_tensor(call, rank_, input, "input");
+  check_tensor(call, rank_, output, "output");
+  if (output.scalar_type() != input.scalar_type()) {
+    invalid(call, rank_, "the output is " + describe(output) + ", the input " + describe(input));
+  }
+  // Splits are counts along dimension 0; empty means equal parts.
+  auto bytes_per_rank = [&](const at::Tensor& t, const std::vector<int64_t>& splits,
+                            const char* what) {
+    const auto n = static_cast<std::size_t>(size_);
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const std::size_t row_bytes = rows == 0 ? 0 : bytes_of(t) / static_cast<std::size_t>(rows);
+    std::vector<std::size_t> bytes(n);
+    if (splits.empty()) {
+      if (rows % size_ != 0) {
+        invalid(call, rank_,
+                std::string("the ") + what + "'s first dimension (" + std::to_string(rows) +
+                    ") does not split evenly over " + std::to_string(size_) +
+                    " ranks; pass split sizes");
+      }
+      for (std::size_t j = 0; j < n; ++j)
+        bytes[j] = static_cast<std::size_t>(rows / size_) * row_bytes;
+      return bytes;
+    }
+    if (splits.size() != n) {
+      invalid(call, rank_,
+              std::string("the ") + what + " split sizes have " + std::to_string(splits.size()) +
+                  " entries for " + std::to_string(n) + " ranks");
+    }
+    int64_t total = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      if (splits[j] < 0) invalid(call, rank_, "a split size is negative");
+      total += splits[j];
+      bytes[j] = static_cast<std::size_t>(splits[j]) * row_bytes;
+    }
+    if (total != rows) {
+      invalid(call, rank_,
+              std::string("the ") + what + " split sizes add up to " + std::to_string(total) +
+                  ", its first dimension is " + std::to_string(rows));
+    }
+    return bytes;
+  };
+  const std::vector<std::size_t> send = bytes_per_rank(input, input_split_sizes, "input");
+  const std::vector<std::size_t> recv = bytes_per_rank(output, output_split_sizes, "output");
+  at::Tensor in = input, out = output;
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::ALLTOALL_BASE, "gradcomm:all_to_all_single", {output},
+                [&comm, in, out, send, recv] {
+                  alltoallv_bytes(comm, in.data_ptr(), send, out.data_ptr(), recv);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& /*opts*/) {
+  const std::string call = "all_to_all";
+  const auto n = static_cast<std::size_t>(size_);
+  if (inputs.size() != n || outputs.size() != n) {
+    invalid(call, rank_,
+            "the input and output lists must hold one tensor per rank (" + std::to_string(n) +
+                "), got " + std::to_string(inputs.size()) + " and " +
+                std::to_string(outputs.size()));
+  }
+  std::vector<std::size_t> send(n), recv(n);
+  int64_t send_elements = 0, recv_elements = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    check_tensor(call, rank_, inputs[j], "input tensor");
+    check_tensor(call, rank_, outputs[j], "output tensor");
+    if (inputs[j].scalar_type() != inputs[0].scalar_type() ||
+        outputs[j].scalar_type() != inputs[0].scalar_type()) {
+      invalid(call, rank_, "every input and output tensor must have one dtype");
+    }
+    send[j] = bytes_of(inputs[j]);
+    recv[j] = bytes_of(outputs[j]);
+    send_elements += inputs[j].numel();
+    recv_elements += outputs[j].numel();
+  }
+  at::Tensor send_flat = at::empty({send_elements}, inputs[0].options());
+  at::Tensor recv_flat = at::empty({recv_elements}, inputs[0].options());
+  std::vector<at::Tensor> ins = inputs, outs = outputs;
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::ALLTOALL, "gradcomm:all_to_all", outputs,
+                [&comm, ins, outs, send, recv, send_flat, recv_flat] {
+                  int64_t at = 0;
+                  for (const at::Tensor& t : ins) {
+                    send_flat.narrow(0, at, t.numel()).copy_(t.view({-1}));
+                    at += t.numel();
+                  }
+                  alltoallv_bytes(comm, send_flat.data_ptr(), send, recv_flat.data_ptr(), recv);
+                  at = 0;
+                  for (const at::Tensor& t : outs) {
+                    t.view({-1}).copy_(recv_flat.narrow(0, at, t.numel()));
+                    at += t.numel();
+                  }
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::barrier(const c10d::BarrierOptions& /*opts*/) {
+  Communicator& comm = *comm_;
+  return submit(c10d::OpType::BARRIER, "gradcomm:barrier", {},
+                [&comm] { gradcomm::barrier(comm); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending,
+                                                                    at::Tensor& tensor, int peer,
+                                                                    int tag) {
+  const std::string call = sending ? "send" : "recv";
+  check_tensor(call, rank_, tensor);
+  if (peer != MPI_ANY_SOURCE && (peer < 0 || peer >= size_)) {
+    invalid(
+        call, rank_,
+        "peer " + std::to_string(peer) + " is not a rank of the group of " + std::to_string(size_));
+  }
+  int* tag_bound = nullptr;
+  int found = 0;
+  MPI_Comm_get_attr(p2p_, MPI_TAG_UB, &tag_bound, &found);
+  if (tag < 0 || (found && tag > *tag_bound)) {
+    invalid(call, rank_,
+            "tag " + std::to_string(tag) + " is outside 0.." +
+                std::to_string(found ? *tag_bound : 32767));
+  }
+  const std::size_t bytes = bytes_of(tensor);
+  if (bytes > static_cast<std::size_t>(INT_MAX)) invalid(call, rank_, "the tensor exceeds 2 GiB");
+  // Behind the group's collectives: a tensor an earlier call writes is sent once it is written.
+  comm_->settle();
+  MPI_Request request = MPI_REQUEST_NULL;
+  const int n = static_cast<int>(bytes);
+  if (sending) {
+    check_mpi(MPI_Isend(tensor.data_ptr(), n, MPI_BYTE, peer, tag, p2p_, &request),
+              "torch.distributed send (gradcomm): MPI_Isend", rank_);
+  } else {
+    check_mpi(MPI_Irecv(tensor.data_ptr(), n, MPI_BYTE, peer, tag, p2p_, &request),
+              "torch.distributed recv (gradcomm): MPI_Irecv", rank_);
+  }
+  return c10::make_intrusive<PointToPointWork>(
+      sending ? c10d::OpType::SEND
+              : (peer == MPI_ANY_SOURCE ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
+      sending ? "gradcomm:send" : "gradcomm:recv", tensor, request, rank_);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::send(std::vector<at::Tensor>& tensors,
+                                                          int dst_rank, int tag) {
+  check_one("send", rank_, tensors);
+  return point_to_point(true, tensors[0], dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::recv(std::vector<at::Tensor>& tensors,
+                                                          int src_rank, int tag) {
+  check_one("recv", rank_, tensors);
+  return point_to_point(false, tensors[0], src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                                   int tag) {
+  check_one("recv", rank_, tensors);
+  return point_to_point(false, tensors[0], MPI_ANY_SOURCE, tag);
+}
+
+#if GRADCOMM_TORCH_AT_LEAST(2, 1)
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  if (outputs.size() != inputs.size()) {
+    invalid("all_gather_into_tensor_coalesced", rank_,
+            std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +
+                " outputs");
+  }
+  c10::intrusive_ptr<c10d::Work> last;
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    last = _allgather_base(outputs[i], inputs[i], opts);
+  // The calls run in order: the last one's end is the end of all.
+  return last ? last : barrier(c10d::BarrierOptions());
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  if (outputs.size() != inputs.size()) {
+    invalid("reduce_scatter_tensor_coalesced", rank_,
+            std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +
+                " outputs");
+  }
+  c10::intrusive_ptr<c10d::Work> last;
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+  return last ? last : barrier(c10d::BarrierOptions());
+}
+#endif
+
+// --- Creation ------------------------------------------------------------------------------------
+
+c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_size,
+                                                     const std::vector<int64_t>& global_ranks) {
+  const std::string call = "torch.distributed init_process_group (gradcomm)";
+  if (!mpi_ready()) init();
+  int world_rank = 0, world_size = 0;
+  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), call + ": MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size), call + ": MPI_Comm_size");
+  if (global_ranks.empty()) {
+    if (group_size != world_size || group_rank != world_rank) {
+      throw InvalidArgument(error_message(
+          call, world_rank,
+          "torch.distributed was given rank " + std::to_string(group_rank) + " of world size " +
+              std::to_string(group_size) + ", but MPI has " + std::to_string(world_size) +
+              " ranks and this is rank " + std::to_string(world_rank) +
+              ": launch the job with mpirun -np " + std::to_string(group_size) +
+              " (import gradcomm.torch sets RANK and WORLD_SIZE from MPI where they are unset)"));
+    }
+    return c10::make_intrusive<ProcessGroupGradcomm>(MPI_COMM_WORLD, group_rank, group_size);
+  }
+  // A subgroup (new_group): torch calls this on its members only, so the communicator is made
+  // by them alone (MPI_Comm_create_group). Torch's global ranks are MPI's world ranks.
+  if (global_ranks.size() != static_cast<std::size_t>(group_size) || group_rank < 0 ||
+      group_rank >= group_size ||
+      global_ranks[static_cast<std::size_t>(group_rank)] != world_rank) {
+    throw InvalidArgument(error_message(
+        call, world_rank,
+        "the subgroup's ranks do not place this process (world rank " + std::to_string(world_rank) +
+            ") at group rank " + std::to_string(group_rank)));
+  }
+  std::vector<int> ranks(global_ranks.begin(), global_ranks.end());
+  MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+  check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world_group), call + ": MPI_Comm_group");
+  check_mpi(MPI_Group_incl(world_group, group_size, ranks.data(), &group),
+            call + ": MPI_Group_incl");
+  MPI_Comm comm = MPI_COMM_NULL;
+  constexpr int kCreateTag = 0x6763;
+  const int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, kCreateTag, &comm);
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  check_mpi(rc, call + ": MPI_Comm_create_group");
+  try {
+    auto pg = c10::make_intrusive<ProcessGroupGradcomm>(comm, group_rank, group_size);
+    MPI_Comm_free(&comm);  // the group's communicator holds a duplicate
+    return pg;
+  } catch (...) {
+    MPI_Comm_free(&comm);
+    throw;
+  }
+}
+
+}  // namespace gradcomm::torch_backend

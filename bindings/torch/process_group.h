@@ -1,0 +1,151 @@
+#pragma once
+// gradcomm as a torch.distributed backend ("gradcomm"): torch's own DistributedDataParallel, FSDP
+// and the functional collectives run on gradcomm's algorithms, its call check and its watchdog.
+//
+// One source for two generations of torch's c10d:
+// - torch 1.x (1.13): a backend is a c10d::ProcessGroup, and the object the creator returns is
+//   the group;
+// - torch 2.x: a backend is a c10d::Backend, which torch wraps in its own ProcessGroup per device.
+// TORCH_VERSION_MAJOR picks the base; the collectives' signatures are the same in both.
+//
+// Every collective of a group runs on the progress engine of the group's gradcomm Communicator,
+// in the order the group's calls were made (torch's DDP calls from autograd's threads), and
+// returns a Work at once. Input that is wrong on this rank (dtype, layout, sizes, a root outside
+// the group) throws from the call itself, before anything is submitted, and the group stays
+// usable. What can only be known while a call runs (ranks that disagree, a stalled rank) fails
+// the Work and its future on every rank.
+
+#include <torch/version.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+#include <mpi.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/communicator.h"
+
+namespace gradcomm::torch_backend {
+
+#if TORCH_VERSION_MAJOR >= 2
+using BackendBase = c10d::Backend;
+#else
+using BackendBase = c10d::ProcessGroup;
+#endif
+
+// The version-independent torch spellings used here.
+#define GRADCOMM_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||           \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// A call in flight: completed (or failed) by the progress engine; its future holds the outputs.
+class GradcommWork : public c10d::Work {
+ public:
+  GradcommWork(c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs);
+
+  // The engine's side. Neither holds a lock while callbacks of the future run.
+  void complete();
+  void fail(std::exception_ptr error);
+
+  std::vector<at::Tensor> result() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class ProcessGroupGradcomm : public BackendBase {
+ public:
+  // Wraps `comm` (a group of `size` ranks in which this process is `rank`; both checked against
+  // the communicator). Collective over the group.
+  ProcessGroupGradcomm(MPI_Comm comm, int rank, int size);
+  ~ProcessGroupGradcomm() override;
+
+  const std::string getBackendName() const override { return "gradcomm"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+#if GRADCOMM_TORCH_AT_LEAST(2, 1)
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+#endif
+
+  // The gradcomm communicator the group runs on (tests and the Python side read it).
+  Communicator& communicator() {
+    return *comm_;
+  }
+
+ private:
+  // Submits `body` to the engine behind the group's earlier calls; the returned Work completes
+  // with `outputs` once it ran, or fails with what it threw.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* title,
+                                        std::vector<at::Tensor> outputs,
+                                        std::function<void()> body);
+  c10::intrusive_ptr<c10d::Work> point_to_point(bool sending, at::Tensor& tensor, int peer,
+                                                int tag);
+
+  std::unique_ptr<Communicator> comm_;
+  MPI_Comm p2p_ = MPI_COMM_NULL;  // send and recv: a duplicate of their own, tags are torch's
+};
+
+// The group torch asks for: the world (empty `global_ranks`) or the ranks of a new_group, in
+// which this process is `group_rank` of `group_size`. Initializes MPI (thread level multiple)
+// where nobody has; fails with a clear error where the sizes and ranks torch was given disagree
+// with MPI's (a start without mpirun, or other RANK / WORLD_SIZE).
+c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_size,
+                                                     const std::vector<int64_t>& global_ranks);
+
+}  // namespace gradcomm::torch_backend
