@@ -9,7 +9,7 @@ PACKAGES=(cmake ninja-build g++ pkg-config nlohmann-json3-dev
           openmpi-bin libopenmpi-dev libhwloc-dev hwloc
           libgtest-dev libgmock-dev libbenchmark-dev
           pybind11-dev python3-dev python3-numpy python3-mpi4py python3-torch python3-sklearn
-          python3-pytest python3-matplotlib valgrind iproute2
+          python3-pytest python3-matplotlib valgrind iproute2 python3-venv libtorch-dev
           mpich libmpich-dev)
 
 install_missing() {
@@ -25,10 +25,35 @@ install_missing() {
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y "${missing[@]}"
 }
 
+# torch 2.x beside Debian's torch 1.13: a virtual environment over Debian's Python (NumPy,
+# mpi4py and pytest show through), made once and reused by every checkout on this machine, with
+# the versions pinned in scripts/requirements-torch2.txt. The first run downloads about 3 GB
+# (4.6 GB installed: torch's CUDA libraries come with it from PyPI). GRADCOMM_TORCH2=0 skips it.
+TORCH2_VENV=${GRADCOMM_TORCH2_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gradcomm/venv-torch2.11}
+torch2_venv() {
+  [ "${GRADCOMM_TORCH2:-1}" = 0 ] && return 0
+  local requirements=$ROOT/scripts/requirements-torch2.txt stamp=$TORCH2_VENV/.requirements
+  if [ -x "$TORCH2_VENV/bin/python" ] && cmp -s "$requirements" "$stamp"; then return 0; fi
+  echo "== creating the torch 2.x environment in $TORCH2_VENV (first time: ~3 GB download)"
+  local started=$SECONDS
+  /usr/bin/python3 -m venv --system-site-packages "$TORCH2_VENV"
+  "$TORCH2_VENV/bin/python" -m pip install --no-input --disable-pip-version-check -q \
+    -r "$requirements"
+  cp "$requirements" "$stamp"
+  echo "== torch 2.x environment ready in $((SECONDS - started)) s"
+}
+
+# The interpreters whose torch the torch.distributed backend is built for (and tested with).
+torch_pythons() {
+  local pythons=/usr/bin/python3
+  [ "${GRADCOMM_TORCH2:-1}" != 0 ] && pythons+=";$TORCH2_VENV/bin/python"
+  echo "$pythons"
+}
+
 build() {
   echo "== configuring and building in $BUILD_DIR"
   cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMM_WERROR=ON \
-    "$@"
+    "-DGRADCOMM_TORCH_PYTHONS=$(torch_pythons)" "$@"
   cmake --build "$BUILD_DIR" -j "$(nproc)"
 }
 

@@ -1,0 +1,390 @@
+"""torch.distributed on the "gradcomm" backend, under mpirun with any torch gradcomm was built for:
+every collective against an independent reference computed on each rank (every dtype and op,
+counts 0, 1, primes and large, subgroups), torch's own DDP against DDP over gloo in the same
+processes (plain, comm hooks, unused parameters, no_sync, join), and the failures (ranks that
+disagree, bad arguments). Every rank checks its own result."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import gradcomm.torch  # noqa: F401  (registers the backend, fills RANK etc. from MPI)
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+torch.set_num_threads(1)  # ranks share the cores
+dist.init_process_group("gradcomm")
+RANK = dist.get_rank()
+SIZE = dist.get_world_size()
+GLOO = dist.new_group(backend="gloo")  # the reference DDP runs on it
+
+R = dist.ReduceOp
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16]
+COUNTS = [0, 1, 7, 1009, 65537]
+
+
+def values(rank, dtype, n):
+    """Rank `rank`'s input: small integers, exact in every dtype, products stay small."""
+    base = (torch.arange(n) % 3 + rank % 2 + 1).to(torch.int64)
+    if dtype == torch.bool:
+        return (torch.arange(n) + rank) % 2 == 0
+    if dtype.is_complex:
+        return torch.complex(base.double(), -base.double()).to(dtype)
+    return base.to(dtype)
+
+
+def expected(op, dtype, n, ranks=None):
+    ranks = list(range(SIZE)) if ranks is None else ranks
+    inputs = [values(r, dtype, n) for r in ranks]
+    if dtype == torch.bool:
+        stacked = torch.stack(inputs) if n else torch.zeros(len(ranks), 0, dtype=torch.bool)
+        return stacked.any(0) if op in (R.SUM, R.MAX) else stacked.all(0)
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    stacked = torch.stack([t.to(wide) for t in inputs]) if n else torch.zeros(len(ranks), 0,
+                                                                                 dtype=wide)
+    integer = not (dtype.is_floating_point or dtype.is_complex)
+    average = ((lambda s: torch.div(s.sum(0), len(ranks), rounding_mode="trunc")) if integer
+               else (lambda s: s.sum(0) / len(ranks)))  # integers truncate, as in C
+    result = {R.SUM: lambda s: s.sum(0), R.AVG: average,
+              R.PRODUCT: lambda s: s.prod(0), R.MIN: lambda s: s.min(0).values if n else s[0],
+              R.MAX: lambda s: s.max(0).values if n else s[0]}[op](stacked)
+    return result
+
+
+def check(actual, want, dtype, op=None):
+    assert actual.dtype == dtype
+    if op is not None and op == R.AVG and (dtype.is_floating_point or dtype.is_complex):
+        tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+        assert torch.allclose(actual.double(), want.double(), rtol=tol, atol=tol), (actual, want)
+    else:
+        assert torch.equal(actual, want.to(dtype)), f"rank {RANK}: {actual} != {want}"
+
+
+# --- all_reduce ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("op", [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX],
+                         ids=["sum", "avg", "product", "min", "max"])
+@pytest.mark.parametrize("dtype", FLOATS + INTS + [torch.bool, torch.complex64], ids=str)
+def test_all_reduce(dtype, op, count):
+    if op == R.AVG and dtype == torch.bool:
+        with pytest.raises(RuntimeError, match="AVG"):
+            dist.all_reduce(values(RANK, dtype, count), op=op)
+        return
+    if dtype.is_complex and op not in (R.SUM, R.AVG):
+        with pytest.raises((RuntimeError, ValueError), match="complex"):
+            dist.all_reduce(values(RANK, dtype, count), op=op)
+        return
+    t = values(RANK, dtype, count)
+    work = dist.all_reduce(t, op=op, async_op=True)
+    work.wait()
+    check(t, expected(op, dtype, count), dtype, op)
+    # The future holds the reduced tensor (what DDP's comm hooks read); torch hands complex
+    # tensors to backends as their real view.
+    assert torch.equal(work.get_future().value()[0], torch.view_as_real(t) if t.is_complex() else t)
+
+
+def test_all_reduce_async_in_order():
+    """Many calls in flight at once complete in order with the right results."""
+    tensors = [torch.full((1000 + i,), float(RANK + i)) for i in range(8)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for i, (t, w) in enumerate(zip(tensors, works)):
+        w.wait()
+        assert torch.all(t == sum(r + i for r in range(SIZE)))
+
+
+def test_all_reduce_coalesced():
+    if not hasattr(dist, "all_reduce_coalesced"):
+        pytest.skip("this torch has no all_reduce_coalesced")
+    ts = [values(RANK, torch.float32, n) for n in (3, 0, 101)] + [values(RANK, torch.int64, 5)]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.all_reduce_coalesced(ts[:3])
+        dist.all_reduce_coalesced(ts[3:])
+    for t, n in zip(ts, (3, 0, 101)):
+        check(t, expected(R.SUM, torch.float32, n), torch.float32)
+    check(ts[3], expected(R.SUM, torch.int64, 5), torch.int64)
+
+
+# --- data movement -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8, torch.bool,
+                                   torch.complex128], ids=str)
+def test_broadcast(dtype, count):
+    for root in sorted({0, SIZE - 1}):
+        t = values(RANK, dtype, count)
+        dist.broadcast(t, src=root)
+        assert torch.equal(t, values(root, dtype, count))
+
+
+@pytest.mark.parametrize("count", [0, 1, 13, 4099])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.bfloat16], ids=str)
+def test_all_gather(dtype, count):
+    out = [torch.empty(count, dtype=dtype) for _ in range(SIZE)]
+    dist.all_gather(out, values(RANK, dtype, count))
+    for r in range(SIZE):
+        assert torch.equal(out[r], values(r, dtype, count))
+    flat = torch.empty(SIZE * count, dtype=dtype)
+    gather_into = getattr(dist, "all_gather_into_tensor", None) or dist._all_gather_base
+    gather_into(flat, values(RANK, dtype, count))
+    assert torch.equal(flat, torch.cat([values(r, dtype, count) for r in range(SIZE)]))
+
+
+def test_all_gather_object():
+    out = [None] * SIZE
+    dist.all_gather_object(out, {"rank": RANK, "text": "x" * RANK})
+    assert out == [{"rank": r, "text": "x" * r} for r in range(SIZE)]
+    objects = [{"from": RANK}] if RANK == SIZE - 1 else [None]
+    dist.broadcast_object_list(objects, src=SIZE - 1)
+    assert objects == [{"from": SIZE - 1}]
+
+
+@pytest.mark.parametrize("count", [0, 1, 31, 5003])
+def test_reduce_scatter(count):
+    inputs = [values(RANK, torch.float32, count) + r for r in range(SIZE)]
+    out = torch.empty(count)
+    dist.reduce_scatter(out, inputs)
+    want = sum(values(q, torch.float32, count) + RANK for q in range(SIZE))
+    assert torch.equal(out, want)
+    scatter_tensor = getattr(dist, "reduce_scatter_tensor", None) or dist._reduce_scatter_base
+    out2 = torch.empty(count, dtype=torch.int64)
+    scatter_tensor(out2, torch.cat([values(RANK, torch.int64, count) * (r + 1)
+                                    for r in range(SIZE)]), op=R.MAX)
+    want2 = torch.stack([values(q, torch.int64, count) * (RANK + 1) for q in range(SIZE)])
+    assert torch.equal(out2, want2.max(0).values if count else out2)
+
+
+@pytest.mark.parametrize("count", [0, 1, 97])
+def test_reduce_gather_scatter(count):
+    root = SIZE - 1
+    t = values(RANK, torch.float64, count)
+    dist.reduce(t, dst=root, op=R.SUM)
+    want = values(RANK, torch.float64, count) if RANK != root else expected(R.SUM, torch.float64,
+                                                                            count)
+    assert torch.equal(t, want.to(torch.float64))
+    gathered = [torch.empty(count, dtype=torch.int16) for _ in range(SIZE)] if RANK == 0 else None
+    dist.gather(values(RANK, torch.int16, count), gathered, dst=0)
+    if RANK == 0:
+        for r in range(SIZE):
+            assert torch.equal(gathered[r], values(r, torch.int16, count))
+    out = torch.empty(count, dtype=torch.float32)
+    pieces = [values(r, torch.float32, count) * 7 for r in range(SIZE)] if RANK == 1 % SIZE else None
+    dist.scatter(out, pieces, src=1 % SIZE)
+    assert torch.equal(out, values(RANK, torch.float32, count) * 7)
+
+
+def test_all_to_all():
+    # Even splits, then uneven: rank r sends (j + 1) rows of width 3 to rank j.
+    send = torch.arange(SIZE * 4, dtype=torch.float32) + 100 * RANK
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    want = torch.cat([torch.arange(RANK * 4, RANK * 4 + 4, dtype=torch.float32) + 100 * q
+                      for q in range(SIZE)])
+    assert torch.equal(recv, want)
+    in_splits = [j + 1 for j in range(SIZE)]
+    out_splits = [RANK + 1] * SIZE
+    send = torch.cat([torch.full((j + 1, 3), float(10 * RANK + j)) for j in range(SIZE)])
+    recv = torch.empty(sum(out_splits), 3)
+    dist.all_to_all_single(recv, send, out_splits, in_splits)
+    assert torch.equal(recv, torch.cat([torch.full((RANK + 1, 3), float(10 * q + RANK))
+                                        for q in range(SIZE)]))
+    outs = [torch.empty(2, dtype=torch.int64) for _ in range(SIZE)]
+    dist.all_to_all(outs, [torch.tensor([RANK, j]) for j in range(SIZE)])
+    for q in range(SIZE):
+        assert outs[q].tolist() == [q, RANK]
+
+
+def test_send_recv_ring():
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    send = torch.full((1000,), float(RANK))
+    recv = torch.empty(1000)
+    works = [dist.isend(send, right, tag=3), dist.irecv(recv, left, tag=3)]
+    for w in works:
+        w.wait()
+    assert torch.all(recv == left)
+    # Blocking, in the order that would deadlock if sends queued behind each other.
+    big = torch.full((300000,), float(RANK))
+    other = torch.empty(300000)
+    if RANK % 2 == 0 and right != RANK:
+        dist.send(big, right)
+        dist.recv(other, left)
+    else:
+        dist.recv(other, left)
+        dist.send(big, right)
+    assert torch.all(other == left)
+
+
+def test_barrier():
+    for _ in range(3):
+        dist.barrier()
+
+
+def test_subgroups():
+    evens = list(range(0, SIZE, 2))
+    reverse_pair = sorted({SIZE - 1, 0})
+    g_even = dist.new_group(evens)
+    g_pair = dist.new_group(reverse_pair)
+    if RANK in evens:
+        t = values(RANK, torch.float32, 1001)
+        dist.all_reduce(t, group=g_even)
+        check(t, expected(R.SUM, torch.float32, 1001, evens), torch.float32)
+        b = values(RANK, torch.int64, 5)
+        dist.broadcast(b, src=evens[-1], group=g_even)
+        assert torch.equal(b, values(evens[-1], torch.int64, 5))
+    if RANK in reverse_pair:
+        out = [torch.empty(3) for _ in reverse_pair]
+        dist.all_gather(out, torch.full((3,), float(RANK)), group=g_pair)
+        assert [o[0].item() for o in out] == [float(r) for r in reverse_pair]
+    dist.barrier()
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+def test_ranks_calling_different_collectives_fail_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    t = torch.ones(100)
+    with pytest.raises(RuntimeError, match="disagree"):
+        if RANK == 0:
+            dist.broadcast(t, src=0)
+        else:
+            dist.all_reduce(t)
+    with pytest.raises(RuntimeError, match="disagree"):  # same call, other sizes
+        dist.all_reduce(torch.ones(100 + (RANK == 1)))
+    with pytest.raises(RuntimeError, match="disagree"):  # same size, other dtypes
+        dist.all_reduce(torch.ones(10, dtype=torch.float64 if RANK == 0 else torch.float32))
+    # Rank 0 expects two elements from rank 1, which sends it one.
+    out_splits = [1 + (RANK == 0 and j == 1) for j in range(SIZE)]
+    with pytest.raises(RuntimeError, match="rank 1 sends 4 bytes to rank 0, which expects 8"):
+        dist.all_to_all_single(torch.empty(sum(out_splits)), torch.zeros(SIZE), out_splits,
+                               [1] * SIZE)
+    t = torch.full((10,), 1.0)
+    dist.all_reduce(t)  # the group is still usable
+    assert torch.all(t == SIZE)
+
+
+def test_bad_arguments_fail_before_communication_and_the_group_stays_usable():
+    with pytest.raises((RuntimeError, ValueError)):
+        dist.broadcast(torch.ones(3), src=SIZE + 5)
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        dist.all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(RuntimeError, match="BAND"):
+        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.BAND)
+    with pytest.raises(RuntimeError, match="one tensor per rank"):
+        dist.all_gather([torch.empty(2)] * (SIZE + 1), torch.ones(2))
+    t = torch.full((10,), 2.0)
+    dist.all_reduce(t)
+    assert torch.all(t == 2.0 * SIZE)
+
+
+# --- torch's DDP against DDP over gloo -------------------------------------------------------------
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.a = torch.nn.Linear(20, 64)
+        self.b = torch.nn.Linear(64, 48)
+        self.unused = torch.nn.Linear(48, 48)
+        self.c = torch.nn.Linear(48, 5)
+
+    def forward(self, x, skip_unused=True):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        if not skip_unused:
+            h = self.unused(h)
+        return self.c(h)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 * step + RANK)
+    return torch.randn(12, 20, generator=g), torch.randint(0, 5, (12,), generator=g)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def same_on_every_rank(tensor):
+    mine = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    return MPI.COMM_WORLD.allreduce(int(MPI.COMM_WORLD.bcast(mine, root=0) != mine)) == 0
+
+
+def train(process_group, steps=6, hook=None, find_unused=False, accumulate=1, uneven=False):
+    model = Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, process_group=process_group, bucket_cap_mb=0.01,
+        find_unused_parameters=find_unused)
+    if hook is not None:
+        ddp.register_comm_hook(process_group, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(i, sync=True):
+        x, y = batch(i)
+        loss_fn(ddp(x, skip_unused=find_unused and i % 2 == 0), y).backward()
+
+    if uneven:
+        with ddp.join():
+            for i in range(steps + RANK):
+                opt.zero_grad()
+                step(i)
+                opt.step()
+        return model
+    for i in range(steps):
+        opt.zero_grad()
+        for k in range(accumulate - 1):
+            with ddp.no_sync():
+                step(100 * i + k)
+        step(i)
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("case", ["plain", "allreduce_hook", "fp16_hook", "unused", "no_sync",
+                                  "join"])
+def test_ddp_matches_gloo(case):
+    kwargs = {"plain": {}, "allreduce_hook": {"hook": default_hooks.allreduce_hook},
+              "fp16_hook": {"hook": default_hooks.fp16_compress_hook},
+              "unused": {"find_unused": True}, "no_sync": {"accumulate": 3},
+              "join": {"uneven": True}}[case]
+    ours = flat(train(None, **kwargs))
+    theirs = flat(train(GLOO, **kwargs))
+    assert same_on_every_rank(ours), "replicas differ across ranks"
+    tolerance = 1e-2 if case == "fp16_hook" else 1e-5
+    assert ((ours - theirs).norm() / theirs.norm()).item() < tolerance
+
+
+def deterministic_group(algorithm):
+    """A group over every rank whose communicator is in reproducible mode with `algorithm`."""
+    saved = {k: os.environ.get(k) for k in ("GRADCOMM_DETERMINISTIC", "GRADCOMM_ALGORITHM")}
+    os.environ.update(GRADCOMM_DETERMINISTIC="1", GRADCOMM_ALGORITHM=algorithm)
+    try:
+        return dist.new_group(list(range(SIZE)))  # the communicator reads its config here
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_deterministic_mode_gives_the_serial_bits_and_the_same_ddp_on_any_algorithm():
+    ring, halving = deterministic_group("ring"), deterministic_group("halving_doubling")
+    inputs = [torch.randn(100003, generator=torch.Generator().manual_seed(r)) for r in range(SIZE)]
+    serial = inputs[0].clone()
+    for x in inputs[1:]:
+        serial = serial + x  # rank order, float32
+    for group in (ring, halving):
+        t = inputs[RANK].clone()
+        dist.all_reduce(t, group=group)
+        assert torch.equal(t, serial), "not the bits of the serial sum in rank order"
+    a, b = flat(train(ring)), flat(train(halving))
+    assert torch.equal(a, b) and same_on_every_rank(a)
