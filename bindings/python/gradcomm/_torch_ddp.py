@@ -127,6 +127,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._fired = set()          # parameters whose hook ran in this backward
         self._scratch = {}
         self._join = None            # inside join(): its _Join
+        self._last_used = None       # this rank's used flags in its last backward (join)
         self._grad_scale = 1.0       # join(divide_by_initial_world_size=False) rescales
         self._hooks = []
         self._accumulators = []
@@ -298,8 +299,12 @@ class DistributedDataParallel(torch.nn.Module):
             zeros[i].zero_()
             self._reducer.mark(i, zeros[i])
         try:
-            if self.find_unused_parameters:  # the used-flag all-reduce: nothing used here
-                flags = torch.zeros(len(self._params), dtype=torch.int32)
+            if self.find_unused_parameters:
+                # The used-flag all-reduce. As torch's joined ranks do, this rank offers the flags
+                # of its own last backward (a parameter it used then counts as used, and the
+                # training ranks' gradient for it becomes zeros rather than staying None).
+                flags = self._last_used.clone() if self._last_used is not None else torch.zeros(
+                    len(self._params), dtype=torch.int32)
                 self._comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(),
                                           "int32", "max", None)
         finally:
@@ -325,6 +330,7 @@ class DistributedDataParallel(torch.nn.Module):
                 for i in standing_in:
                     if i not in self._used_unsynced and i not in self._fired:
                         flags[i] = 0
+                self._last_used = flags.clone()
                 self._comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(),
                                           "int32", "max", None)
                 used = flags.tolist()
