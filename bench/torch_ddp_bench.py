@@ -5,6 +5,8 @@ variants' steps alternated so all see the same machine state:
   gradcomm-ddp   gradcomm.torch.DistributedDataParallel
   gradcomm-hvd   gradcomm.torch.DistributedOptimizer (Horovod's API)
   torch-ddp      torch.nn.parallel.DistributedDataParallel, gloo backend
+  torch-ddp-gradcomm  torch.nn.parallel.DistributedDataParallel on the gradcomm backend
+                 (torch.distributed's "gradcomm": the same DDP as torch-ddp, another backend)
 
     PYTHONPATH=build/python mpirun -np 2 /usr/bin/python3 bench/torch_ddp_bench.py
     scripts/hosts up 2 && scripts/hosts shape 1gbit && \\
@@ -133,6 +135,13 @@ for name in variants:
             init_gloo()
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
+    elif name == "torch-ddp-gradcomm":
+        if not dist.is_initialized():
+            init_gloo()
+        group = dist.new_group(backend="gradcomm")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
+                                                        process_group=group)
+        runs[name] = (ddp, sgd(ddp.parameters()))
     else:
         raise SystemExit(f"unknown variant {name}")
 
@@ -162,12 +171,13 @@ for step in range(args.warmup + args.steps):
         if step >= args.warmup:
             times[name].append(elapsed)
 
+hosts = hvd.cross_size()  # collective on first use: every rank, not just the one printing
 # A step is as slow as its slowest rank.
 slowest = {name: [max(v) for v in zip(*world.allgather(t))] for name, t in times.items()}
 if rank == 0:
     params = sum(p.numel() for p in make_model().parameters())
     what = "CNN (digits)" if args.model == "cnn" else f"MLP {args.layers}"
-    print(f"{size} ranks ({hvd.cross_size()} hosts), {what} ({params / 1e6:.2f} M "
+    print(f"{size} ranks ({hosts} hosts), {what} ({params / 1e6:.2f} M "
           f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
           f"{args.steps} steps per variant, alternated"
           f"{', each after an untimed one of its own' if args.lead_in else ', no lead-in'}; "
@@ -175,7 +185,7 @@ if rank == 0:
           f"(gradcomm's {gradcomm_cap_mb:g}); gradcomm "
           f"algorithm {args.algorithm or os.environ.get('GRADCOMM_ALGORITHM', 'auto')}")
     med = {name: statistics.median(t) for name, t in slowest.items()}
-    result = {"ranks": size, "hosts": hvd.cross_size(), "model": what,
+    result = {"ranks": size, "hosts": hosts, "model": what,
               "batch": args.batch, "steps": args.steps, "bucket_cap_mb": args.bucket_cap_mb,
               "gradcomm_bucket_cap_mb": gradcomm_cap_mb,
               "algorithm": args.algorithm or os.environ.get("GRADCOMM_ALGORITHM", "auto"),
@@ -188,7 +198,7 @@ if rank == 0:
             exposed = max(0.0, (med[name] - med["compute"]) / med[name])
             line += f"  exposed comm {100 * exposed:5.1f}%"
             entry["exposed"] = exposed
-        if "torch-ddp" in med and name.startswith("gradcomm"):
+        if "torch-ddp" in med and (name.startswith("gradcomm") or name == "torch-ddp-gradcomm"):
             line += f"  / torch-ddp {med[name] / med['torch-ddp']:.2f}"
             entry["vs_torch_ddp"] = med[name] / med["torch-ddp"]
         result["variants"][name] = entry

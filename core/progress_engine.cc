@@ -36,8 +36,22 @@ void drain_all_engines() {
     engine->drain();
 }
 
+namespace {
+// The waiters of the request the engine runs on this thread (ForegroundWhileWaited).
+thread_local const std::atomic<int>* t_waiters = nullptr;
+}  // namespace
+
 bool on_progress_thread() {
-  return t_progress_thread;
+  return t_progress_thread && !(t_waiters && t_waiters->load(std::memory_order_relaxed) > 0);
+}
+
+ForegroundWhileWaited::ForegroundWhileWaited(const std::atomic<int>* waiters)
+    : previous_(t_waiters) {
+  t_waiters = waiters;
+}
+
+ForegroundWhileWaited::~ForegroundWhileWaited() {
+  t_waiters = previous_;
 }
 
 ProgressEngine::ProgressEngine(int poll_us) : poll_us_(poll_us) {

@@ -65,6 +65,21 @@ class ProgressEngine {
 // the caller's thread waits are unchanged.
 bool on_progress_thread();
 
+// For the life of this object, the engine's waits on this thread count as the caller's (spin,
+// then yield) whenever *waiters is above zero: the application thread that submitted the running
+// request is blocked waiting for it, so no computation wants the cores the waits would give
+// back. The torch.distributed backend counts the threads in a Work's wait() this way.
+class ForegroundWhileWaited {
+ public:
+  explicit ForegroundWhileWaited(const std::atomic<int>* waiters);
+  ~ForegroundWhileWaited();
+  ForegroundWhileWaited(const ForegroundWhileWaited&) = delete;
+  ForegroundWhileWaited& operator=(const ForegroundWhileWaited&) = delete;
+
+ private:
+  const std::atomic<int>* previous_;
+};
+
 // Waits until every progress engine of the process has run what was submitted to it: what
 // gradcomm::finalize and the start of MPI_Finalize do, so no request calls MPI after it.
 void drain_all_engines();

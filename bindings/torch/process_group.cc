@@ -89,6 +89,16 @@ std::size_t bytes_of(const at::Tensor& t) {
   return static_cast<std::size_t>(t.numel()) * t.element_size();
 }
 
+// Whether the caller may go on before the call completes (torch 2.2+ says so in the options).
+template <class Options>
+bool async_op(const Options& opts) {
+  if constexpr (requires { opts.asyncOp; }) {
+    return opts.asyncOp;
+  } else {
+    return true;
+  }
+}
+
 // --- Reductions ------------------------------------------------------------------------------
 
 std::optional<DataType> native_dtype(at::ScalarType type) {
@@ -334,6 +344,15 @@ void GradcommWork::fail(std::exception_ptr error) {
   finish(error);
 }
 
+bool GradcommWork::wait(std::chrono::milliseconds timeout) {
+  waiters_.fetch_add(1, std::memory_order_relaxed);
+  struct Leave {
+    std::atomic<int>& waiters;
+    ~Leave() { waiters.fetch_sub(1, std::memory_order_relaxed); }
+  } leave{waiters_};
+  return c10d::Work::wait(timeout);
+}
+
 std::vector<at::Tensor> GradcommWork::result() {
   return outputs_;
 }
@@ -364,11 +383,24 @@ ProcessGroupGradcomm::~ProcessGroupGradcomm() {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, const char* title,
                                                             std::vector<at::Tensor> outputs,
-                                                            std::function<void()> body) {
+                                                            std::function<void()> body,
+                                                            bool async) {
   auto work = c10::make_intrusive<GradcommWork>(type, title, std::move(outputs));
+  if (!async) {
+    comm_->settle();  // the group's earlier calls first
+    try {
+      body();
+    } catch (...) {
+      work->fail(std::current_exception());  // wait() rethrows it, as for a call on the engine
+      return work;
+    }
+    work->complete();
+    return work;
+  }
   auto state = std::make_shared<detail::RequestState>();
   state->call = title;
   state->work = [work, body = std::move(body)] {
+    ForegroundWhileWaited foreground(work->waiters());
     std::exception_ptr error;
     try {
       body();
@@ -395,8 +427,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::T
   at::Tensor t = tensors[0];
   Communicator& comm = *comm_;
   const int root = static_cast<int>(opts.rootRank);
-  return submit(c10d::OpType::BROADCAST, "gradcomm:broadcast", tensors,
-                [&comm, t, root] { broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root); });
+  return submit(
+      c10d::OpType::BROADCAST, "gradcomm:broadcast", tensors,
+      [&comm, t, root] { broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root); }, async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::Tensor>& tensors,
@@ -406,8 +439,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::T
   at::Tensor t = tensors[0];
   const Reduction r = plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp);
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::ALLREDUCE, "gradcomm:all_reduce", tensors,
-                [&comm, t, r] { reduce_into(comm, r, t, t); });
+  return submit(
+      c10d::OpType::ALLREDUCE, "gradcomm:all_reduce", tensors,
+      [&comm, t, r] { reduce_into(comm, r, t, t); }, async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
@@ -426,21 +460,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
   if (all_native) {
     // One fused call: gradcomm's buckets, checked as one call.
     const ReduceOp op = plans[0].op;
-    return submit(c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
-                  [&comm, list, plans, op] {
-                    std::vector<packing::TensorDesc> descs;
-                    for (std::size_t i = 0; i < list.size(); ++i) {
-                      descs.push_back({list[i].data_ptr(),
-                                       static_cast<std::size_t>(list[i].numel()), plans[i].dtype});
-                    }
-                    grouped_allreduce(comm, descs, op);
-                  });
+    return submit(
+        c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
+        [&comm, list, plans, op] {
+          std::vector<packing::TensorDesc> descs;
+          for (std::size_t i = 0; i < list.size(); ++i) {
+            descs.push_back(
+                {list[i].data_ptr(), static_cast<std::size_t>(list[i].numel()), plans[i].dtype});
+          }
+          grouped_allreduce(comm, descs, op);
+        },
+        async_op(opts));
   }
-  return submit(c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
-                [&comm, list, plans] {
-                  for (std::size_t i = 0; i < list.size(); ++i)
-                    reduce_into(comm, plans[i], list[i], list[i]);
-                });
+  return submit(
+      c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
+      [&comm, list, plans] {
+        for (std::size_t i = 0; i < list.size(); ++i)
+          reduce_into(comm, plans[i], list[i], list[i]);
+      },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tensor>& tensors,
@@ -454,13 +492,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tens
   // Every rank reduces; only the root's tensor receives the result.
   at::Tensor out = root ? t : at::empty_like(t);
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::REDUCE, "gradcomm:reduce", tensors,
-                [&comm, t, out, r] { reduce_into(comm, r, t, out); });
+  return submit(
+      c10d::OpType::REDUCE, "gradcomm:reduce", tensors,
+      [&comm, t, out, r] { reduce_into(comm, r, t, out); }, async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& /*opts*/) {
+    const c10d::AllgatherOptions& opts) {
   const std::string call = "all_gather";
   check_one(call, rank_, inputs);
   if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
@@ -474,15 +513,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
   at::Tensor flat = at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
   std::vector<at::Tensor> outs = outputs[0];
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::ALLGATHER, "gradcomm:all_gather", outs, [&comm, in, flat, outs] {
-    allgather_bytes(comm, in.data_ptr(), flat.data_ptr(), bytes_of(in));
-    for (std::size_t r = 0; r < outs.size(); ++r)
-      outs[r].view({-1}).copy_(flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
-  });
+  return submit(
+      c10d::OpType::ALLGATHER, "gradcomm:all_gather", outs,
+      [&comm, in, flat, outs] {
+        allgather_bytes(comm, in.data_ptr(), flat.data_ptr(), bytes_of(in));
+        for (std::size_t r = 0; r < outs.size(); ++r)
+          outs[r].view({-1}).copy_(
+              flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
+      },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
-    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& /*opts*/) {
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const std::string call = "all_gather_into_tensor";
   check_tensor(call, rank_, input, "input");
   check_tensor(call, rank_, output, "output");
@@ -497,12 +540,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
-      [&comm, in, out] { allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in)); });
+      [&comm, in, out] { allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in)); },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& /*opts*/) {
+    const c10d::AllgatherOptions& opts) {
   const std::string call = "all_gather_coalesced";
   if (outputs.size() != inputs.size()) {
     invalid(call, rank_,
@@ -525,16 +569,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
   std::vector<at::Tensor> ins = inputs;
   std::vector<std::vector<at::Tensor>> outs = outputs;
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::ALLGATHER_COALESCED, "gradcomm:all_gather_coalesced", all_outs,
-                [&comm, ins, flats, outs] {
-                  for (std::size_t i = 0; i < ins.size(); ++i) {
-                    allgather_bytes(comm, ins[i].data_ptr(), flats[i].data_ptr(), bytes_of(ins[i]));
-                    for (std::size_t r = 0; r < outs[i].size(); ++r) {
-                      outs[i][r].view({-1}).copy_(flats[i].narrow(
-                          0, static_cast<int64_t>(r) * ins[i].numel(), ins[i].numel()));
-                    }
-                  }
-                });
+  return submit(
+      c10d::OpType::ALLGATHER_COALESCED, "gradcomm:all_gather_coalesced", all_outs,
+      [&comm, ins, flats, outs] {
+        for (std::size_t i = 0; i < ins.size(); ++i) {
+          allgather_bytes(comm, ins[i].data_ptr(), flats[i].data_ptr(), bytes_of(ins[i]));
+          for (std::size_t r = 0; r < outs[i].size(); ++r) {
+            outs[i][r].view({-1}).copy_(
+                flats[i].narrow(0, static_cast<int64_t>(r) * ins[i].numel(), ins[i].numel()));
+          }
+        }
+      },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
@@ -563,13 +609,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
       root ? at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::GATHER, "gradcomm:gather", outs, [&comm, in, flat, outs, root_rank] {
-    gather_bytes(comm, in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, bytes_of(in),
-                 root_rank);
-    for (std::size_t r = 0; r < outs.size(); ++r) {
-      outs[r].view({-1}).copy_(flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
-    }
-  });
+  return submit(
+      c10d::OpType::GATHER, "gradcomm:gather", outs,
+      [&comm, in, flat, outs, root_rank] {
+        gather_bytes(comm, in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, bytes_of(in),
+                     root_rank);
+        for (std::size_t r = 0; r < outs.size(); ++r) {
+          outs[r].view({-1}).copy_(
+              flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
+        }
+      },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
@@ -598,15 +648,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
       root ? at::empty({static_cast<int64_t>(size_) * out.numel()}, out.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::SCATTER, "gradcomm:scatter", outputs,
-                [&comm, out, flat, ins, root_rank] {
-                  for (std::size_t r = 0; r < ins.size(); ++r) {
-                    flat.narrow(0, static_cast<int64_t>(r) * out.numel(), out.numel())
-                        .copy_(ins[r].view({-1}));
-                  }
-                  scatter_bytes(comm, flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
-                                bytes_of(out), root_rank);
-                });
+  return submit(
+      c10d::OpType::SCATTER, "gradcomm:scatter", outputs,
+      [&comm, out, flat, ins, root_rank] {
+        for (std::size_t r = 0; r < ins.size(); ++r) {
+          flat.narrow(0, static_cast<int64_t>(r) * out.numel(), out.numel())
+              .copy_(ins[r].view({-1}));
+        }
+        scatter_bytes(comm, flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
+                      bytes_of(out), root_rank);
+      },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
@@ -626,15 +678,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
   std::vector<at::Tensor> ins = inputs[0];
   const int64_t me = rank_;
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::REDUCE_SCATTER, "gradcomm:reduce_scatter", outputs,
-                [&comm, out, flat, ins, r, me] {
-                  for (std::size_t k = 0; k < ins.size(); ++k) {
-                    flat.narrow(0, static_cast<int64_t>(k) * out.numel(), out.numel())
-                        .copy_(ins[k].view({-1}));
-                  }
-                  reduce_into(comm, r, flat, flat);
-                  out.view({-1}).copy_(flat.narrow(0, me * out.numel(), out.numel()));
-                });
+  return submit(
+      c10d::OpType::REDUCE_SCATTER, "gradcomm:reduce_scatter", outputs,
+      [&comm, out, flat, ins, r, me] {
+        for (std::size_t k = 0; k < ins.size(); ++k) {
+          flat.narrow(0, static_cast<int64_t>(k) * out.numel(), out.numel())
+              .copy_(ins[k].view({-1}));
+        }
+        reduce_into(comm, r, flat, flat);
+        out.view({-1}).copy_(flat.narrow(0, me * out.numel(), out.numel()));
+      },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
@@ -653,16 +707,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
   at::Tensor in = input, out = output, flat = at::empty_like(input);
   const int64_t me = rank_;
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
-                [&comm, in, out, flat, r, me] {
-                  reduce_into(comm, r, in, flat);
-                  out.view({-1}).copy_(flat.view({-1}).narrow(0, me * out.numel(), out.numel()));
-                });
+  return submit(
+      c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
+      [&comm, in, out, flat, r, me] {
+        reduce_into(comm, r, in, flat);
+        out.view({-1}).copy_(flat.view({-1}).narrow(0, me * out.numel(), out.numel()));
+      },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
-    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& /*opts*/) {
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   const std::string call = "all_to_all_single";
   check_tensor(call, rank_, input, "input");
   check_tensor(call, rank_, output, "output");
@@ -709,15 +765,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall_base(
   const std::vector<std::size_t> recv = bytes_per_rank(output, output_split_sizes, "output");
   at::Tensor in = input, out = output;
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::ALLTOALL_BASE, "gradcomm:all_to_all_single", {output},
-                [&comm, in, out, send, recv] {
-                  alltoallv_bytes(comm, in.data_ptr(), send, out.data_ptr(), recv);
-                });
+  return submit(
+      c10d::OpType::ALLTOALL_BASE, "gradcomm:all_to_all_single", {output},
+      [&comm, in, out, send, recv] {
+        alltoallv_bytes(comm, in.data_ptr(), send, out.data_ptr(), recv);
+      },
+      async_op(opts));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllToAllOptions& /*opts*/) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(std::vector<at::Tensor>& outputs,
+                                                              std::vector<at::Tensor>& inputs,
+                                                              const c10d::AllToAllOptions& opts) {
   const std::string call = "all_to_all";
   const auto n = static_cast<std::size_t>(size_);
   if (inputs.size() != n || outputs.size() != n) {
@@ -744,26 +802,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(
   at::Tensor recv_flat = at::empty({recv_elements}, inputs[0].options());
   std::vector<at::Tensor> ins = inputs, outs = outputs;
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::ALLTOALL, "gradcomm:all_to_all", outputs,
-                [&comm, ins, outs, send, recv, send_flat, recv_flat] {
-                  int64_t at = 0;
-                  for (const at::Tensor& t : ins) {
-                    send_flat.narrow(0, at, t.numel()).copy_(t.view({-1}));
-                    at += t.numel();
-                  }
-                  alltoallv_bytes(comm, send_flat.data_ptr(), send, recv_flat.data_ptr(), recv);
-                  at = 0;
-                  for (const at::Tensor& t : outs) {
-                    t.view({-1}).copy_(recv_flat.narrow(0, at, t.numel()));
-                    at += t.numel();
-                  }
-                });
+  return submit(
+      c10d::OpType::ALLTOALL, "gradcomm:all_to_all", outputs,
+      [&comm, ins, outs, send, recv, send_flat, recv_flat] {
+        int64_t at = 0;
+        for (const at::Tensor& t : ins) {
+          send_flat.narrow(0, at, t.numel()).copy_(t.view({-1}));
+          at += t.numel();
+        }
+        alltoallv_bytes(comm, send_flat.data_ptr(), send, recv_flat.data_ptr(), recv);
+        at = 0;
+        for (const at::Tensor& t : outs) {
+          t.view({-1}).copy_(recv_flat.narrow(0, at, t.numel()));
+          at += t.numel();
+        }
+      },
+      async_op(opts));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::barrier(const c10d::BarrierOptions& /*opts*/) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::barrier(const c10d::BarrierOptions& opts) {
   Communicator& comm = *comm_;
-  return submit(c10d::OpType::BARRIER, "gradcomm:barrier", {},
-                [&comm] { gradcomm::barrier(comm); });
+  return submit(
+      c10d::OpType::BARRIER, "gradcomm:barrier", {}, [&comm] { gradcomm::barrier(comm); },
+      async_op(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending,

@@ -27,6 +27,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -59,8 +60,12 @@ class GradcommWork : public c10d::Work {
 
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // Counted in waiters() while it blocks: the engine then waits as a blocking call would.
+  bool wait(std::chrono::milliseconds timeout) override;
+  const std::atomic<int>* waiters() const { return &waiters_; }
 
  private:
+  std::atomic<int> waiters_{0};
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -131,9 +136,12 @@ class ProcessGroupGradcomm : public BackendBase {
  private:
   // Submits `body` to the engine behind the group's earlier calls; the returned Work completes
   // with `outputs` once it ran, or fails with what it threw.
+  // Where torch says the caller waits at once (the options' asyncOp, torch 2.2 and later:
+  // dist.all_reduce(t) without async_op), `body` runs on the caller's thread behind the
+  // group's earlier calls instead, with no hand-over to the engine.
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* title,
-                                        std::vector<at::Tensor> outputs,
-                                        std::function<void()> body);
+                                        std::vector<at::Tensor> outputs, std::function<void()> body,
+                                        bool async = true);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool sending, at::Tensor& tensor, int peer,
                                                 int tag);
 

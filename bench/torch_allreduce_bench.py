@@ -1,0 +1,111 @@
+"""torch.distributed.all_reduce on the gradcomm backend against gloo, and against gradcomm's own
+call (no torch in between), in one run, rounds alternated, results checked:
+
+  gloo            dist.all_reduce on a gloo group (torch's CPU backend)
+  gradcomm        dist.all_reduce on a gradcomm group (the torch.distributed backend)
+  gradcomm-native gradcomm's C++ all-reduce through its Python module (the same communicator
+                  kind, no c10d, no progress engine)
+
+    PYTHONPATH=build/python mpirun -np 2 /usr/bin/python3 bench/torch_allreduce_bench.py
+
+Each round runs one untimed call of its variant, then --iters timed calls back to back (the
+median call of the round is kept); with --cycle the timed call follows a pass over a 64 MiB
+buffer, as a training step's computation leaves the caches. Every variant's result is compared
+with the exact sum after each round. Rank 0 prints, per size, the median and range over rounds of
+each variant, its bus bandwidth, and the ratios.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+import gradcomm
+import gradcomm.torch  # noqa: F401  (registers the backend)
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--sizes", default="1K,16K,256K,1M,4M,16M,64M", help="bytes per call")
+parser.add_argument("--rounds", type=int, default=7)
+parser.add_argument("--iters", type=int, default=10, help="timed calls per round")
+parser.add_argument("--cycle", action="store_true", help="a cache-clearing pass before each call")
+parser.add_argument("--variants", default="gloo,gradcomm,gradcomm-native")
+parser.add_argument("--json", help="append one JSON object per run to this file")
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+dist.init_process_group("gradcomm")
+groups = {"gradcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+gradcomm.init()
+native = gradcomm.world()
+variants = args.variants.split(",")
+scratch = torch.zeros(16 << 20) if args.cycle else None
+
+
+def parse(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def call(name, t):
+    if name == "gradcomm-native":
+        native._allreduce_ptr(t.data_ptr(), t.data_ptr(), t.numel(), "float32", "sum", None)
+    else:
+        dist.all_reduce(t, group=groups[name])
+
+
+results = []
+for size_bytes in [parse(s) for s in args.sizes.split(",")]:
+    n = max(1, size_bytes // 4)
+    base = torch.arange(n, dtype=torch.float32) % 7 + rank
+    want = (torch.arange(n, dtype=torch.float32) % 7) * size + size * (size - 1) / 2
+    t = torch.empty(n)
+    rounds = {v: [] for v in variants}
+    for r in range(args.rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for name in order:
+            t.copy_(base)
+            call(name, t)  # the lead-in
+            times = []
+            for _ in range(args.iters):
+                t.copy_(base)
+                if scratch is not None:
+                    scratch.add_(1.0)
+                world.Barrier()
+                t0 = time.perf_counter()
+                call(name, t)
+                times.append(time.perf_counter() - t0)
+            if not torch.equal(t, want):
+                raise SystemExit(f"rank {rank}: {name} at {size_bytes} bytes: wrong result")
+            slowest = world.allreduce(statistics.median(times), op=MPI.MAX)
+            rounds[name].append(slowest)
+    if rank == 0:
+        row = {"bytes": size_bytes, "ranks": size, "cycle": args.cycle}
+        line = f"{size_bytes:>10d} B"
+        for name in variants:
+            med = statistics.median(rounds[name])
+            busbw = 2 * (size - 1) / size * size_bytes / med / 1e9
+            row[name] = {"median_us": 1e6 * med, "min_us": 1e6 * min(rounds[name]),
+                         "max_us": 1e6 * max(rounds[name]), "busbw_GBps": busbw}
+            line += (f"  {name} {1e6 * med:9.1f} us ({1e6 * min(rounds[name]):.0f}-"
+                     f"{1e6 * max(rounds[name]):.0f}) {busbw:6.2f} GB/s")
+        if "gloo" in row and "gradcomm" in row:
+            row["gloo_over_gradcomm"] = row["gloo"]["median_us"] / row["gradcomm"]["median_us"]
+            line += f"  gloo/gradcomm {row['gloo_over_gradcomm']:.2f}x"
+        if "gradcomm-native" in row and "gradcomm" in row:
+            row["gradcomm_over_native"] = (row["gradcomm"]["median_us"] /
+                                           row["gradcomm-native"]["median_us"])
+            line += f"  gradcomm/native {row['gradcomm_over_native']:.2f}"
+        print(line, flush=True)
+        results.append(row)
+if rank == 0 and args.json:
+    with open(args.json, "a") as f:
+        f.write(json.dumps({"torch": torch.__version__, "results": results}) + "\n")
+dist.destroy_process_group()
