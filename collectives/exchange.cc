@@ -88,6 +88,42 @@ void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size
   scope.finish(recv, bytes * static_cast<std::size_t>(comm.size()));
 }
 
+void allgatherv_bytes(Communicator& comm, const void* send, void* recv,
+                      std::span<const std::size_t> counts) {
+  const char* call = "allgatherv";
+  comm.settle();
+  require_mpi_alive(call, comm.rank());
+  const auto size = static_cast<std::size_t>(comm.size());
+  if (counts.size() != size) {
+    throw InvalidArgument(error_message(call, comm.rank(),
+                                        "counts has " + std::to_string(counts.size()) +
+                                            " entries for " + std::to_string(size) + " ranks"));
+  }
+  std::vector<int> byte_counts(size), displs(size);
+  std::size_t total = 0;
+  for (std::size_t r = 0; r < size; ++r) {
+    if (total + counts[r] > static_cast<std::size_t>(INT_MAX)) {
+      int_bytes(call, comm, static_cast<std::size_t>(INT_MAX) + 1, 1);  // throws
+    }
+    byte_counts[r] = static_cast<int>(counts[r]);
+    displs[r] = static_cast<int>(total);
+    total += counts[r];
+  }
+  check_buffer(call, comm, send, counts[static_cast<std::size_t>(comm.rank())], "send");
+  check_buffer(call, comm, recv, total, "recv");
+  CallInfo info = info_of(comm, CallKind::allgatherv, total, -1);
+  for (std::size_t c : counts)  // the counts every rank passes must agree
+    info.detail = (info.detail ^ c) * 0x100000001b3ULL;
+  CallScope scope(comm, info, call);
+  scope.check_now();
+  if (total > 0) {
+    check_mpi(MPI_Allgatherv(send, byte_counts[static_cast<std::size_t>(comm.rank())], MPI_BYTE,
+                             recv, byte_counts.data(), displs.data(), MPI_BYTE, comm.mpi_comm()),
+              "allgatherv: MPI_Allgatherv", comm.rank());
+  }
+  scope.finish(recv, total);
+}
+
 void scatter_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes, int root) {
   const char* call = "scatter";
   comm.settle();

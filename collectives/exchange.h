@@ -19,6 +19,12 @@ void gather_bytes(Communicator& comm, const void* send, void* recv, std::size_t 
 // Concatenates `bytes` from every rank into every rank's `recv` (size() * bytes, rank order).
 void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes);
 
+// Concatenates counts[r] bytes from each rank r into every rank's `recv` (sum(counts), rank
+// order); this rank sends counts[rank()] bytes from `send`. Every rank passes the same counts:
+// ranks whose counts differ get a MismatchError on every rank.
+void allgatherv_bytes(Communicator& comm, const void* send, void* recv,
+                      std::span<const std::size_t> counts);
+
 // Scatters root's `send` (size() * bytes, rank order): rank r receives piece r into `recv`.
 void scatter_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes, int root);
 

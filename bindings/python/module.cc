@@ -19,6 +19,7 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/exchange.h"
 #include "collectives/registry.h"
 #include "core/communicator.h"
 #include "core/error.h"
@@ -375,6 +376,31 @@ class PyCommunicator {
     return MPI_Wtime() - t0;
   }
 
+  // The checked byte-level exchanges gradcomm.torch's allgather, barrier and object calls use.
+  void barrier_() {
+    const std::shared_ptr<Communicator> held = get();
+    py::gil_scoped_release release;
+    gradcomm::barrier(*held);
+  }
+  void allgather_bytes_ptr(std::uintptr_t send, std::uintptr_t recv, std::size_t bytes) {
+    const std::shared_ptr<Communicator> held = get();
+    py::gil_scoped_release release;
+    gradcomm::allgather_bytes(*held, reinterpret_cast<const void*>(send),
+                              reinterpret_cast<void*>(recv), bytes);
+  }
+  void allgatherv_bytes_ptr(std::uintptr_t send, std::uintptr_t recv,
+                            const std::vector<std::size_t>& counts) {
+    const std::shared_ptr<Communicator> held = get();
+    py::gil_scoped_release release;
+    gradcomm::allgatherv_bytes(*held, reinterpret_cast<const void*>(send),
+                               reinterpret_cast<void*>(recv), counts);
+  }
+  void broadcast_bytes_ptr(std::uintptr_t data, std::size_t bytes, int root) {
+    const std::shared_ptr<Communicator> held = get();
+    py::gil_scoped_release release;
+    gradcomm::broadcast_bytes(*held, reinterpret_cast<void*>(data), bytes, root);
+  }
+
   void broadcast_ptr(std::uintptr_t data, std::size_t count, const std::string& dtype, int root) {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
@@ -580,6 +606,10 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("_allreduce_async_ptr", &PyCommunicator::allreduce_async_ptr)
       .def("_grouped_allreduce_ptrs", &PyCommunicator::grouped_allreduce_ptrs)
       .def("_broadcast_ptr", &PyCommunicator::broadcast_ptr)
+      .def("_barrier", &PyCommunicator::barrier_)
+      .def("_allgather_bytes_ptr", &PyCommunicator::allgather_bytes_ptr)
+      .def("_allgatherv_bytes_ptr", &PyCommunicator::allgatherv_bytes_ptr)
+      .def("_broadcast_bytes_ptr", &PyCommunicator::broadcast_bytes_ptr)
       .def("_grouped_allreduce_async_ptrs", &PyCommunicator::grouped_allreduce_async_ptrs)
       .def("_broadcast_async_ptr", &PyCommunicator::broadcast_async_ptr)
       .def("_bench_allreduce", &PyCommunicator::bench_allreduce, py::arg("array"),

@@ -142,6 +142,27 @@ def test_allgather_objects_and_barrier():
         "rank": SIZE - 1, "s": "x" * (SIZE - 1)}
     assert hvd.allgather_object(("r", RANK)) == [("r", r) for r in range(SIZE)]
     hvd.barrier()
+    uint8 = hvd.allgather(torch.full((2, 2), RANK, dtype=torch.uint8))
+    assert uint8.tolist() == [[r, r] for r in range(SIZE) for _ in range(2)]
+
+
+def test_allgather_and_barrier_in_different_orders_raise_on_every_rank():
+    """Rank 0 gathers while the others wait in a barrier: every rank raises, none hangs (the
+    calls are gradcomm's checked exchanges), and the next calls work."""
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(hvd.MismatchError, match="disagree"):
+        if RANK == 0:
+            hvd.synchronize(hvd.allgather_async(torch.ones(3), name="dup"))
+        else:
+            hvd.barrier()
+    with pytest.raises(hvd.MismatchError, match="disagree"):
+        if RANK == 0:
+            hvd.barrier()
+        else:
+            hvd.allgather_object(RANK)
+    hvd.barrier()
+    assert hvd.allgather(torch.ones(1)).shape == (SIZE,)
 
 
 def test_autograd():

@@ -26,13 +26,14 @@ import contextlib
 import itertools
 import math
 import os
+import pickle
 import warnings
 import weakref
 
 import torch
 from mpi4py import MPI
 
-from . import CommError, Error, InvalidArgument, MismatchError, Unsupported, world, world_mpi
+from . import CommError, Error, InvalidArgument, MismatchError, Unsupported, world
 from . import init as _init
 from . import is_initialized, local_rank, local_size, rank, shutdown, size  # noqa: F401
 from . import _gradcomm
@@ -161,8 +162,11 @@ def cross_size():
 
 def is_homogeneous():
     """True when every host runs the same number of ranks."""
-    counts = world_mpi().allgather(local_size())
-    return len(set(counts)) == 1
+    c = world()
+    mine = torch.tensor([local_size()], dtype=torch.int64)
+    counts = torch.empty(c.size(), dtype=torch.int64)
+    c._allgather_bytes_ptr(mine.data_ptr(), counts.data_ptr(), 8)
+    return len(set(counts.tolist())) == 1
 
 
 def mpi_built():
@@ -420,7 +424,7 @@ def join(device=-1):
                 c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], pairs[0::2], dtypes, op,
                                           algorithm, d[4] - 1 if d[4] else None)
             elif kind == _KIND_BARRIER:
-                world_mpi().Barrier()
+                c._barrier()
             elif kind == _KIND_STEP:
                 pass  # announced at the step's first gradient; stood in for at its STEP_GO
             elif kind == _KIND_STEP_GO:
@@ -800,22 +804,32 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, *, c
     return broadcast_(out, root_rank, comm=c)
 
 
-# ---- allgather and objects (MPI through mpi4py, on the communicator gradcomm was started on) ----
-def _mpi(comm):
-    if comm is None:
-        return world_mpi()
-    raise NotImplementedError("allgather/barrier/objects run on the communicator gradcomm was "
-                              "initialized with; comm= is not supported for them")
+# ---- allgather, barrier and objects: gradcomm's checked byte exchanges ------------------------
+# Like every gradcomm call they are compared across ranks before data moves (ranks that make
+# different calls get MismatchError on every rank, not a hang) and seen by the stall watchdog.
+_GATHER_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+                  torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool,
+                  torch.complex64, torch.complex128]
+_MAX_DIMS = 8
 
 
-def _allgather_impl(tensor, call, mpi):
-    _checkpoint(world(), call, _KIND_OTHER)
+def _allgather_impl(tensor, call, c):
+    _checkpoint(c, call, _KIND_OTHER)
+    if tensor.dim() > _MAX_DIMS or tensor.dim() == 0 or tensor.dtype not in _GATHER_DTYPES:
+        raise InvalidArgument(f"{call}: takes tensors of 1 to {_MAX_DIMS} dimensions of dtype "
+                              f"{', '.join(str(d) for d in _GATHER_DTYPES)}; got "
+                              f"{tensor.dtype} of shape {list(tensor.shape)}")
     # Every rank sees every rank's shape and dtype, so a mismatch raises on every rank.
-    meta = mpi.allgather((tuple(tensor.shape), str(tensor.dtype)))
-    me = mpi.Get_rank()
+    n, me = c.size(), c.rank()
+    mine = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    mine[0], mine[1] = tensor.dim(), _GATHER_DTYPES.index(tensor.dtype)
+    mine[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    everyone = torch.empty(n, 2 + _MAX_DIMS, dtype=torch.int64)
+    c._allgather_bytes_ptr(mine.data_ptr(), everyone.data_ptr(), mine.numel() * 8)
+    meta = [(tuple(row[2:2 + row[0]]), _GATHER_DTYPES[row[1]]) for row in everyone.tolist()]
     for r, (shape, dtype) in enumerate(meta):
-        if dtype != str(tensor.dtype) or len(shape) != tensor.dim() or tuple(shape[1:]) != \
-                tuple(tensor.shape[1:]) or len(shape) == 0:
+        if dtype != tensor.dtype or len(shape) != tensor.dim() or tuple(shape[1:]) != \
+                tuple(tensor.shape[1:]):
             raise InvalidArgument(
                 f"{call}: rank {r} passed a {dtype} tensor of shape {list(shape)}, rank {me} a "
                 f"{tensor.dtype} tensor of shape {list(tensor.shape)}; tensors must agree in "
@@ -824,22 +838,20 @@ def _allgather_impl(tensor, call, mpi):
     row_bytes = src.element_size() * math.prod(src.shape[1:])
     counts = [shape[0] * row_bytes for shape, _ in meta]
     out = torch.empty((sum(s[0] for s, _ in meta), *src.shape[1:]), dtype=src.dtype)
-    send = src.reshape(-1).view(torch.uint8).numpy() if src.numel() else bytearray(0)
-    recv = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else bytearray(0)
-    mpi.Allgatherv(send, [recv, counts, None, MPI.BYTE])
+    c._allgatherv_bytes_ptr(src.data_ptr(), out.data_ptr(), counts)
     return out, [s[0] for s, _ in meta]
 
 
 class _AllgatherGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, mpi):
-        out, rows = _allgather_impl(tensor, "allgather", mpi)
-        ctx.rows, ctx.rank = rows, mpi.Get_rank()
+    def forward(ctx, tensor, c):
+        out, rows = _allgather_impl(tensor, "allgather", c)
+        ctx.rows, ctx.rank, ctx.comm = rows, c.rank(), c
         return out
 
     @staticmethod
     def backward(ctx, grad):  # as Horovod: average the gradients, keep this rank's rows
-        reduced = _allreduce_new(grad.contiguous(), "average", 1.0, 1.0, None, world(),
+        reduced = _allreduce_new(grad.contiguous(), "average", 1.0, 1.0, None, ctx.comm,
                                  "allgather (backward)")
         offset = sum(ctx.rows[:ctx.rank])
         return reduced.narrow(0, offset, ctx.rows[ctx.rank]), None
@@ -851,10 +863,10 @@ def allgather(tensor, name=None, process_set=global_process_set, *, comm=None):
     _check_process_set(process_set, call)
     if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         raise InvalidArgument(f"{call}: expected a CPU torch.Tensor")
-    mpi = _mpi(comm)
+    c = _comm(comm)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherGrad.apply(tensor, mpi)
-    return _allgather_impl(tensor, call, mpi)[0]
+        return _AllgatherGrad.apply(tensor, c)
+    return _allgather_impl(tensor, call, c)[0]
 
 
 class _Done:
@@ -874,21 +886,46 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=N
 def barrier(process_set=global_process_set):
     _check_process_set(process_set, "barrier")
     _checkpoint(world(), "barrier", _KIND_BARRIER)
-    world_mpi().Barrier()
+    world()._barrier()
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Returns root_rank's `obj` (pickled) on every rank."""
     _check_process_set(process_set, "broadcast_object")
-    _checkpoint(world(), "broadcast_object", _KIND_OTHER)
-    return world_mpi().bcast(obj, root=root_rank)
+    c = world()
+    _checkpoint(c, "broadcast_object", _KIND_OTHER)
+    return _broadcast_pickled(c, obj, root_rank)
+
+
+def _broadcast_pickled(c, obj, root_rank):
+    """root_rank's `obj`, pickled, on every rank (two checked broadcasts: size, then bytes)."""
+    payload = pickle.dumps(obj) if c.rank() == root_rank else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    c._broadcast_bytes_ptr(size.data_ptr(), 8, root_rank)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+        torch.empty(int(size.item()), dtype=torch.uint8)
+    c._broadcast_bytes_ptr(data.data_ptr(), data.numel(), root_rank)
+    return obj if c.rank() == root_rank else pickle.loads(data.numpy().tobytes())
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Returns the list of every rank's `obj` (pickled), in rank order."""
     _check_process_set(process_set, "allgather_object")
-    _checkpoint(world(), "allgather_object", _KIND_OTHER)
-    return world_mpi().allgather(obj)
+    c = world()
+    _checkpoint(c, "allgather_object", _KIND_OTHER)
+    payload = pickle.dumps(obj)
+    sizes = torch.empty(c.size(), dtype=torch.int64)
+    mine = torch.tensor([len(payload)], dtype=torch.int64)
+    c._allgather_bytes_ptr(mine.data_ptr(), sizes.data_ptr(), 8)
+    counts = sizes.tolist()
+    out = torch.empty(sum(counts), dtype=torch.uint8)
+    send = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    c._allgatherv_bytes_ptr(send.data_ptr(), out.data_ptr(), counts)
+    data, objects, at = out.numpy().tobytes(), [], 0
+    for n in counts:
+        objects.append(pickle.loads(data[at:at + n]))
+        at += n
+    return objects
 
 
 def _refused(name, why):
@@ -943,8 +980,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, *, root=None):
     if root is not None:
         root_rank = root
     _checkpoint(world(), "broadcast_optimizer_state", _KIND_OTHER)
-    state = world_mpi().bcast(optimizer.state_dict() if rank() == root_rank else None,
-                              root=root_rank)
+    state = _broadcast_pickled(world(), optimizer.state_dict() if rank() == root_rank else None,
+                               root_rank)
     optimizer.load_state_dict(state)
 
 
