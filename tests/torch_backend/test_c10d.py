@@ -388,3 +388,43 @@ def test_deterministic_mode_gives_the_serial_bits_and_the_same_ddp_on_any_algori
         assert torch.equal(t, serial), "not the bits of the serial sum in rank order"
     a, b = flat(train(ring)), flat(train(halving))
     assert torch.equal(a, b) and same_on_every_rank(a)
+
+
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+
+
+def fsdp_net():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def fsdp_train(model, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + RANK))
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+
+
+@pytest.mark.skipif(not TORCH2, reason="FSDP on CPU tensors needs torch 2")
+def test_fsdp_matches_ddp():
+    """FSDP (its all-gathers into tensors and reduce-scatters) ends where DDP does."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    ddp = torch.nn.parallel.DistributedDataParallel(fsdp_net())
+    fsdp_train(ddp)
+    want = flat(ddp.module)
+    sharded = FSDP(fsdp_net(), device_id=torch.device("cpu"), use_orig_params=True)
+    fsdp_train(sharded)
+    with FSDP.summon_full_params(sharded):
+        got = flat(sharded)
+    # The same sums in another order (reduce-scatter, divided before or after): float rounding.
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    fully_shard = getattr(torch.distributed.fsdp, "fully_shard", None)
+    if fully_shard is None:
+        return
+    model = fsdp_net()
+    fully_shard(model)  # FSDP2: parameters are DTensors sharded over the group
+    fsdp_train(model)
+    got = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+    assert ((got - want).norm() / want.norm()).item() < 1e-5

@@ -1,0 +1,158 @@
+#include "bindings/torch/reduction.h"
+
+#include <optional>
+
+#include "collectives/allreduce.h"
+#include "core/error.h"
+
+namespace gradcomm::torch_backend {
+namespace {
+
+[[noreturn]] void unsupported(const std::string& call, int rank, const std::string& detail) {
+  throw Unsupported(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
+}
+
+std::optional<DataType> native_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return DataType::float32;
+    case at::kDouble:
+      return DataType::float64;
+    case at::kHalf:
+      return DataType::float16;
+    case at::kBFloat16:
+      return DataType::bfloat16;
+    case at::kInt:
+      return DataType::int32;
+    case at::kLong:
+      return DataType::int64;
+    default:
+      return std::nullopt;
+  }
+}
+
+const char* op_name(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return "SUM";
+    case c10d::ReduceOp::AVG:
+      return "AVG";
+    case c10d::ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case c10d::ReduceOp::MIN:
+      return "MIN";
+    case c10d::ReduceOp::MAX:
+      return "MAX";
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM:
+      return "PREMUL_SUM";
+    default:
+      return "an unknown op";
+  }
+}
+
+at::ScalarType scalar_type_of(DataType dtype) {
+  switch (dtype) {
+    case DataType::float32:
+      return at::kFloat;
+    case DataType::float64:
+      return at::kDouble;
+    case DataType::float16:
+      return at::kHalf;
+    case DataType::bfloat16:
+      return at::kBFloat16;
+    case DataType::int32:
+      return at::kInt;
+    case DataType::int64:
+      return at::kLong;
+  }
+  return at::kFloat;
+}
+
+}  // namespace
+
+Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
+                         const c10d::ReduceOp& op) {
+  Reduction r;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      r.op = ReduceOp::sum;
+      break;
+    case c10d::ReduceOp::AVG:
+      r.op = ReduceOp::avg;
+      break;
+    case c10d::ReduceOp::PRODUCT:
+      r.op = ReduceOp::prod;
+      break;
+    case c10d::ReduceOp::MIN:
+      r.op = ReduceOp::min;
+      break;
+    case c10d::ReduceOp::MAX:
+      r.op = ReduceOp::max;
+      break;
+    default:
+      unsupported(call, rank,
+                  std::string("ReduceOp.") + op_name(op) +
+                      " is not supported (SUM, AVG, PRODUCT, MIN and MAX are); for PREMUL_SUM "
+                      "scale the tensor first and use SUM");
+  }
+  if (const auto native = native_dtype(type)) {
+    r.dtype = *native;
+    return r;
+  }
+  if (type == at::kComplexFloat || type == at::kComplexDouble) {
+    if (r.op != ReduceOp::sum && r.op != ReduceOp::avg) {
+      unsupported(call, rank,
+                  std::string("ReduceOp.") + op_name(op) + " of complex tensors " +
+                      "(SUM and AVG are defined on them)");
+    }
+    r.dtype = type == at::kComplexFloat ? DataType::float32 : DataType::float64;
+    r.via = Reduction::Via::complex_parts;
+    return r;
+  }
+  if (type == at::kBool) {
+    // Logical: SUM and MAX are "any", PRODUCT and MIN "all", as on 0/1 integers.
+    if (r.op == ReduceOp::avg) unsupported(call, rank, "ReduceOp.AVG of bool tensors");
+    r.op = r.op == ReduceOp::sum || r.op == ReduceOp::max ? ReduceOp::max : ReduceOp::min;
+    r.dtype = DataType::int32;
+    r.via = Reduction::Via::widened;
+    return r;
+  }
+  if (at::isIntegralType(type, /*includeBool=*/false)) {
+    // Reduced as int64 and converted back: sums and products wrap as in the narrow type.
+    r.dtype = DataType::int64;
+    r.via = Reduction::Via::widened;
+    return r;
+  }
+  unsupported(call, rank, "reductions of " + std::string(c10::toString(type)) + " tensors");
+}
+
+void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
+                 const at::Tensor& out) {
+  switch (r.via) {
+    case Reduction::Via::native:
+      allreduce(comm, in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(in.numel()), r.dtype,
+                r.op);
+      return;
+    case Reduction::Via::complex_parts: {
+      const at::Tensor parts_in = at::view_as_real(in), parts_out = at::view_as_real(out);
+      allreduce(comm, parts_in.data_ptr(), parts_out.data_ptr(),
+                static_cast<std::size_t>(parts_in.numel()), r.dtype, r.op);
+      return;
+    }
+    case Reduction::Via::widened: {
+      at::Tensor wide = in.to(scalar_type_of(r.dtype));
+      allreduce(comm, wide.data_ptr(), wide.data_ptr(), static_cast<std::size_t>(wide.numel()),
+                r.dtype, r.op);
+      out.copy_(wide);
+      return;
+    }
+  }
+}
+
+}  // namespace gradcomm::torch_backend

@@ -1,0 +1,35 @@
+#pragma once
+// How the gradcomm backend reduces a torch tensor: gradcomm's op and dtype for torch's, and the
+// conversion into and out of it where gradcomm has no such dtype. Narrow integers (int8, uint8,
+// int16, the unsigned types) are reduced as int64 and converted back, so sums and products wrap
+// as in the narrow type; bool is logic (SUM and MAX "any", PRODUCT and MIN "all"); complex
+// tensors reduce their real and imaginary parts (SUM, AVG). Integer AVG truncates.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <string>
+
+#include "core/communicator.h"
+#include "core/data_type.h"
+#include "core/reduce_op.h"
+
+namespace gradcomm::torch_backend {
+
+struct Reduction {
+  ReduceOp op = ReduceOp::sum;
+  DataType dtype = DataType::float32;
+  enum class Via { native, complex_parts, widened } via = Via::native;
+};
+
+// The plan for reducing `type` with `op`; Unsupported naming `call` and the op or dtype where
+// there is none (BAND, BOR, BXOR, PREMUL_SUM; AVG of bool; MIN of complex, ...).
+Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
+                         const c10d::ReduceOp& op);
+
+// Reduces `in` across `comm` into `out` (the same tensor for in place), by the plan. On the
+// engine: the tensors' data is read and written here only.
+void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
+                 const at::Tensor& out);
+
+}  // namespace gradcomm::torch_backend
