@@ -86,6 +86,28 @@ void check_like(const std::string& call, int rank, const at::Tensor& t, const at
   }
 }
 
+// The root's list of one tensor per rank for gather's outputs or scatter's inputs, each like
+// `like`; an empty list elsewhere, where passing one is an error.
+std::vector<at::Tensor> root_list(const std::string& call, int rank, int size,
+                                  const std::vector<std::vector<at::Tensor>>& lists,
+                                  const at::Tensor& like, int64_t root, const char* what) {
+  if (rank != root) {
+    if (!lists.empty() && !lists[0].empty()) {
+      invalid(call, rank,
+              "only the root (rank " + std::to_string(root) + ") passes an " + what + " list");
+    }
+    return {};
+  }
+  if (lists.size() != 1 || lists[0].size() != static_cast<std::size_t>(size)) {
+    invalid(call, rank,
+            std::string("the root's ") + what + " list must hold one tensor per rank (" +
+                std::to_string(size) + ")");
+  }
+  for (const at::Tensor& t : lists[0])
+    check_like(call, rank, t, like, (std::string(what) + " tensor").c_str());
+  return lists[0];
+}
+
 std::size_t bytes_of(const at::Tensor& t) {
   return static_cast<std::size_t>(t.numel()) * t.element_size();
 }
@@ -440,20 +462,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
   check_root(call, rank_, size_, opts.rootRank);
   const bool root = opts.rootRank == rank_;
   const at::Tensor in = inputs[0];
-  std::vector<at::Tensor> outs;
-  if (root) {
-    if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
-      invalid(
-          call, rank_,
-          "the root's output list must hold one tensor per rank (" + std::to_string(size_) + ")");
-    }
-    outs = outputs[0];
-    for (const at::Tensor& o : outs)
-      check_like(call, rank_, o, in, "output tensor");
-  } else if (!outputs.empty() && !outputs[0].empty()) {
-    invalid(call, rank_,
-            "only the root (rank " + std::to_string(opts.rootRank) + ") passes an output list");
-  }
+  const std::vector<at::Tensor> outs =
+      root_list(call, rank_, size_, outputs, in, opts.rootRank, "output");
   at::Tensor flat =
       root ? at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
@@ -479,20 +489,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
   check_root(call, rank_, size_, opts.rootRank);
   const bool root = opts.rootRank == rank_;
   const at::Tensor out = outputs[0];
-  std::vector<at::Tensor> ins;
-  if (root) {
-    if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
-      invalid(
-          call, rank_,
-          "the root's input list must hold one tensor per rank (" + std::to_string(size_) + ")");
-    }
-    ins = inputs[0];
-    for (const at::Tensor& i : ins)
-      check_like(call, rank_, i, out, "input tensor");
-  } else if (!inputs.empty() && !inputs[0].empty()) {
-    invalid(call, rank_,
-            "only the root (rank " + std::to_string(opts.rootRank) + ") passes an input list");
-  }
+  const std::vector<at::Tensor> ins =
+      root_list(call, rank_, size_, inputs, out, opts.rootRank, "input");
   at::Tensor flat =
       root ? at::empty({static_cast<int64_t>(size_) * out.numel()}, out.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
