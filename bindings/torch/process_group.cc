@@ -260,6 +260,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
   if (!async) {
     comm_->settle();  // the group's earlier calls first
     try {
+      at::NoGradGuard no_grad;  // the copies in and out of the tensors are no graph's ops
       body();
     } catch (...) {
       work->fail(std::current_exception());  // wait() rethrows it, as for a call on the engine
@@ -274,6 +275,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
     ForegroundWhileWaited foreground(work->waiters());
     std::exception_ptr error;
     try {
+      at::NoGradGuard no_grad;  // the copies in and out of the tensors are no graph's ops
       body();
     } catch (...) {
       error = std::current_exception();

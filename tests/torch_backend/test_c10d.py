@@ -428,3 +428,15 @@ def test_fsdp_matches_ddp():
     fsdp_train(model)
     got = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_tensors_that_require_grad():
+    """Collectives write tensors that require grad (parameters, say) as torch's backends do:
+    no autograd error, no graph recorded."""
+    p = torch.nn.Parameter(torch.full((5,), float(RANK)))
+    dist.broadcast(p.data, src=0)
+    assert torch.all(p.detach() == 0)
+    out = [torch.zeros(5, requires_grad=True) for _ in range(SIZE)]
+    dist.all_gather(out, torch.full((5,), float(RANK)))
+    assert [o[0].item() for o in out] == [float(r) for r in range(SIZE)]
+    assert all(o.grad_fn is None for o in out)
