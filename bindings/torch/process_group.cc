@@ -245,6 +245,9 @@ ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size)
   }
   check_mpi(MPI_Comm_dup(comm_->mpi_comm(), &p2p_), "torch.distributed (gradcomm): MPI_Comm_dup",
             rank);
+  // Started here, not at the first call: calls may come from several threads at once (autograd's
+  // and the application's), and the engine is made on first use without a lock.
+  comm_->engine();
 }
 
 ProcessGroupGradcomm::~ProcessGroupGradcomm() {
