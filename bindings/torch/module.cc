@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>  // c10::intrusive_ptr as a pybind11 holder
 
 #include "bindings/torch/process_group.h"
+#include "core/progress_engine.h"
 
 namespace py = pybind11;
 using gradcomm::torch_backend::BackendBase;
@@ -22,6 +23,13 @@ PYBIND11_MODULE(GRADCOMM_TORCH_MODULE_NAME, m) {
       .def("algorithm",
            [](ProcessGroupGradcomm& pg) { return pg.communicator().config().algorithm; })
       .def("mpi_rank", [](ProcessGroupGradcomm& pg) { return pg.communicator().rank(); });
+  m.def(
+      "drain",
+      [] {
+        py::gil_scoped_release release;  // the engines may need the GIL to release tensors
+        gradcomm::drain_all_engines();
+      },
+      "Waits until every group's calls have run (at exit, before Python finalizes)");
   m.def(
       "create",
       [](int group_rank, int group_size, const std::vector<int64_t>& global_ranks) {

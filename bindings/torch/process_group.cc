@@ -274,7 +274,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
   }
   auto state = std::make_shared<detail::RequestState>();
   state->call = title;
-  state->work = [work, body = std::move(body)] {
+  state->work = [work, body = std::move(body)]() mutable {
     ForegroundWhileWaited foreground(work->waiters());
     std::exception_ptr error;
     try {
@@ -283,6 +283,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
     } catch (...) {
       error = std::current_exception();
     }
+    // The tensors the body holds go now, before the waiter wakes: released later, a tensor whose
+    // Python object it keeps alive would take the GIL on this thread, and once the program has
+    // returned after its last wait, Python is finalizing and ends such a thread (an abort).
+    body = nullptr;
     // The future's callbacks (DDP's, a comm hook's) run here, on the engine.
     if (error) {
       work->fail(error);

@@ -14,6 +14,7 @@ The compiled backend comes in one module per torch version it was built for
 (``_c10d_torch<major>_<minor>``); the one matching the running torch is loaded.
 """
 
+import atexit
 import importlib
 import inspect
 import os
@@ -80,6 +81,11 @@ def _fill_rendezvous_from_mpi():
         local.Free()
 
 
+def _drain_at_exit():
+    if _module is not None:
+        _module.drain()
+
+
 def _create(options, _backend_options=None):
     """torch's creator (extended API): options has group_rank, group_size and
     global_ranks_in_group (empty for the default group)."""
@@ -94,6 +100,10 @@ def register():
     if NAME.upper() in dist.Backend._plugins:
         return
     _fill_rendezvous_from_mpi()
+    # Calls still running at exit finish before Python finalizes (after it, a progress thread
+    # that releases a tensor's Python object would be ended mid-call), and before mpi4py's exit
+    # handler, registered earlier, finalizes MPI.
+    atexit.register(_drain_at_exit)
     kwargs = {"extended_api": True}
     if "devices" in inspect.signature(dist.Backend.register_backend).parameters:
         # CUDA tensors reach the backend, which names what it takes instead of torch's
