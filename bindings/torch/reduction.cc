@@ -1,6 +1,7 @@
 #include "bindings/torch/reduction.h"
 
 #include <optional>
+#include <utility>
 
 #include "collectives/allreduce.h"
 #include "core/error.h"
@@ -12,23 +13,24 @@ namespace {
   throw Unsupported(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
 }
 
+// gradcomm's dtypes and torch's, one pair each way.
+constexpr std::pair<at::ScalarType, DataType> kDtypes[] = {
+    {at::kFloat, DataType::float32}, {at::kDouble, DataType::float64},
+    {at::kHalf, DataType::float16},  {at::kBFloat16, DataType::bfloat16},
+    {at::kInt, DataType::int32},     {at::kLong, DataType::int64}};
+
 std::optional<DataType> native_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return DataType::float32;
-    case at::kDouble:
-      return DataType::float64;
-    case at::kHalf:
-      return DataType::float16;
-    case at::kBFloat16:
-      return DataType::bfloat16;
-    case at::kInt:
-      return DataType::int32;
-    case at::kLong:
-      return DataType::int64;
-    default:
-      return std::nullopt;
+  for (const auto& [torch_type, dtype] : kDtypes) {
+    if (torch_type == type) return dtype;
   }
+  return std::nullopt;
+}
+
+at::ScalarType scalar_type_of(DataType dtype) {
+  for (const auto& [torch_type, ours] : kDtypes) {
+    if (ours == dtype) return torch_type;
+  }
+  return at::kFloat;  // not reached: every DataType has its pair
 }
 
 const char* op_name(const c10d::ReduceOp& op) {
@@ -54,24 +56,6 @@ const char* op_name(const c10d::ReduceOp& op) {
     default:
       return "an unknown op";
   }
-}
-
-at::ScalarType scalar_type_of(DataType dtype) {
-  switch (dtype) {
-    case DataType::float32:
-      return at::kFloat;
-    case DataType::float64:
-      return at::kDouble;
-    case DataType::float16:
-      return at::kHalf;
-    case DataType::bfloat16:
-      return at::kBFloat16;
-    case DataType::int32:
-      return at::kInt;
-    case DataType::int64:
-      return at::kLong;
-  }
-  return at::kFloat;
 }
 
 }  // namespace
