@@ -74,6 +74,8 @@ class Communicator {
   // advances it. Every rank advances it in the same order, so it can drive decisions that must
   // agree across ranks (the rotating root of `flat`).
   std::uint64_t next_sequence() { return sequence_++; }
+  // The number the next call will get, without taking it.
+  std::uint64_t peek_sequence() const { return sequence_; }
 
   // A reusable, 64-byte aligned scratch buffer of at least `bytes`. Slots are independent; a slot
   // only grows. The pointer stays valid until the next call for the same slot with more bytes.

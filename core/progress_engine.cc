@@ -54,6 +54,14 @@ ForegroundWhileWaited::~ForegroundWhileWaited() {
   t_waiters = previous_;
 }
 
+ProgressThreadScope::ProgressThreadScope() : previous_(t_progress_thread) {
+  t_progress_thread = true;
+}
+
+ProgressThreadScope::~ProgressThreadScope() {
+  t_progress_thread = previous_;
+}
+
 ProgressEngine::ProgressEngine(int poll_us) : poll_us_(poll_us) {
   thread_ = std::thread([this] { loop(); });
   std::lock_guard<std::mutex> lock(registry_mutex());

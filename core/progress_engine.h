@@ -80,6 +80,20 @@ class ForegroundWhileWaited {
   const std::atomic<int>* previous_;
 };
 
+// Marks the calling thread as a progress thread for the life of the object (on_progress_thread()
+// is then true there): for a background thread of gradcomm's that is not a ProgressEngine's, the
+// negotiation thread (packing/negotiator.h).
+class ProgressThreadScope {
+ public:
+  ProgressThreadScope();
+  ~ProgressThreadScope();
+  ProgressThreadScope(const ProgressThreadScope&) = delete;
+  ProgressThreadScope& operator=(const ProgressThreadScope&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // Waits until every progress engine of the process has run what was submitted to it: what
 // gradcomm::finalize and the start of MPI_Finalize do, so no request calls MPI after it.
 void drain_all_engines();

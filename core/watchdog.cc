@@ -402,6 +402,11 @@ void Recorder::begin(const Record& call) {
   running_ = true;
 }
 
+void Recorder::update(const Record& call) {
+  std::lock_guard lock(mutex_);
+  if (running_ && calls_ > 0) entries_[(calls_ - 1) % kDepth].call = call;
+}
+
 void Recorder::end(bool ok) {
   const double t = now_seconds();
   std::lock_guard lock(mutex_);

@@ -47,6 +47,8 @@ class Recorder {
   Recorder(int rank, int size, int timeout_seconds, std::uint64_t id, std::vector<Endpoint> peers);
 
   void begin(const Record& call);
+  // Rewrites the running call's record (what it waits for changed), keeping when it started.
+  void update(const Record& call);
   void end(bool ok);
 
   // This rank's lines for the merged report (newest call first).

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings/python/negotiation.h"
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
 #include "collectives/exchange.h"
@@ -557,7 +558,9 @@ PYBIND11_MODULE(_gradcomm, m) {
   m.doc() = "gradcomm: gradient all-reduce for data-parallel training (compiled core)";
 
   static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
-  static py::exception<InvalidArgument> invalid_argument(m, "InvalidArgument", error.ptr());
+  // Also a ValueError, the type Python code (and Horovod code) catches for bad arguments.
+  static py::exception<InvalidArgument> invalid_argument(
+      m, "InvalidArgument", py::make_tuple(error, py::handle(PyExc_ValueError)));
   static py::exception<Unsupported> unsupported(m, "Unsupported", error.ptr());
   static py::exception<CommError> comm_error(m, "CommError", error.ptr());
   static py::exception<MismatchError> mismatch_error(m, "MismatchError", error.ptr());
@@ -612,9 +615,13 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("_broadcast_bytes_ptr", &PyCommunicator::broadcast_bytes_ptr)
       .def("_grouped_allreduce_async_ptrs", &PyCommunicator::grouped_allreduce_async_ptrs)
       .def("_broadcast_async_ptr", &PyCommunicator::broadcast_async_ptr)
+      .def("_negotiator",
+           [](PyCommunicator& self) { return make_negotiator(self.get()); },
+           "A negotiator over this communicator (collective): gradcomm.torch's calls by name")
       .def("_bench_allreduce", &PyCommunicator::bench_allreduce, py::arg("array"),
            py::arg("iterations"), py::arg("op") = "sum", py::arg("algorithm") = py::none());
 
+  bind_negotiation(m);
   py::class_<PyRequest>(m, "Request")
       .def("wait", &PyRequest::wait, "Blocks (GIL released) until done; returns the result")
       .def("done", &PyRequest::done, "True once finished; never blocks");
