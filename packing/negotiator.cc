@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #include "collectives/broadcast.h"
@@ -171,6 +172,55 @@ void fill_neutral(std::byte* p, std::size_t count, DataType dtype, ReduceOp op) 
   }
 }
 
+// Horovod's ScaleBuffer: output[i] = factor * input[i], in the arithmetic negotiator.h states.
+void scale(void* data, std::size_t count, DataType dtype, double factor) {
+  if (factor == 1.0 || count == 0) return;
+  const auto f = static_cast<float>(factor);
+  auto integers = [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    constexpr double lo = static_cast<double>(std::numeric_limits<T>::min());
+    constexpr double hi = static_cast<double>(std::numeric_limits<T>::max());
+    for (std::size_t i = 0; i < count; ++i) {
+      const double v = factor * static_cast<double>(p[i]);  // truncated toward zero below
+      p[i] = v <= lo ? std::numeric_limits<T>::min()
+             : v >= hi ? std::numeric_limits<T>::max()
+                       : static_cast<T>(v);
+    }
+  };
+  switch (dtype) {
+    case DataType::float32: {
+      auto* p = static_cast<float*>(data);
+      for (std::size_t i = 0; i < count; ++i) p[i] = f * p[i];
+      break;
+    }
+    case DataType::float64: {
+      auto* p = static_cast<double*>(data);
+      for (std::size_t i = 0; i < count; ++i) p[i] = factor * p[i];
+      break;
+    }
+    case DataType::float16: {
+      auto* p = static_cast<std::uint16_t*>(data);
+      for (std::size_t i = 0; i < count; ++i) {
+        p[i] = float_to_half_bits(f * half_bits_to_float(p[i]));
+      }
+      break;
+    }
+    case DataType::bfloat16: {
+      auto* p = static_cast<std::uint16_t*>(data);
+      for (std::size_t i = 0; i < count; ++i) {
+        p[i] = float_to_bfloat16_bits(f * bfloat16_bits_to_float(p[i]));
+      }
+      break;
+    }
+    case DataType::int32:
+      integers(static_cast<std::int32_t*>(data));
+      break;
+    case DataType::int64:
+      integers(static_cast<std::int64_t*>(data));
+      break;
+  }
+}
+
 }  // namespace
 
 struct Negotiator::Offer {
@@ -181,6 +231,8 @@ struct Negotiator::Offer {
   ReduceOp op{};
   int root = -1;
   bool sized_by_root = false;
+  std::string algorithm;
+  std::uint64_t fusion_threshold = 0;
   std::vector<std::uint64_t> splits;
   std::uint64_t cycle = 0;  // when it arrived
 };
@@ -336,6 +388,8 @@ bool Negotiator::cycle() {
     w.put(static_cast<std::int32_t>(c.op));
     w.put(static_cast<std::int32_t>(c.root));
     w.put(static_cast<std::uint8_t>(c.sized_by_root));
+    w.put(c.algorithm);
+    w.put(static_cast<std::uint64_t>(c.fusion_threshold));
     w.put(static_cast<std::uint32_t>(c.splits.size()));
     for (std::uint64_t v : c.splits) w.put(v);
   }
@@ -389,6 +443,8 @@ bool Negotiator::cycle() {
       o.op = ReduceOp{in.get<std::int32_t>()};
       o.root = in.get<std::int32_t>();
       o.sized_by_root = in.get<std::uint8_t>() != 0;
+      o.algorithm = in.text();
+      o.fusion_threshold = in.get<std::uint64_t>();
       o.splits.resize(in.get<std::uint32_t>());
       for (auto& v : o.splits) v = in.get<std::uint64_t>();
       o.cycle = cycles_;
@@ -405,10 +461,7 @@ bool Negotiator::cycle() {
   }
 
   // Joined ranks: those whose join is pending.
-  std::vector<bool> joined(n, false);
-  if (auto it = table_.find("join"); it != table_.end()) {
-    for (std::size_t r = 0; r < n; ++r) joined[r] = it->second->offers[r].has_value();
-  }
+  const std::vector<bool> joined = joined_ranks();
   std::vector<Entry*> ready;
   for (auto& [name, entry] : table_) {
     const bool is_join = first_offer(*entry).kind == NegotiatedKind::join;
@@ -419,7 +472,8 @@ bool Negotiator::cycle() {
     if (complete) ready.push_back(entry.get());
   }
   std::sort(ready.begin(), ready.end(), [](const Entry* a, const Entry* b) {
-    const bool ja = a->name == "join", jb = b->name == "join";
+    const bool ja = first_offer(*a).kind == NegotiatedKind::join;
+    const bool jb = first_offer(*b).kind == NegotiatedKind::join;
     return ja != jb ? jb : a->order < b->order;  // join last
   });
 
@@ -429,8 +483,12 @@ bool Negotiator::cycle() {
       recording_ = false;
     }
     run_ready(ready);
-  } else if (total == 0 && !table_.empty() &&
-             std::all_of(stuck.begin(), stuck.end(), [](bool s) { return s; })) {
+  } else if (total == 0 && !table_.empty() && [&] {
+               for (std::size_t r = 0; r < n; ++r) {
+                 if (!stuck[r] && !joined[r]) return false;
+               }
+               return true;
+             }()) {
     // Every rank waits (or has joined, or shuts down) and nothing can run: it never will.
     std::string report =
         "negotiation: every rank is waiting and no operation can run, since no name was "
@@ -453,6 +511,15 @@ bool Negotiator::cycle() {
   std::unique_lock<std::mutex> lock(mutex_);
   wake_.wait_for(lock, interval, [&] { return !outbox_.empty() || (closing_ && !(flags & kClosing)); });
   return true;
+}
+
+std::vector<bool> Negotiator::joined_ranks() const {
+  std::vector<bool> joined(static_cast<std::size_t>(size_), false);
+  for (const auto& [name, entry] : table_) {
+    if (first_offer(*entry).kind != NegotiatedKind::join) continue;
+    for (std::size_t r = 0; r < joined.size(); ++r) joined[r] = entry->offers[r].has_value();
+  }
+  return joined;
 }
 
 std::string Negotiator::who_submitted(const Entry& entry) const {
@@ -484,10 +551,6 @@ void Negotiator::fail_everything(const std::string& why) {
 
 void Negotiator::run_ready(std::vector<Entry*>& ready) {
   // Signatures first: one name must mean one operation on every rank that submitted it.
-  std::vector<bool> joined(static_cast<std::size_t>(size_), false);
-  if (auto it = table_.find("join"); it != table_.end()) {
-    for (int r = 0; r < size_; ++r) joined[static_cast<std::size_t>(r)] = it->second->offers[static_cast<std::size_t>(r)].has_value();
-  }
   for (Entry* e : ready) {
     const Offer* first = nullptr;
     int first_rank = -1;
@@ -540,7 +603,9 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
       for (std::size_t j = i; j < ready.size(); ++j) {
         if (taken[j] || ready[j]->error) continue;
         const Offer* f = &first_offer(*ready[j]);
-        if (f->kind == NegotiatedKind::allreduce && f->dtype == first->dtype && f->op == first->op) {
+        if (f->kind == NegotiatedKind::allreduce && f->dtype == first->dtype &&
+            f->op == first->op && f->algorithm == first->algorithm &&
+            f->fusion_threshold == first->fusion_threshold) {
           group.push_back(ready[j]);
           taken[j] = true;
         }
@@ -563,7 +628,7 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
   for (Entry* e : ready) table_.erase(e->name);
 }
 
-void Negotiator::run_allreduces(std::vector<Entry*>& group) {
+void Negotiator::run_allreduces(const std::vector<Entry*>& group) {
   std::vector<packing::TensorDesc> tensors;
   std::vector<std::shared_ptr<NegotiatedState>> states;
   std::size_t stand_in_bytes = 0;
@@ -599,7 +664,12 @@ void Negotiator::run_allreduces(std::vector<Entry*>& group) {
   std::exception_ptr error;
   try {
     ForegroundWhileWaited foreground(&waiters_);
-    grouped_allreduce(*data_, tensors, first->op);
+    for (auto& s : states) scale(s->call.data, s->call.count, s->call.dtype, s->call.prescale);
+    GroupedAllreduceOptions options;
+    options.algorithm = first->algorithm;
+    if (first->fusion_threshold) options.fusion_threshold = first->fusion_threshold;
+    grouped_allreduce(*data_, tensors, first->op, options);
+    for (auto& s : states) scale(s->call.data, s->call.count, s->call.dtype, s->call.postscale);
   } catch (...) {
     error = std::current_exception();
   }

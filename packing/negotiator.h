@@ -58,6 +58,13 @@ struct NegotiatedCall {
   DataType dtype = DataType::float32;
   ReduceOp op = ReduceOp::sum;
   int root = -1;
+  // allreduce: this rank's tensor is multiplied by `prescale` before the reduction and by
+  // `postscale` after it, on the negotiation thread, with Horovod's arithmetic (float32 and
+  // float16 in float32 with the factor rounded to float, float64 in double, integers in double
+  // truncated toward zero; bfloat16 as float16).
+  double prescale = 1.0, postscale = 1.0;
+  std::string algorithm;  // allreduce: empty for Config::algorithm
+  std::size_t fusion_threshold = 0;  // allreduce: bucket bytes, 0 for Config::fusion_threshold
   // broadcast: the receivers do not know the size; the root's `count` decides, and the bytes
   // land in the result (the root's stay at `data`).
   bool sized_by_root = false;
@@ -108,11 +115,12 @@ class Negotiator {
   bool cycle();  // false once every rank has closed
   void run_ready(std::vector<Entry*>& ready);
   void run_one(Entry& entry, NegotiatedState* mine);
-  void run_allreduces(std::vector<Entry*>& group);
+  void run_allreduces(const std::vector<Entry*>& group);
   void fail_everything(const std::string& why);
   void finish(NegotiatedState& state, std::exception_ptr error);
   void note_wait(bool waiting_on_pending);
   std::string who_submitted(const Entry& entry) const;
+  std::vector<bool> joined_ranks() const;  // ranks whose join is pending
 
   const int rank_, size_;
   std::unique_ptr<Communicator> data_;  // the operations run here

@@ -64,7 +64,9 @@ class PyNegotiator {
   PyNegotiated submit(const std::string& name, const std::string& kind,
                       const std::string& signature, std::uintptr_t data, std::uint64_t count,
                       std::optional<std::string> dtype, std::optional<std::string> op, int root,
-                      bool sized_by_root, std::vector<std::uint64_t> splits) {
+                      bool sized_by_root, std::vector<std::uint64_t> splits, double prescale,
+                      double postscale, std::string algorithm,
+                      std::size_t fusion_threshold) {
     const int rank = negotiator_->rank();
     NegotiatedCall call;
     call.name = name;
@@ -91,6 +93,10 @@ class PyNegotiator {
     call.root = root;
     call.sized_by_root = sized_by_root;
     call.splits = std::move(splits);
+    call.prescale = prescale;
+    call.postscale = postscale;
+    call.algorithm = std::move(algorithm);
+    call.fusion_threshold = fusion_threshold;
     return PyNegotiated(negotiator_, negotiator_->submit(std::move(call)));
   }
 
@@ -117,7 +123,9 @@ void bind_negotiation(py::module_& m) {
       .def("submit", &PyNegotiator::submit, py::arg("name"), py::arg("kind"),
            py::arg("signature"), py::arg("data") = 0, py::arg("count") = 0,
            py::arg("dtype") = py::none(), py::arg("op") = py::none(), py::arg("root") = -1,
-           py::arg("sized_by_root") = false, py::arg("splits") = std::vector<std::uint64_t>{})
+           py::arg("sized_by_root") = false, py::arg("splits") = std::vector<std::uint64_t>{},
+           py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("algorithm") = "",
+           py::arg("fusion_threshold") = 0)
       .def("close", &PyNegotiator::close);
 }
 

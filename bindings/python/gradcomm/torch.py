@@ -22,6 +22,7 @@ raises NotImplementedError or InvalidArgument naming it; nothing silently does
 something else. docs/coming-from-horovod.md lists the differences.
 """
 
+import atexit
 import contextlib
 import itertools
 import math
@@ -35,11 +36,10 @@ from mpi4py import MPI
 
 from . import CommError, Error, InvalidArgument, MismatchError, Unsupported, world
 from . import init as _init
-from . import is_initialized, local_rank, local_size, rank, shutdown, size  # noqa: F401
+from . import is_initialized, local_rank, local_size, rank, size  # noqa: F401
+from . import shutdown as _shutdown
 from . import _gradcomm
-from ._torch_common import (DTYPES, GradientReducer, JoinControl, broadcast_coalesced,
-                            check_tensor, neutral,
-                            grad_accumulator)
+from ._torch_common import DTYPES, GradientReducer, JoinControl, check_tensor, grad_accumulator
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -59,14 +59,16 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "allgather", "allgather_async",
     "synchronize", "poll", "barrier", "join", "broadcast_object", "allgather_object",
+    "alltoall", "alltoall_async",
     "broadcast_parameters", "broadcast_optimizer_state",
     # training
     "DistributedOptimizer", "DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
     "bf16_compress_hook",
     # errors (gradcomm's)
     "Error", "InvalidArgument", "Unsupported", "CommError", "MismatchError",
+    "HorovodInternalError",
     # refused
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "alltoall",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "reducescatter", "SyncBatchNorm", "elastic",
 ]
 
@@ -147,7 +149,9 @@ def init(comm=None, process_sets=None):
         group.Free()
         if comm == MPI.COMM_NULL:
             return None  # this rank is not in the list
-    return _init(comm)
+    c = _init(comm)
+    _negotiator(c)  # collective: here, while no call is in flight on any rank
+    return c
 
 
 def cross_rank():
@@ -278,26 +282,103 @@ class Compression:
     bf16 = BF16Compressor
 
 
-# ---- join: ranks out of data stand in for the others' collectives --------------------------------
-# Every collective on the world communicator first runs one JoinControl round (a small int64
-# all-reduce): the ranks still training send what they are about to call, a rank inside join()
-# sends zeros and then stands in for that call with neutral data (zeros for Sum and Average, as
-# in Horovod, so Average still divides by every rank). Stood in for: allreduce in every form,
-# grouped allreduce, barrier and DistributedOptimizer steps; any other call made while a rank
-# has joined raises on every rank, the joined ones included.
-#
-# An async all-reduce's round is non-blocking (the ranks still training need nothing back), so
-# async calls stay asynchronous; a blocking call's round blocks (cheaper than a request). After
-# a grouped call's round the joined ranks are sent the list of tensors, and a
-# DistributedOptimizer step that finds a rank joined holds its buckets until step() (a second
-# round), so that the joined rank stands in for them at the same point.
-# While a rank has joined, collectives that make no round (gradcomm's own API, mpi4py) are not
-# seen by it: they wait until the watchdog ends the job.
-(_KIND_ALLREDUCE, _KIND_GROUPED, _KIND_BARRIER, _KIND_STEP, _KIND_STEP_GO,
- _KIND_OTHER) = 1, 2, 3, 4, 5, 6
-_DTYPE_NAMES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
-_TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
-_OP_NAMES = ["sum", "average", "min", "max", "product"]
+# ---- negotiation: calls matched by name, as Horovod matches them --------------------------------
+# Every collective below (allreduce, grouped allreduce, broadcast, allgather, alltoall, barrier,
+# join and the object calls) is submitted by name to its communicator's negotiator
+# (packing/negotiator.h), where Horovod submits to its background thread: ranks may make the
+# calls in different orders; each runs once every rank has submitted its name, all-reduces that
+# become ready together fused. Names are Horovod's: "<kind>.<name>"; a call without one is the
+# k-th unnamed call of its kind ("<kind>.noname.<k>"); barrier and join have fixed names. Signatures (kind,
+# dtype, shape, op, root, scale factors) are compared across ranks: a name that means different
+# things on different ranks fails on every rank, and when every rank waits for names the others
+# never submit, every pending call fails, naming who submitted what.
+_negotiators = {}  # id(communicator) -> (communicator, its negotiator)
+_next_handle = itertools.count(1)
+
+
+def _negotiator(c):
+    entry = _negotiators.get(id(c))
+    if entry is None or entry[0] is not c:
+        if c.size() > 1 and not mpi_threads_supported():
+            raise Unsupported("gradcomm.torch: its background thread needs MPI at "
+                              "MPI_THREAD_MULTIPLE; MPI was initialized at a lower level "
+                              "(initialize it through gradcomm or mpi4py's default, which asks "
+                              "for MPI_THREAD_MULTIPLE)")
+        entry = _negotiators[id(c)] = (c, c._negotiator())
+    return entry[1]
+
+
+def _close_negotiators():
+    """Collective: each negotiator stops once every rank has closed it."""
+    for _, n in list(_negotiators.values()):
+        n.close()
+    _negotiators.clear()
+
+
+# Runs before gradcomm's own exit handler (registered when gradcomm was imported, earlier).
+atexit.register(_close_negotiators)
+
+
+def shutdown():
+    """Stops the negotiation (collective) and frees gradcomm's communicators; handles still
+    pending are dropped and names start over, as in Horovod."""
+    global _next_handle, _joins
+    _close_negotiators()
+    _handles.clear()
+    _unnamed.clear()
+    _joins = 0
+    _next_handle = itertools.count(1)
+    _shutdown()
+
+
+_unnamed = {}  # (id(communicator), kind) -> unnamed calls of that kind made so far
+# join() calls so far: a joined rank makes no calls while the others go on, so unnamed calls
+# count afresh after each join (every rank calls join once per round).
+_joins = 0
+
+
+def _op_name(prefix, name, c):
+    """Horovod's "<kind>.<name>"; an unnamed call is "<kind>.noname.<k>" for the k-th unnamed
+    call of its kind on the communicator (Horovod numbers it with the handle, which counts every
+    call: unnamed calls then match only when every rank makes all its calls, named ones
+    included, in the same order)."""
+    if name is not None:
+        return f"{prefix}.{name}"
+    key = (id(c), prefix)
+    _unnamed[key] = k = _unnamed.get(key, 0) + 1
+    return f"{prefix}.noname.{_joins}.{k}" if _joins else f"{prefix}.noname.{k}"
+
+
+class HorovodInternalError(Error):
+    """Horovod's error for a collective that failed (a RuntimeError), raised by synchronize()
+    and the blocking calls. It is also of the gradcomm class of the failure: a mismatch between
+    ranks is a gradcomm.MismatchError as well."""
+
+
+_internal_classes = {}
+
+
+def _internal(e):
+    if isinstance(e, HorovodInternalError):
+        return e
+    cls = type(e)
+    made = _internal_classes.get(cls)
+    if made is None:
+        made = _internal_classes[cls] = type(cls.__name__, (HorovodInternalError, cls),
+                                             {"__module__": __name__})
+    return made(str(e))
+
+
+# ---- join: ranks out of data stand in for the others' collectives -------------------------------
+# A rank that calls join() submits the name "join.noname"; until every rank has submitted it the
+# negotiator takes part for that rank in the other ranks' all-reduces (with zeros for Sum and
+# Average, so Average still divides by every rank, and the neutral value for Min, Max, Product),
+# allgathers (with no rows), broadcasts and barriers. join() meanwhile stands in for the steps of
+# DistributedOptimizer, whose reducer runs in call order on the world communicator: each step
+# makes one JoinControl round there (a small int64 all-reduce) at its first gradient, and a step
+# that finds a rank joined holds its buckets until step() (a second round), where the joined
+# rank stands in for them.
+_KIND_STEP, _KIND_STEP_GO = 4, 5
 _control = {}  # id(world communicator) -> JoinControl
 # DistributedOptimizer id -> the optimizer, for the stand-in of its steps (weak: an optimizer
 # the script dropped is freed). Ids count in creation order, the same on every rank.
@@ -305,31 +386,14 @@ _optimizers = weakref.WeakValueDictionary()
 _next_optimizer = itertools.count(1)
 
 
-def _code(names, name):
-    return 0 if name is None else names.index(name) + 1
-
-
-_algorithm_list = []
-
-
-def _algorithms():
-    if not _algorithm_list:
-        _algorithm_list.extend(["auto"] + sorted(_gradcomm.algorithm_names()))
-    return _algorithm_list
-
-
-def _algorithm_code(algorithm, call):
-    """0 for None. An unknown name is refused here, before the round, on every rank alike."""
+def _algorithm_checked(algorithm, call):
+    """The algorithm's name ("" for the default). An unknown name is refused before submission."""
     if algorithm is None:
-        return 0
-    names = _algorithms()
+        return ""
+    names = ["auto"] + sorted(_gradcomm.algorithm_names())
     if algorithm not in names:
         raise InvalidArgument(f"{call}: unknown algorithm {algorithm!r} (one of {names})")
-    return names.index(algorithm) + 1
-
-
-def _algorithm_of(code):
-    return _algorithms()[code - 1] if code else None
+    return algorithm
 
 
 def _join_off():
@@ -338,7 +402,7 @@ def _join_off():
 
 def _join_control(c):
     """The world communicator's JoinControl, or None (another communicator, one rank, or join
-    switched off with GRADCOMM_JOIN=0, which saves the round on every call)."""
+    switched off with GRADCOMM_JOIN=0, which saves the round of every optimizer step)."""
     if c.size() == 1 or c is not world() or _join_off():
         return None
     control = _control.get(id(c))
@@ -347,85 +411,36 @@ def _join_control(c):
     return control
 
 
-def _joined_error(call, joined):
-    return NotImplementedError(
-        f"{call}: ranks {joined} have joined (hvd.join); while a rank stands in for the others "
-        "only allreduce, grouped allreduce, barrier and DistributedOptimizer steps continue")
-
-
-def _require_threads(c, call):
-    """Async calls need MPI_THREAD_MULTIPLE: refused before the round, on every rank alike."""
-    if c.size() > 1 and not mpi_threads_supported():
-        raise Unsupported(f"{call}: non-blocking calls need MPI at MPI_THREAD_MULTIPLE; MPI was "
-                          "initialized at a lower level (initialize it through gradcomm or "
-                          "mpi4py's default, which asks for MPI_THREAD_MULTIPLE)")
-
-
-def _checkpoint(c, call, kind, *fields, asynchronous=False):
-    """Run by every collective on the world communicator before it communicates, once the call
-    has passed every local check. Returns the ranks still training (None where no round runs,
-    or for an async all-reduce's round, which does not wait for its answer)."""
+def _step_round(c, call, kind, optimizer_id):
+    """A DistributedOptimizer step's round; returns the ranks still training (None: no round)."""
     control = _join_control(c)
     if control is None:
         return None
-    if kind == _KIND_ALLREDUCE and asynchronous:
-        control.post((kind, *fields))
-        return None
-    active, _ = control.exchange(True, (kind, *fields))
-    if len(active) < c.size() and kind == _KIND_OTHER:
-        raise _joined_error(call, [r for r in range(c.size()) if r not in active])
+    active, _ = control.exchange(True, (kind, optimizer_id))
     return active
-
-
-def _share_group(c, active, counts, dtypes):
-    """After a grouped call's round, when some rank has joined: the lowest rank still training
-    sends the list of counts and dtypes to every rank (the joined ones need it)."""
-    if active is None or len(active) == c.size():
-        return
-    layout = torch.tensor([v for n, d in zip(counts, dtypes) for v in (n, _code(_DTYPE_NAMES, d))],
-                          dtype=torch.int64)
-    c._broadcast_ptr(layout.data_ptr(), layout.numel(), "int64", min(active))
 
 
 def join(device=-1):
     """Call when this rank has run out of data: until every rank has called it, this rank
     stands in for the others' allreduces (contributing zeros to Sum and Average, the neutral
-    value to Min, Max and Product), grouped allreduces, barriers and DistributedOptimizer steps.
-    Returns the rank of the last rank to join (the highest, when several joined last)."""
+    value to Min, Max and Product), grouped allreduces, allgathers (no rows), broadcasts,
+    barriers and DistributedOptimizer steps. Returns the rank that joined last (of several that
+    joined in the same cycle, the highest), as Horovod."""
     c = world()
     if _join_off():
-        raise NotImplementedError("join: switched off by GRADCOMM_JOIN=0 (the calls made no join "
-                                  "round); unset it on every rank to use join")
+        raise NotImplementedError("join: switched off by GRADCOMM_JOIN=0 (optimizer steps made no "
+                                  "join round); unset it on every rank to use join")
+    handle = next(_next_handle)
+    state = _negotiator(c).submit("join.noname", "join", "join")
+    pending = _register(handle, [state], state.last_joined, ())
     control = _join_control(c)
-    if control is None:
-        return c.rank()
-    joined_at = control.rounds  # every rank counts the same rounds
     try:
-        while True:
+        while control is not None:
             active, d = control.exchange(False)
             if not active:
-                # The last to join: the latest first round in join(), the highest rank of those.
-                key = torch.tensor([joined_at * c.size() + c.rank()], dtype=torch.int64)
-                c._allreduce_ptr(key.data_ptr(), key.data_ptr(), 1, "int64", "max", None)
-                return int(key.item()) % c.size()
+                break
             kind = d[0]
-            if kind == _KIND_ALLREDUCE:
-                dtype, count = _DTYPE_NAMES[d[1] - 1], d[2]
-                op, algorithm = _OP_NAMES[d[3] - 1], _algorithm_of(d[4])
-                t = neutral(op, _TORCH_DTYPES[dtype], count)
-                c._allreduce_ptr(t.data_ptr(), t.data_ptr(), count, dtype, op, algorithm)
-            elif kind == _KIND_GROUPED:
-                n, op, algorithm = d[1], _OP_NAMES[d[2] - 1], _algorithm_of(d[3])
-                layout = torch.empty(2 * n, dtype=torch.int64)
-                c._broadcast_ptr(layout.data_ptr(), layout.numel(), "int64", min(active))
-                pairs = layout.tolist()
-                dtypes = [_DTYPE_NAMES[code - 1] for code in pairs[1::2]]
-                tensors = [neutral(op, _TORCH_DTYPES[dt], k) for k, dt in zip(pairs[0::2], dtypes)]
-                c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], pairs[0::2], dtypes, op,
-                                          algorithm, d[4] - 1 if d[4] else None)
-            elif kind == _KIND_BARRIER:
-                c._barrier()
-            elif kind == _KIND_STEP:
+            if kind == _KIND_STEP:
                 pass  # announced at the step's first gradient; stood in for at its STEP_GO
             elif kind == _KIND_STEP_GO:
                 optimizer = _optimizers.get(d[1])
@@ -434,8 +449,6 @@ def join(device=-1):
                                           f"DistributedOptimizer #{d[1]}, which this rank does "
                                           "not hold")
                 optimizer._gradcomm_stand_in()
-            elif kind == _KIND_OTHER:
-                raise _joined_error("join", [r for r in range(c.size()) if r not in active])
             else:
                 raise RuntimeError(f"join: the ranks still training made a call hvd.join cannot "
                                    f"stand in for (round kind {kind}: DistributedDataParallel's "
@@ -444,25 +457,29 @@ def join(device=-1):
         for optimizer in list(_optimizers.values()):  # a part-spent accumulation starts over
             optimizer._gradcomm_delay = [optimizer._gradcomm_passes] * \
                 len(optimizer._gradcomm_params)
+    last = synchronize(pending)
+    global _joins
+    _joins += 1
+    for key in [k for k in _unnamed if k[0] == id(c)]:
+        del _unnamed[key]
+    return last
 
 
 # ---- handles ---------------------------------------------------------------------------------
 _handles = {}
-_next_handle = itertools.count(1)
 
 
 class _Pending:
-    __slots__ = ("request", "finish", "keep")
+    __slots__ = ("states", "finish", "keep")
 
-    def __init__(self, request, finish, keep):
-        self.request = request
-        self.finish = finish  # called once the request is done; returns the result
-        self.keep = keep      # tensors whose memory the request uses
+    def __init__(self, states, finish, keep):
+        self.states = states  # the negotiated operations behind the handle
+        self.finish = finish  # called once they are done; returns the result
+        self.keep = keep      # tensors whose memory they use
 
 
-def _register(request, finish, keep):
-    handle = next(_next_handle)
-    _handles[handle] = _Pending(request, finish, keep)
+def _register(handle, states, finish, keep):
+    _handles[handle] = _Pending(states, finish, keep)
     return handle
 
 
@@ -475,31 +492,32 @@ def _pending(handle, call):
 
 
 def poll(handle):
-    """True once the call behind `handle` has finished (never blocks)."""
-    return _pending(handle, "poll").request.done()
+    """True once the call behind `handle` has finished, with or without an error (never
+    blocks). A handle not in flight is a ValueError, as in Horovod."""
+    try:
+        return all(s.done() for s in _pending(handle, "poll").states)
+    except Error as e:
+        if isinstance(e, InvalidArgument) and handle not in _handles:
+            raise
+        return True  # finished with an error: synchronize() raises it
 
 
 def synchronize(handle):
-    """Waits for the call behind `handle` and returns its result (a tensor, or a list for the
-    grouped calls). Raises the call's error. A handle not in flight gives None (as Horovod)."""
+    """Waits for the call behind `handle` and returns its result (a tensor; a list for the
+    grouped calls; (output, received_splits) for alltoall). A failed call raises
+    HorovodInternalError. A handle not in flight gives None (as Horovod)."""
     if handle not in _handles:
         return None
-    pending = _handles[handle]
-    try:
-        pending.request.wait()
-    finally:
-        del _handles[handle]
+    pending = _handles.pop(handle)
+    error = None
+    for s in pending.states:  # every one, even after an error: they use pending.keep's memory
+        try:
+            s.wait()
+        except Error as e:
+            error = error or e
+    if error is not None:
+        raise _internal(error) from error
     return pending.finish()
-
-
-def _scale_(tensor, factor):
-    if factor == 1.0:
-        return
-    with torch.no_grad():
-        if tensor.dtype.is_floating_point:
-            tensor.mul_(factor)
-        else:  # as Horovod: in double, truncated back toward zero
-            tensor.copy_(tensor.to(torch.float64).mul_(factor))
 
 
 def _comm(comm):
@@ -507,27 +525,39 @@ def _comm(comm):
 
 
 # ---- all-reduce --------------------------------------------------------------------------------
+_WIRE_OPS = {"sum": "sum", "average": "sum", "min": "min", "max": "max", "product": "prod"}
+
+
+def _submit_allreduce(c, tensor, name, opname, prescale, postscale, algorithm, fusion_threshold):
+    """Submits an in-place all-reduce of `tensor` (checked, contiguous). As Horovod: Average is a
+    Sum whose postscale factor is divided by the rank count; the factors apply on the
+    negotiation thread, in Horovod's arithmetic."""
+    dtype = DTYPES[tensor.dtype]
+    post = postscale / c.size() if opname == "average" else postscale
+    signature = (f"allreduce {dtype} {list(tensor.shape)} {opname}, factors "
+                 f"({float(prescale)!r}, {float(postscale)!r})" +
+                 (f", algorithm {algorithm}" if algorithm else ""))
+    threshold = 0 if fusion_threshold is None else max(1, int(fusion_threshold))
+    return _negotiator(c).submit(name, "allreduce", signature, tensor.data_ptr(), tensor.numel(),
+                                 dtype, _WIRE_OPS[opname], prescale=float(prescale),
+                                 postscale=float(post), algorithm=algorithm,
+                                 fusion_threshold=threshold)
+
+
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                      comm=None):
-    """Starts an in-place all-reduce of `tensor`; returns a handle for synchronize()/poll().
-    Calls run in the order they are made, on every rank."""
+    """Starts an in-place all-reduce of `tensor`; returns a handle for synchronize()/poll()."""
     call = "allreduce_async_"
     _check_process_set(process_set, call)
-    dtype = check_tensor(tensor, call, writes=True)
+    check_tensor(tensor, call, writes=True)
     opname = _resolve_op(op, average, call)
+    algorithm = _algorithm_checked(algorithm, call)
     c = _comm(comm)
-    _require_threads(c, call)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call),
-                asynchronous=True)
-    _scale_(tensor, prescale_factor)
-    ptr = tensor.data_ptr()
-    request = c._allreduce_async_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
-
-    def finish():
-        _scale_(tensor, postscale_factor)
-        return tensor
-    return _register(request, finish, (tensor,))
+    handle = next(_next_handle)
+    state = _submit_allreduce(c, tensor, _op_name("allreduce", name, c), opname,
+                              prescale_factor, postscale_factor, algorithm, None)
+    return _register(handle, [state], lambda: tensor, (tensor,))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -536,74 +566,41 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     """Starts an all-reduce of `tensor` into a new tensor (synchronize() returns it)."""
     call = "allreduce_async"
     _check_process_set(process_set, call)
-    dtype = check_tensor(tensor, call)
-    opname = _resolve_op(op, average, call)
-    c = _comm(comm)
-    _require_threads(c, call)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call),
-                asynchronous=True)
-    src = tensor.detach()
-    if prescale_factor != 1.0:
-        src = src.clone()
-        _scale_(src, prescale_factor)
-    out = torch.empty_like(src, memory_format=torch.contiguous_format)
-    request = c._allreduce_async_ptr(src.data_ptr(), out.data_ptr(), src.numel(), dtype, opname,
-                                     algorithm)
-
-    def finish():
-        _scale_(out, postscale_factor)
-        return out
-    return _register(request, finish, (src, out))
+    check_tensor(tensor, call)
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return allreduce_async_(out, average, name, op, prescale_factor, postscale_factor,
+                            algorithm=algorithm, comm=comm)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                comm=None):
     """All-reduces `tensor` in place (default op Average). Returns it."""
-    call = "allreduce_"
-    _check_process_set(process_set, call)
-    dtype = check_tensor(tensor, call, writes=True)
-    opname = _resolve_op(op, average, call)
-    c = _comm(comm)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call))
-    _scale_(tensor, prescale_factor)
-    ptr = tensor.data_ptr()
-    c._allreduce_ptr(ptr, ptr, tensor.numel(), dtype, opname, algorithm)
-    _scale_(tensor, postscale_factor)
-    return tensor
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set, algorithm=algorithm,
+                                        comm=comm))
 
 
-def _allreduce_fields(dtype, count, opname, algorithm, call):
-    return (_KIND_ALLREDUCE, _code(_DTYPE_NAMES, dtype), count, _code(_OP_NAMES, opname),
-            _algorithm_code(algorithm, call))
-
-
-def _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, call):
-    dtype = check_tensor(tensor, call)
-    _checkpoint(c, call, *_allreduce_fields(dtype, tensor.numel(), opname, algorithm, call))
-    src = tensor.detach()
-    if prescale != 1.0:
-        src = src.clone()
-        _scale_(src, prescale)
-    out = torch.empty_like(src, memory_format=torch.contiguous_format)
-    c._allreduce_ptr(src.data_ptr(), out.data_ptr(), src.numel(), dtype, opname, algorithm)
-    _scale_(out, postscale)
-    return out
+def _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, call, name=None):
+    check_tensor(tensor, call)
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return allreduce_(out, None, name, opname, prescale, postscale, algorithm=algorithm, comm=c)
 
 
 class _AllreduceGrad(torch.autograd.Function):
     """Sum and Average are linear: the gradient of the result is all-reduced the same way."""
 
     @staticmethod
-    def forward(ctx, tensor, opname, prescale, postscale, algorithm, c):
+    def forward(ctx, tensor, opname, prescale, postscale, algorithm, c, name):
         ctx.args = (opname, prescale, postscale, algorithm, c)
-        return _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, "allreduce")
+        return _allreduce_new(tensor, opname, prescale, postscale, algorithm, c, "allreduce",
+                              name)
 
     @staticmethod
     def backward(ctx, grad):
         opname, prescale, postscale, algorithm, c = ctx.args
         return (_allreduce_new(grad.contiguous(), opname, prescale, postscale, algorithm, c,
-                               "allreduce (backward)"), None, None, None, None, None)
+                               "allreduce (backward)"), None, None, None, None, None, None)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -621,57 +618,34 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     if (compressed.requires_grad and torch.is_grad_enabled() and
             opname in ("sum", "average")):
         out = _AllreduceGrad.apply(compressed, opname, prescale_factor, postscale_factor,
-                                   algorithm, c)
+                                   algorithm, c, name)
     else:
         out = _allreduce_new(compressed, opname, prescale_factor, postscale_factor, algorithm, c,
-                             call)
+                             call, name)
     return compression.decompress(out, ctx)
 
 
 # ---- grouped all-reduce -------------------------------------------------------------------------
-def _grouped_args(tensors, call, writes):
-    tensors = list(tensors)
-    dtypes = [check_tensor(t, call, f"tensor {i}", writes=writes) for i, t in enumerate(tensors)]
-    return tensors, dtypes
-
-
-def _grouped_prologue(tensors, average, op, prescale_factor, process_set, comm, call, algorithm,
-                      fusion_threshold):
-    """What the in-place grouped all-reduces do before communicating: checks, the op, the
-    communicator, the prescale. Returns (communicator, tensors, dtypes, op name)."""
-    _check_process_set(process_set, call)
-    tensors, dtypes = _grouped_args(tensors, call, True)
-    opname = _resolve_op(op, average, call)
-    c = _comm(comm)
-    counts = [t.numel() for t in tensors]
-    if call.endswith("async_"):
-        _require_threads(c, call)
-    active = _checkpoint(c, call, _KIND_GROUPED, len(tensors), _code(_OP_NAMES, opname),
-                         _algorithm_code(algorithm, call),
-                         0 if fusion_threshold is None else int(fusion_threshold) + 1)
-    _share_group(c, active, counts, dtypes)
-    for t in tensors:
-        _scale_(t, prescale_factor)
-    return c, tensors, dtypes, opname
-
-
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set, *,
                              algorithm=None, fusion_threshold=None, comm=None):
     """Starts an in-place all-reduce of every tensor of the list, fused; returns a handle
-    (synchronize() returns the list)."""
-    c, tensors, dtypes, opname = _grouped_prologue(tensors, average, op, prescale_factor,
-                                                   process_set, comm, "grouped_allreduce_async_",
-                                                   algorithm, fusion_threshold)
-    request = c._grouped_allreduce_async_ptrs([t.data_ptr() for t in tensors],
-                                              [t.numel() for t in tensors], dtypes, opname,
-                                              algorithm, fusion_threshold)
-
-    def finish():
-        for t in tensors:
-            _scale_(t, postscale_factor)
-        return tensors
-    return _register(request, finish, tensors)
+    (synchronize() returns the list). Each tensor is negotiated under "<name>_<i>of<n>", as in
+    Horovod."""
+    call = "grouped_allreduce_async_"
+    _check_process_set(process_set, call)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        check_tensor(t, call, f"tensor {i}", writes=True)
+    opname = _resolve_op(op, average, call)
+    algorithm = _algorithm_checked(algorithm, call)
+    c = _comm(comm)
+    handle = next(_next_handle)
+    base, n = _op_name("grouped_allreduce", name, c), len(tensors)
+    states = [_submit_allreduce(c, t, f"{base}_{i + 1}of{n}", opname, prescale_factor,
+                                postscale_factor, algorithm, fusion_threshold)
+              for i, t in enumerate(tensors)]
+    return _register(handle, states, lambda: tensors, tensors)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -679,36 +653,32 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             algorithm=None, fusion_threshold=None, comm=None):
     """Starts a fused all-reduce of the list into new tensors (synchronize() returns them)."""
     call = "grouped_allreduce_async"
-    tensors, _ = _grouped_args(tensors, call, False)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        check_tensor(t, call, f"tensor {i}")
     copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return grouped_allreduce_async_(copies, None, name, _resolve_op(op, average, call),
-                                    prescale_factor, postscale_factor, process_set,
-                                    algorithm=algorithm, fusion_threshold=fusion_threshold,
-                                    comm=comm)
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor,
+                                    process_set, algorithm=algorithm,
+                                    fusion_threshold=fusion_threshold, comm=comm)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                        fusion_threshold=None, comm=None):
     """All-reduces every tensor of the list in place, fused into buckets. Returns the list."""
-    c, tensors, dtypes, opname = _grouped_prologue(tensors, average, op, prescale_factor,
-                                                   process_set, comm, "grouped_allreduce_",
-                                                   algorithm, fusion_threshold)
-    c._grouped_allreduce_ptrs([t.data_ptr() for t in tensors], [t.numel() for t in tensors],
-                              dtypes, opname, algorithm, fusion_threshold)
-    for t in tensors:
-        _scale_(t, postscale_factor)
-    return tensors
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set,
+                                                algorithm=algorithm,
+                                                fusion_threshold=fusion_threshold, comm=comm))
 
 
 class _GroupedAllreduceGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, opname, prescale, postscale, algorithm, c, *tensors):
+    def forward(ctx, opname, prescale, postscale, algorithm, c, name, *tensors):
         ctx.args = (opname, prescale, postscale, algorithm, c)
         copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-        return tuple(grouped_allreduce_(copies, op=opname, prescale_factor=prescale,
-                                        postscale_factor=postscale, algorithm=algorithm,
-                                        comm=c))
+        return tuple(grouped_allreduce_(copies, None, name, opname, prescale, postscale,
+                                        algorithm=algorithm, comm=c))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -716,7 +686,7 @@ class _GroupedAllreduceGrad(torch.autograd.Function):
         copies = [g.detach().clone(memory_format=torch.contiguous_format) for g in grads]
         grouped_allreduce_(copies, op=opname, prescale_factor=prescale,
                            postscale_factor=postscale, algorithm=algorithm, comm=c)
-        return (None, None, None, None, None, *copies)
+        return (None, None, None, None, None, None, *copies)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -726,7 +696,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     Differentiable for Sum and Average."""
     call = "grouped_allreduce"
     _check_process_set(process_set, call)
-    tensors, _ = _grouped_args(tensors, call, False)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        check_tensor(t, call, f"tensor {i}")
     opname = _resolve_op(op, average, call)
     c = _comm(comm)
     compressed = [compression.compress(t) for t in tensors]
@@ -734,54 +706,96 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     if (torch.is_grad_enabled() and any(t.requires_grad for t in inputs) and
             opname in ("sum", "average")):
         outs = list(_GroupedAllreduceGrad.apply(opname, prescale_factor, postscale_factor,
-                                                algorithm, c, *inputs))
+                                                algorithm, c, name, *inputs))
     else:
         outs = [t.detach().clone(memory_format=torch.contiguous_format) for t in inputs]
-        grouped_allreduce_(outs, op=opname, prescale_factor=prescale_factor,
-                           postscale_factor=postscale_factor, algorithm=algorithm,
-                           fusion_threshold=fusion_threshold, comm=c)
+        grouped_allreduce_(outs, None, name, opname, prescale_factor, postscale_factor,
+                           algorithm=algorithm, fusion_threshold=fusion_threshold, comm=c)
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
 
 
-# ---- broadcast -----------------------------------------------------------------------------------
+# ---- broadcast, allgather, alltoall: bytes of any dtype ------------------------------------------
+_BYTE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+                torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                torch.complex128]
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _check_bytes_tensor(tensor, call, writes=False, rows=False):
+    """Checks a tensor that travels as bytes; returns its dtype's name."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgument(f"{call}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        raise InvalidArgument(f"{call}: expected a dense CPU tensor, got one on {tensor.device} "
+                              f"with layout {tensor.layout}")
+    if tensor.dtype not in _BYTE_DTYPES:
+        raise InvalidArgument(f"{call}: unsupported dtype {tensor.dtype} (supported: "
+                              f"{', '.join(_dtype_name(d) for d in _BYTE_DTYPES)})")
+    if not tensor.is_contiguous():
+        raise InvalidArgument(f"{call}: the tensor is not contiguous (call .contiguous())")
+    if writes and tensor.requires_grad and torch.is_grad_enabled():
+        raise InvalidArgument(f"{call}: the tensor requires grad, and an in-place write through "
+                              "its data pointer would bypass autograd; pass tensor.detach()")
+    if rows:
+        if tensor.dim() == 0:
+            raise InvalidArgument(f"{call}: the tensor has no dimensions (0-d); the call "
+                                  "concatenates along the first")
+        if tensor.numel() == 0 and math.prod(tensor.shape[1:]) == 0:
+            raise InvalidArgument(f"{call}: tensors with a zero-sized dimension after the first "
+                                  "are not supported")
+    return _dtype_name(tensor.dtype)
+
+
+def _rows_signature(call, dtype_name, tensor):
+    return f"{call} {dtype_name} [*{''.join(', ' + str(d) for d in tensor.shape[1:])}]"
+
+
+def _result_tensor(state, dtype, trailing):
+    """The negotiated result's bytes as a tensor of `dtype` with rows of shape `trailing`
+    (no copy: the tensor holds the result's memory)."""
+    if state.nbytes() == 0:
+        return torch.empty((0, *trailing), dtype=dtype)
+    return torch.frombuffer(state, dtype=torch.uint8).view(dtype).reshape(-1, *trailing)
+
+
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *,
                      comm=None):
     """Starts copying root_rank's `tensor` into every rank's, in place; returns a handle."""
     call = "broadcast_async_"
     _check_process_set(process_set, call)
-    dtype = check_tensor(tensor, call, writes=True)
-    _require_threads(_comm(comm), call)
-    _checkpoint(_comm(comm), call, _KIND_OTHER)
-    request = _comm(comm)._broadcast_async_ptr(tensor.data_ptr(), tensor.numel(), dtype,
-                                               int(root_rank))
-    return _register(request, lambda: tensor, (tensor,))
+    dtype = _check_bytes_tensor(tensor, call, writes=True)
+    c = _comm(comm)
+    handle = next(_next_handle)
+    signature = f"broadcast {dtype} {list(tensor.shape)}, root {int(root_rank)}"
+    state = _negotiator(c).submit(_op_name("broadcast", name, c), "broadcast", signature,
+                                  tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                  root=int(root_rank))
+    return _register(handle, [state], lambda: tensor, (tensor,))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
     """Starts a broadcast into a new tensor (synchronize() returns it)."""
-    check_tensor(tensor, "broadcast_async")
+    _check_bytes_tensor(tensor, "broadcast_async")
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
     return broadcast_async_(out, root_rank, name, process_set, comm=comm)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
     """Copies root_rank's `tensor` into `tensor` on every rank. Returns it."""
-    call = "broadcast_"
-    _check_process_set(process_set, call)
-    dtype = check_tensor(tensor, call, writes=True)
-    _checkpoint(_comm(comm), call, _KIND_OTHER)
-    _comm(comm)._broadcast_ptr(tensor.data_ptr(), tensor.numel(), dtype, int(root_rank))
-    return tensor
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, comm=comm))
 
 
 class _BroadcastGrad(torch.autograd.Function):
     """As Horovod: the gradient is the average of the result's gradients, on the root only."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank, c):
+    def forward(ctx, tensor, root_rank, c, name):
         ctx.root_rank, ctx.c = root_rank, c
         out = tensor.detach().clone(memory_format=torch.contiguous_format)
-        return broadcast_(out, root_rank, comm=c)
+        return broadcast_(out, root_rank, name, comm=c)
 
     @staticmethod
     def backward(ctx, grad):
@@ -789,64 +803,45 @@ class _BroadcastGrad(torch.autograd.Function):
                                  "broadcast (backward)")
         if ctx.c.rank() != ctx.root_rank:
             reduced.zero_()
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
     """Returns a new tensor holding root_rank's `tensor` (differentiable, as in Horovod)."""
     call = "broadcast"
     _check_process_set(process_set, call)
-    check_tensor(tensor, call)
+    _check_bytes_tensor(tensor, call)
     c = _comm(comm)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _BroadcastGrad.apply(tensor, int(root_rank), c)
+        return _BroadcastGrad.apply(tensor, int(root_rank), c, name)
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return broadcast_(out, root_rank, comm=c)
+    return broadcast_(out, root_rank, name, comm=c)
 
 
-# ---- allgather, barrier and objects: gradcomm's checked byte exchanges ------------------------
-# Like every gradcomm call they are compared across ranks before data moves (ranks that make
-# different calls get MismatchError on every rank, not a hang) and seen by the stall watchdog.
-_GATHER_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-                  torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool,
-                  torch.complex64, torch.complex128]
-_MAX_DIMS = 8
+def _allgather_start(tensor, name, c, call):
+    """Submits an allgather; returns (handle, state)."""
+    dtype = _check_bytes_tensor(tensor, call, rows=True)
+    src = tensor.detach()
+    handle = next(_next_handle)
+    state = _negotiator(c).submit(_op_name("allgather", name, c), "allgather",
+                                  _rows_signature("allgather", dtype, src), src.data_ptr(),
+                                  src.numel() * src.element_size())
+    trailing = tuple(src.shape[1:])
+    _register(handle, [state], lambda: _result_tensor(state, src.dtype, trailing), (src,))
+    return handle, state
 
 
-def _allgather_impl(tensor, call, c):
-    _checkpoint(c, call, _KIND_OTHER)
-    if tensor.dim() > _MAX_DIMS or tensor.dim() == 0 or tensor.dtype not in _GATHER_DTYPES:
-        raise InvalidArgument(f"{call}: takes tensors of 1 to {_MAX_DIMS} dimensions of dtype "
-                              f"{', '.join(str(d) for d in _GATHER_DTYPES)}; got "
-                              f"{tensor.dtype} of shape {list(tensor.shape)}")
-    # Every rank sees every rank's shape and dtype, so a mismatch raises on every rank.
-    n, me = c.size(), c.rank()
-    mine = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    mine[0], mine[1] = tensor.dim(), _GATHER_DTYPES.index(tensor.dtype)
-    mine[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    everyone = torch.empty(n, 2 + _MAX_DIMS, dtype=torch.int64)
-    c._allgather_bytes_ptr(mine.data_ptr(), everyone.data_ptr(), mine.numel() * 8)
-    meta = [(tuple(row[2:2 + row[0]]), _GATHER_DTYPES[row[1]]) for row in everyone.tolist()]
-    for r, (shape, dtype) in enumerate(meta):
-        if dtype != tensor.dtype or len(shape) != tensor.dim() or tuple(shape[1:]) != \
-                tuple(tensor.shape[1:]):
-            raise InvalidArgument(
-                f"{call}: rank {r} passed a {dtype} tensor of shape {list(shape)}, rank {me} a "
-                f"{tensor.dtype} tensor of shape {list(tensor.shape)}; tensors must agree in "
-                "dtype and in every dimension but the first (and have at least one)")
-    src = tensor.detach().contiguous()
-    row_bytes = src.element_size() * math.prod(src.shape[1:])
-    counts = [shape[0] * row_bytes for shape, _ in meta]
-    out = torch.empty((sum(s[0] for s, _ in meta), *src.shape[1:]), dtype=src.dtype)
-    c._allgatherv_bytes_ptr(src.data_ptr(), out.data_ptr(), counts)
-    return out, [s[0] for s, _ in meta]
+def _rows_of(state, tensor):
+    row_bytes = tensor.element_size() * math.prod(tensor.shape[1:])
+    return [b // row_bytes for b in state.counts()]
 
 
 class _AllgatherGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, c):
-        out, rows = _allgather_impl(tensor, "allgather", c)
-        ctx.rows, ctx.rank, ctx.comm = rows, c.rank(), c
+    def forward(ctx, tensor, c, name):
+        handle, state = _allgather_start(tensor, name, c, "allgather")
+        out = synchronize(handle)
+        ctx.rows, ctx.rank, ctx.comm = _rows_of(state, tensor), c.rank(), c
         return out
 
     @staticmethod
@@ -854,75 +849,135 @@ class _AllgatherGrad(torch.autograd.Function):
         reduced = _allreduce_new(grad.contiguous(), "average", 1.0, 1.0, None, ctx.comm,
                                  "allgather (backward)")
         offset = sum(ctx.rows[:ctx.rank])
-        return reduced.narrow(0, offset, ctx.rows[ctx.rank]), None
+        return reduced.narrow(0, offset, ctx.rows[ctx.rank]), None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set, *, comm=None):
-    """Concatenates every rank's tensor along dimension 0 (first dimensions may differ)."""
+    """Concatenates every rank's tensor along dimension 0 (first dimensions may differ; the
+    others and the dtype must agree: otherwise every rank raises)."""
     call = "allgather"
     _check_process_set(process_set, call)
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-        raise InvalidArgument(f"{call}: expected a CPU torch.Tensor")
+    _check_bytes_tensor(tensor, call, rows=True)
     c = _comm(comm)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherGrad.apply(tensor, c)
-    return _allgather_impl(tensor, call, c)[0]
-
-
-class _Done:
-    def done(self):
-        return True
-
-    def wait(self):
-        return None
+        return _AllgatherGrad.apply(tensor, c, name)
+    return synchronize(_allgather_start(tensor, name, c, call)[0])
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=None):
-    """allgather, returning a handle (the gather runs at once; synchronize() returns it)."""
-    out = allgather(tensor, name, process_set, comm=comm)
-    return _register(_Done(), lambda: out, ())
+    """Starts an allgather; returns a handle (synchronize() returns the gathered tensor)."""
+    _check_process_set(process_set, "allgather_async")
+    return _allgather_start(tensor, name, _comm(comm), "allgather_async")[0]
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
+                   comm=None):
+    """Starts an alltoall: rank r sends splits[j] rows of `tensor` (along the first dimension,
+    in rank order) to each rank j; without splits the rows divide equally. synchronize()
+    returns (output, received_splits)."""
+    call = "alltoall_async"
+    _check_process_set(process_set, call)
+    dtype = _check_bytes_tensor(tensor, call, rows=True)
+    c = _comm(comm)
+    n, rows = c.size(), tensor.shape[0]
+    if splits is None:
+        if rows % n:
+            raise InvalidArgument(f"{call}: the first dimension ({rows}) does not divide by the "
+                                  f"{n} ranks; pass splits")
+        split_list = [rows // n] * n
+    else:
+        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor)
+                                       else splits)]
+        if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != rows:
+            raise InvalidArgument(f"{call}: splits {split_list} must be {n} non-negative row "
+                                  f"counts summing to the first dimension ({rows})")
+    src = tensor.detach()
+    row_bytes = src.element_size() * math.prod(src.shape[1:])
+    handle = next(_next_handle)
+    state = _negotiator(c).submit(_op_name("alltoall", name, c), "alltoall",
+                                  _rows_signature("alltoall", dtype, src), src.data_ptr(),
+                                  src.numel() * src.element_size(),
+                                  splits=[s * row_bytes for s in split_list])
+    trailing = tuple(src.shape[1:])
+    split_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
+
+    def finish():
+        received = torch.tensor([b // row_bytes for b in state.counts()], dtype=split_dtype)
+        return _result_tensor(state, src.dtype, trailing), received
+    return _register(handle, [state], finish, (src,))
+
+
+class _AlltoallGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, c):
+        out, received = synchronize(alltoall_async(tensor, splits, name, comm=c))
+        ctx.received, ctx.comm = received, c
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _):  # the rows go back where they came from
+        out, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, comm=ctx.comm))
+        return out, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *, comm=None):
+    """Returns the rows every rank sent this rank, in rank order (and, when splits were given,
+    the row counts received from each rank), as Horovod. Differentiable."""
+    call = "alltoall"
+    _check_process_set(process_set, call)
+    _check_bytes_tensor(tensor, call, rows=True)
+    c = _comm(comm)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        out, received = _AlltoallGrad.apply(tensor, splits, name, c)
+    else:
+        out, received = synchronize(alltoall_async(tensor, splits, name, comm=c))
+    return out if splits is None else (out, received)
 
 
 def barrier(process_set=global_process_set):
+    """Returns once every rank has called it (negotiated under Horovod's "barrier.noname")."""
     _check_process_set(process_set, "barrier")
-    _checkpoint(world(), "barrier", _KIND_BARRIER)
-    world()._barrier()
+    handle = next(_next_handle)
+    state = _negotiator(world()).submit("barrier.noname", "barrier", "barrier")
+    synchronize(_register(handle, [state], lambda: None, ()))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Returns root_rank's `obj` (pickled) on every rank."""
+    """Returns root_rank's `obj` (pickled) on every rank. Without a name it is negotiated as
+    "broadcast_object.noname" (Horovod names it after the object's type, which differs when
+    the other ranks pass None)."""
     _check_process_set(process_set, "broadcast_object")
-    c = world()
-    _checkpoint(c, "broadcast_object", _KIND_OTHER)
-    return _broadcast_pickled(c, obj, root_rank)
+    return _broadcast_pickled(world(), obj, root_rank, name)
 
 
-def _broadcast_pickled(c, obj, root_rank):
-    """root_rank's `obj`, pickled, on every rank (two checked broadcasts: size, then bytes)."""
+def _broadcast_pickled(c, obj, root_rank, name=None):
+    """root_rank's `obj`, pickled, on every rank: one negotiated broadcast sized by the root."""
+    root_rank = int(root_rank)
     payload = pickle.dumps(obj) if c.rank() == root_rank else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    c._broadcast_bytes_ptr(size.data_ptr(), 8, root_rank)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-        torch.empty(int(size.item()), dtype=torch.uint8)
-    c._broadcast_bytes_ptr(data.data_ptr(), data.numel(), root_rank)
-    return obj if c.rank() == root_rank else pickle.loads(data.numpy().tobytes())
+        torch.empty(0, dtype=torch.uint8)
+    handle = next(_next_handle)
+    state = _negotiator(c).submit(
+        f"broadcast_object.{name}" if name is not None else "broadcast_object.noname",
+        "broadcast", f"broadcast_object, root {root_rank}", data.data_ptr(), data.numel(),
+        root=root_rank, sized_by_root=True)
+    synchronize(_register(handle, [state], lambda: None, (data,)))
+    return obj if c.rank() == root_rank else pickle.loads(memoryview(state))
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Returns the list of every rank's `obj` (pickled), in rank order."""
     _check_process_set(process_set, "allgather_object")
     c = world()
-    _checkpoint(c, "allgather_object", _KIND_OTHER)
-    payload = pickle.dumps(obj)
-    sizes = torch.empty(c.size(), dtype=torch.int64)
-    mine = torch.tensor([len(payload)], dtype=torch.int64)
-    c._allgather_bytes_ptr(mine.data_ptr(), sizes.data_ptr(), 8)
-    counts = sizes.tolist()
-    out = torch.empty(sum(counts), dtype=torch.uint8)
-    send = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    c._allgatherv_bytes_ptr(send.data_ptr(), out.data_ptr(), counts)
-    data, objects, at = out.numpy().tobytes(), [], 0
-    for n in counts:
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    handle = next(_next_handle)
+    state = _negotiator(c).submit(
+        f"allgather_object.{name}" if name is not None else "allgather_object.noname",
+        "allgather", "allgather_object", payload.data_ptr(), payload.numel())
+    synchronize(_register(handle, [state], lambda: None, (payload,)))
+    data, objects, at = memoryview(state), [], 0
+    for n in state.counts():
         objects.append(pickle.loads(data[at:at + n]))
         at += n
     return objects
@@ -935,8 +990,6 @@ def _refused(name, why):
     return refuse
 
 
-alltoall = _refused("alltoall", "not implemented by gradcomm")
-alltoall_async = _refused("alltoall_async", "not implemented by gradcomm")
 reducescatter = _refused("reducescatter", "not implemented by gradcomm")
 reducescatter_async = _refused("reducescatter_async", "not implemented by gradcomm")
 sparse_allreduce_async = _refused("sparse_allreduce_async", "gradcomm reduces dense tensors")
@@ -955,37 +1008,66 @@ elastic = _Elastic()
 # ---- parameters and optimizer state ----------------------------------------------------------
 def broadcast_parameters(params, root_rank=0, *, comm=None, root=None):
     """Broadcasts root_rank's values of a state_dict (or named_parameters(), or a list of
-    (name, tensor)) into every rank's tensors, in place, in name order, packed into few
-    broadcasts."""
+    (name, tensor) or of tensors) into every rank's tensors, in place: one negotiated broadcast
+    per tensor, named "broadcast.<name>" as in Horovod, all in flight at once."""
     if root is not None:  # gradcomm's earlier keyword
         root_rank = root
-    items = params.items() if hasattr(params, "items") else params
-    named = sorted(((n, t) for n, t in items if isinstance(t, torch.Tensor)), key=lambda x: x[0])
-    # Every tensor is checked before the first is sent: a bad one fails on every rank (they all
-    # hold the same list) before any broadcast.
+    if isinstance(params, dict):
+        items = sorted(params.items(), key=lambda x: x[0])
+    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise InvalidArgument(f"broadcast_parameters: invalid params of type {type(params)}")
+    named = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
+    # Every tensor is checked before the first is submitted: a bad one fails on every rank (they
+    # all hold the same list) before any broadcast.
     for n, t in named:
-        if t.device.type != "cpu" or t.layout != torch.strided:
-            raise InvalidArgument(f"broadcast_parameters: {n} is not a dense CPU tensor")
+        _check_bytes_tensor(t.detach(), f"broadcast_parameters ({n})")
     c = _comm(comm)
     if not 0 <= int(root_rank) < c.size():
         raise InvalidArgument(f"broadcast_parameters: root {root_rank} is outside the "
                               f"communicator's {c.size()} ranks")
-    _checkpoint(c, "broadcast_parameters", _KIND_OTHER)
-    broadcast_coalesced([t for _, t in named], int(root_rank), c)
+    handles = [broadcast_async_(t.detach(), int(root_rank), n, comm=c) for n, t in named]
+    for h in handles:
+        synchronize(h)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None, *, root=None):
     """Gives every rank root_rank's optimizer state and hyper-parameters (state_dict() pickled
-    from the root, then load_state_dict), whatever state the other ranks hold."""
+    from the root, then load_state_dict). As Horovod, an optimizer without any state first
+    makes it: every trainable parameter gets a zero gradient and the optimizer steps once
+    (without all-reducing), on every rank alike."""
     if root is not None:
         root_rank = root
-    _checkpoint(world(), "broadcast_optimizer_state", _KIND_OTHER)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise InvalidArgument("broadcast_optimizer_state: cannot broadcast torch.optim.LBFGS "
+                              "state")
+    if not optimizer.state_dict()["state"]:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        base = getattr(optimizer, "_gradcomm_base", None)
+        if base is not None:
+            base.step(optimizer)
+        else:
+            optimizer.step()
+        if not optimizer.state_dict()["state"]:
+            return  # an optimizer that keeps no state
     state = _broadcast_pickled(world(), optimizer.state_dict() if rank() == root_rank else None,
-                               root_rank)
+                               root_rank, "optimizer_state")
     optimizer.load_state_dict(state)
 
 
 # ---- DistributedOptimizer ------------------------------------------------------------------
+def _scale_(tensor, factor):
+    if factor == 1.0:
+        return
+    with torch.no_grad():
+        tensor.mul_(factor)
+
+
+
 class _DistributedOptimizerMixin:
     def _gradcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
                         gradient_predivide_factor, num_groups, groups, algorithm,
@@ -999,27 +1081,38 @@ class _DistributedOptimizerMixin:
         if named_parameters is not None:
             named = list(named_parameters)
             if any(not isinstance(nt, tuple) or len(nt) != 2 for nt in named):
-                raise InvalidArgument(f"{call}: named_parameters must be (name, parameter) "
-                                      "pairs, as model.named_parameters() gives")
+                raise InvalidArgument(f"{call}: named_parameters should be a sequence of tuples "
+                                      "(name, parameter), usually produced by "
+                                      "model.named_parameters().")
             names_of = {id(p): n for n, p in named}
-            if len(set(n for n, _ in named)) != len(named):
-                raise InvalidArgument(f"{call}: named_parameters has duplicate names")
-            missing = [i for i, p in enumerate(params) if id(p) not in names_of]
+            seen, dups = set(), set()
+            for n, _ in named:
+                (dups if n in seen else seen).add(n)
+            if dups:
+                raise InvalidArgument(f"{call}: Parameter names in named_parameters must be "
+                                      f"unique. Found duplicates: {', '.join(sorted(dups))}")
+            missing = [p for p in params if id(p) not in names_of]
             if missing:
-                raise InvalidArgument(f"{call}: named_parameters does not cover the optimizer's "
-                                      f"parameters (indices {missing[:5]})")
+                raise InvalidArgument(f"{call}: named_parameters was specified, but one or more "
+                                      "model parameters were not named. Python object ids: "
+                                      f"{', '.join(str(id(p)) for p in missing)}")
             names = [names_of[id(p)] for p in params]
-        else:
-            names = [f"allreduce.noname.{i}" for i in range(len(params))]
+        else:  # Horovod's names: parameter group, then index in it
+            where = {}
+            for i, group in enumerate(self.param_groups):
+                for j, p in enumerate(group["params"]):
+                    where.setdefault(id(p), f"allreduce.noname.{i}.{j}")
+            names = [where[id(p)] for p in params]
         if backward_passes_per_step < 1:
-            raise InvalidArgument(f"{call}: backward_passes_per_step must be at least 1")
+            raise InvalidArgument(f"{call}: backward_passes_per_step must be > 0")
         if gradient_predivide_factor <= 0:
             raise InvalidArgument(f"{call}: gradient_predivide_factor must be positive")
         opname = _resolve_op(op, None, call)
         if opname not in ("average", "sum"):
             raise InvalidArgument(f"{call}: op must be Average or Sum")
         if gradient_predivide_factor != 1.0 and opname != "average":
-            raise InvalidArgument(f"{call}: gradient_predivide_factor needs op=Average")
+            raise InvalidArgument(f"{call}: gradient_predivide_factor not supported with "
+                                  "op != Average")
         if compression not in (Compression.none, Compression.fp16, Compression.bf16):
             raise NotImplementedError(f"{call}: compression {compression!r}: gradcomm runs "
                                       "Compression.none, .fp16 and .bf16 inside its reducer; "
@@ -1079,6 +1172,38 @@ class _DistributedOptimizerMixin:
             acc = grad_accumulator(p)
             self._gradcomm_hooks.append(acc.register_hook(self._gradcomm_hook(i)))
             self._gradcomm_accumulators.append(acc)
+        # The attributes Horovod's optimizer has, for code that reads them.
+        self._parameter_names = {p: n for p, n in zip(params, names)}
+        self._grad_accs = self._gradcomm_accumulators
+        self._requires_update = set(params)
+        self._handles = {}  # Horovod's per-parameter handles: gradcomm's reducer holds its own
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = {"average": Average, "sum": Sum}[opname]
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = global_process_set
+
+    # Horovod's names for state gradcomm keeps under its own.
+    @property
+    def _synchronized(self):
+        return self._gradcomm_synchronized
+
+    @_synchronized.setter
+    def _synchronized(self, value):
+        self._gradcomm_synchronized = value
+
+    @property
+    def _should_synchronize(self):
+        return self._gradcomm_should_sync
+
+    @_should_synchronize.setter
+    def _should_synchronize(self, value):
+        self._gradcomm_should_sync = value
+
+    @property
+    def _allreduce_delay(self):
+        return {p: d for p, d in zip(self._gradcomm_params, self._gradcomm_delay)}
 
     def _gradcomm_hook(self, i):
         def hook(*_):
@@ -1099,7 +1224,7 @@ class _DistributedOptimizerMixin:
 
     def _gradcomm_mark(self, i):
         if not self._gradcomm_announced:  # the step's first gradient: one join round first
-            active = _checkpoint(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP,
+            active = _step_round(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP,
                                  self._gradcomm_id)
             self._gradcomm_announced = True
             # A rank has joined: hold the buckets until step(), where the joined rank stands
@@ -1132,7 +1257,7 @@ class _DistributedOptimizerMixin:
                 self._gradcomm_mark(i)
         try:
             if self._gradcomm_holding:  # a rank has joined: it stands in from this round on
-                _checkpoint(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP_GO,
+                _step_round(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP_GO,
                             self._gradcomm_id)
                 for i, grad in self._gradcomm_held.items():
                     reducer.mark(i, grad)
@@ -1171,9 +1296,11 @@ class _DistributedOptimizerMixin:
     def step(self, closure=None):
         if self._gradcomm_should_sync:
             if self._gradcomm_synchronized:
-                warnings.warn("optimizer.step() called without skip_synchronize() after "
-                              "optimizer.synchronize(); the gradients are all-reduced again",
-                              stacklevel=2)
+                warnings.warn("optimizer.step() called without "
+                              "optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You "
+                              "may want to consider using optimizer.skip_synchronize() context "
+                              "if you use optimizer.synchronize() in your code.", stacklevel=2)
             self.synchronize()
         self._gradcomm_synchronized = False
         return self._gradcomm_base.step(self, closure)
