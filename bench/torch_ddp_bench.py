@@ -130,6 +130,13 @@ for name in variants:
                                        algorithm=args.algorithm,
                                        fusion_threshold=int(gradcomm_cap_mb * (1 << 20)))
         runs[name] = (model, opt)
+    elif name == "horovod":  # the real Horovod (bench/horovod/env.sh builds it), its defaults
+        import horovod.torch as real_hvd
+        real_hvd.init()
+        real_hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = real_hvd.DistributedOptimizer(sgd(model.parameters()),
+                                            named_parameters=model.named_parameters())
+        runs[name] = (model, opt)
     elif name == "torch-ddp":
         if not dist.is_initialized():
             init_gloo()
@@ -201,8 +208,21 @@ if rank == 0:
         if "torch-ddp" in med and (name.startswith("gradcomm") or name == "torch-ddp-gradcomm"):
             line += f"  / torch-ddp {med[name] / med['torch-ddp']:.2f}"
             entry["vs_torch_ddp"] = med[name] / med["torch-ddp"]
+        if "horovod" in med and name.startswith("gradcomm"):
+            line += f"  / horovod {med[name] / med['horovod']:.2f}"
+            entry["vs_horovod"] = med[name] / med["horovod"]
         result["variants"][name] = entry
         print(line)
+    # Every variant took the same steps from the same start on the same data: they end with
+    # the same parameters, up to float rounding (the reduction orders differ).
+    finals = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+              for name, (m, _) in runs.items() if name != "compute"}
+    if finals:
+        ref_name, ref = next(iter(finals.items()))
+        for name, v in finals.items():
+            diff = (v - ref).abs().max().item()
+            print(f"  parameters of {name} vs {ref_name}: max difference {diff:.2e}")
+            result["variants"][name]["max_param_diff"] = diff
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")

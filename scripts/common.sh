@@ -50,10 +50,22 @@ torch_pythons() {
   echo "$pythons"
 }
 
+# The real Horovod 0.28.1, built from PyPI's source against Debian's torch and Open MPI
+# (bench/horovod/env.sh: about 2 minutes the first time, reused after), for the tests that compare
+# gradcomm.torch with it. GRADCOMM_HOROVOD=0 skips it.
+HOROVOD_PYTHON=
+horovod_venv() {
+  [ "${GRADCOMM_HOROVOD:-1}" = 0 ] && return 0
+  HOROVOD_PYTHON=$("$ROOT/bench/horovod/env.sh") || {
+    echo "== horovod could not be built (above): the tests against it do not run"
+    HOROVOD_PYTHON=
+  }
+}
+
 build() {
   echo "== configuring and building in $BUILD_DIR"
   cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMM_WERROR=ON \
-    "-DGRADCOMM_TORCH_PYTHONS=$(torch_pythons)" "$@"
+    "-DGRADCOMM_TORCH_PYTHONS=$(torch_pythons)" "-DGRADCOMM_HOROVOD_PYTHON=$HOROVOD_PYTHON" "$@"
   cmake --build "$BUILD_DIR" -j "$(nproc)"
 }
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The real Horovod beside gradcomm.torch: horovod.torch.DistributedOptimizer against
+# gradcomm.torch's DistributedOptimizer and DistributedDataParallel in the same launch, steps
+# alternating (bench/torch_ddp_bench.py), on the digits CNN and the 8.4 M-parameter MLP, at 2 and
+# 4 ranks on this host; with --hosts, across 2 emulated hosts at 1 Gbit/s (scripts/mpirun-hosts).
+# Every variant ends with the same parameters (printed). Horovod runs with its defaults (MPI CPU
+# operations, 1 ms cycle, 128 MiB fusion), as its documentation recommends for a start.
+# usage: bench/horovod/compare.sh [--hosts] [--steps N] [--json FILE]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+PY=$("$ROOT/bench/horovod/env.sh")
+hosts=0 steps=30 json=
+while (($#)); do
+  case $1 in
+    --hosts) hosts=1 ;;
+    --steps) steps=$2; shift ;;
+    --json) json=$2; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+export PYTHONPATH=$ROOT/build/python OMP_NUM_THREADS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+variants=compute,horovod,gradcomm-hvd,gradcomm-ddp
+if ((hosts)); then  # two emulated hosts, links shaped to 1 Gbit/s
+  "$ROOT/scripts/hosts" up 2 >/dev/null
+  "$ROOT/scripts/hosts" shape 1gbit
+fi
+echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'), $(getconf _NPROCESSORS_ONLN) cores; horovod 0.28.1, torch $("$PY" -c 'import torch; print(torch.__version__)')"
+for model in cnn mlp; do
+  if ((hosts)); then
+    "$ROOT/scripts/mpirun-hosts" 2x1 -x PYTHONPATH -x OMP_NUM_THREADS -- "$PY" "$ROOT/bench/torch_ddp_bench.py" \
+      --model "$model" --variants "$variants" --steps "$steps" ${json:+--json "$json"}
+  else
+    for np in 2 4; do
+      mpirun -np "$np" --oversubscribe --bind-to none -x PYTHONPATH -x OMP_NUM_THREADS "$PY" \
+        "$ROOT/bench/torch_ddp_bench.py" --model "$model" --variants "$variants" \
+        --steps "$steps" ${json:+--json "$json"}
+    done
+  fi
+done
