@@ -123,7 +123,10 @@ for name in variants:
         ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm, overlap=False,
                                           bucket_cap_mb=gradcomm_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
-    elif name == "gradcomm-hvd":
+    elif name in ("gradcomm-hvd", "gradcomm-hvd-no-negotiator"):
+        # -no-negotiator: the same optimizer, its steps timed while gradcomm.torch's negotiation
+        # thread is stopped (closed before the step, made again after): what the idle cycles
+        # cost a step.
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(sgd(model.parameters()),
                                        named_parameters=model.named_parameters(),
@@ -168,6 +171,8 @@ def train_step(model, opt):
 
 for step in range(args.warmup + args.steps):
     for name, (model, opt) in runs.items():
+        if name.endswith("-no-negotiator"):
+            hvd._close_negotiators()
         if args.lead_in:  # untimed: the timed step follows a step of its own variant
             world.Barrier()
             train_step(model, opt)
@@ -175,6 +180,8 @@ for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         train_step(model, opt)
         elapsed = time.perf_counter() - t0
+        if name.endswith("-no-negotiator"):
+            hvd._negotiator(hvd.world())
         if step >= args.warmup:
             times[name].append(elapsed)
 

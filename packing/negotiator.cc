@@ -1,5 +1,7 @@
 #include "packing/negotiator.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -333,6 +335,7 @@ void Negotiator::finish(NegotiatedState& state, std::exception_ptr error) {
 }
 
 void Negotiator::loop() noexcept {
+  pthread_setname_np(pthread_self(), "gradcomm-neg");
   ProgressThreadScope background;  // the cycles' waits give the cores back
   try {
     while (cycle()) {
