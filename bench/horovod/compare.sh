@@ -5,13 +5,16 @@
 # 4 ranks on this host; with --hosts, across 2 emulated hosts at 1 Gbit/s (scripts/mpirun-hosts).
 # Every variant ends with the same parameters (printed). Horovod runs with its defaults (MPI CPU
 # operations, 1 ms cycle, 128 MiB fusion), as its documentation recommends for a start.
-# usage: bench/horovod/compare.sh [--hosts] [--steps N] [--json FILE]
+# gradcomm-hvd-no-negotiator times the same optimizer's steps with gradcomm.torch's negotiation
+# thread stopped: what its idle cycles cost a step.
+# usage: bench/horovod/compare.sh [--torch2] [--hosts] [--steps N] [--json FILE]
+#   --torch2: torch 2.x (scripts/common.sh's pin) instead of Debian's torch 1.13
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PY=$("$ROOT/bench/horovod/env.sh")
-hosts=0 steps=30 json=
+hosts=0 steps=30 json= flavour=torch1
 while (($#)); do
   case $1 in
+    --torch2) flavour=torch2 ;;
     --hosts) hosts=1 ;;
     --steps) steps=$2; shift ;;
     --json) json=$2; shift ;;
@@ -19,9 +22,10 @@ while (($#)); do
   esac
   shift
 done
+PY=$("$ROOT/bench/horovod/env.sh" "$flavour")
 export PYTHONPATH=$ROOT/build/python OMP_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-variants=compute,horovod,gradcomm-hvd,gradcomm-ddp
+variants=compute,horovod,gradcomm-hvd,gradcomm-hvd-no-negotiator,gradcomm-ddp
 if ((hosts)); then  # two emulated hosts, links shaped to 1 Gbit/s
   "$ROOT/scripts/hosts" up 2 >/dev/null
   "$ROOT/scripts/hosts" shape 1gbit

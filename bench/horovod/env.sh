@@ -30,11 +30,23 @@ if ! "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
   fi
   "$VENV/bin/python" -m pip install --no-input --disable-pip-version-check -q \
     "cmake==3.31.6" "packaging" "wheel" "setuptools<70" >&2
+  source=horovod==0.28.1
+  if [ "$flavour" = torch2 ]; then
+    # 0.28.1 compiles its torch extension as C++14, which torch 2.x's headers no longer accept:
+    # PyPI's source with the standard raised to C++17, nothing else changed.
+    work=$(mktemp -d)
+    "$VENV/bin/python" -m pip download --no-input --disable-pip-version-check -q --no-deps \
+      --no-binary :all: -d "$work" horovod==0.28.1 >&2
+    tar -xzf "$work"/horovod-0.28.1.tar.gz -C "$work"
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+      "$work"/horovod-0.28.1/CMakeLists.txt "$work"/horovod-0.28.1/horovod/torch/CMakeLists.txt
+    source=$work/horovod-0.28.1
+  fi
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI \
     MAKEFLAGS="-j$(getconf _NPROCESSORS_ONLN)" PATH="$VENV/bin:$PATH" \
     "$VENV/bin/python" -m pip install --no-input --disable-pip-version-check -v \
-    --no-build-isolation --no-cache-dir "horovod[pytorch]==0.28.1" >&2
+    --no-build-isolation --no-cache-dir "$source" >&2
   echo "== horovod ready in $((SECONDS - started)) s" >&2
 fi
 echo "$VENV/bin/python"
