@@ -87,8 +87,8 @@ class PyNegotiator {
     if (call.kind == NegotiatedKind::broadcast &&
         (root < 0 || root >= negotiator_->size())) {
       throw InvalidArgument(error_message(name, rank,
-                                          "root rank " + std::to_string(root) + " is not a rank of " +
-                                              std::to_string(negotiator_->size())));
+                                          "root " + std::to_string(root) + " is outside the " +
+                                              std::to_string(negotiator_->size()) + " ranks"));
     }
     call.root = root;
     call.sized_by_root = sized_by_root;

@@ -67,7 +67,7 @@ def test_errors():
         gt.broadcast_parameters(state)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(gradcomm.Error, match="does not cover"):
+    with pytest.raises(gradcomm.Error, match="were not named"):  # Horovod's words
         gt.DistributedOptimizer(opt, named_parameters=list(model.named_parameters())[:1])
     ones = torch.ones(4)
     gt.allreduce_(ones, op="sum")  # still usable

@@ -1022,6 +1022,8 @@ def broadcast_parameters(params, root_rank=0, *, comm=None, root=None):
     # Every tensor is checked before the first is submitted: a bad one fails on every rank (they
     # all hold the same list) before any broadcast.
     for n, t in named:
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            raise InvalidArgument(f"broadcast_parameters: {n} is not a dense CPU tensor")
         _check_bytes_tensor(t.detach(), f"broadcast_parameters ({n})")
     c = _comm(comm)
     if not 0 <= int(root_rank) < c.size():

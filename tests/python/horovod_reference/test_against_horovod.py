@@ -2,6 +2,8 @@
 same processes: the same calls on the same inputs give bit-identical results, and the same
 failures raise the same Python classes. Runs with the interpreter of Horovod's environment."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -75,7 +77,12 @@ def test_objects_and_join():
     obj = {"rank": RANK, "x": list(range(RANK))}
     assert horovod.broadcast_object(obj, root_rank=0) == gc.broadcast_object(obj, root_rank=0)
     assert horovod.allgather_object(obj) == gc.allgather_object(obj)
-    assert horovod.join() == gc.join()
+    # Joins a fifth of a second apart, so that the last to join is the same rank for both (of
+    # ranks joining in one cycle, each library returns the one it processed last).
+    time.sleep(0.2 * RANK)
+    last = horovod.join()
+    time.sleep(0.2 * RANK)
+    assert gc.join() == last == SIZE - 1
 
 
 def test_same_error_classes():
