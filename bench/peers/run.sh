@@ -12,7 +12,8 @@
 #   gloo      torch 2.11's gloo (torch.distributed): bench/torch_allreduce_bench.py
 # Each peer runs as its documentation recommends for one host, stated in the output. A peer that
 # cannot be installed or built is reported, and the others go on.
-# usage: bench/peers/run.sh [PEER...]   (RANKS="2 4", OUT=bench/results/peers)
+# usage: bench/peers/run.sh [PEER...]   (RANKS="2 4", OUT=bench/results/peers; PEER_TIMEOUT=900
+# seconds per launch: MPICH's waits spin, and more ranks than cores then cost whole time slices)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 source "$ROOT/scripts/common.sh"
@@ -56,7 +57,8 @@ run_mpi_peer() {
       for timing in "" --cycle; do
         echo "-- $np ranks ${timing:-back to back}"
         # shellcheck disable=SC2086
-        $launch -np "$np" "$ROOT/build-peers/$peer/bench/gradcomm-bench" -a auto -f 4 \
+        timeout "${PEER_TIMEOUT:-900}" $launch -np "$np" \
+          "$ROOT/build-peers/$peer/bench/gradcomm-bench" -a auto -f 4 \
           -b 8 -e 64M $timing 2>&1 | grep -v "^\[" || echo "FAILED: $peer at $np ranks"
       done
     done
@@ -65,8 +67,9 @@ run_mpi_peer() {
 
 for peer in "${peers[@]}"; do
   case $peer in
-    openmpi4)
-      build_bench openmpi4 mpicc.openmpi mpicxx.openmpi /usr/bin/mpirun.openmpi &&
+    openmpi4)  # the project's own build is against it
+      mkdir -p "$ROOT/build-peers" && ln -sfn "$BUILD_DIR" "$ROOT/build-peers/openmpi4" &&
+        cmake --build "$BUILD_DIR" --target gradcomm-bench >/dev/null &&
         run_mpi_peer openmpi4 "mpirun.openmpi --oversubscribe --bind-to none" \
           "Open MPI $(mpirun.openmpi --version | head -1 | grep -o '[0-9.]*$') (Debian), defaults (vader shared memory), no binding" ||
         echo "== openmpi4: could not be built" | tee "$OUT/openmpi4.txt"
@@ -74,7 +77,7 @@ for peer in "${peers[@]}"; do
     mpich4)
       build_bench mpich4 mpicc.mpich mpicxx.mpich /usr/bin/mpiexec.mpich &&
         run_mpi_peer mpich4 "mpiexec.mpich -bind-to none" \
-          "MPICH $(mpichversion.mpich 2>/dev/null | sed -n 's/MPICH Version: *//p') (Debian, ch4:ucx), defaults (POSIX shared memory within the host)" ||
+          "MPICH $(mpiexec.mpich --version | sed -n 's/.*Version: *//p' | head -1) (Debian, ch4:ucx), defaults (POSIX shared memory within the host)" ||
         echo "== mpich4: could not be built" | tee "$OUT/mpich4.txt"
       ;;
     openmpi5)
@@ -110,9 +113,15 @@ for peer in "${peers[@]}"; do
         I_MPI_ROOT=$V build_bench oneccl "$V/bin/mpicc" "$V/bin/mpicxx" "$V/bin/mpiexec" \
           gradcomm-ccl-bench "-DGRADCOMM_ONECCL_ROOT=$V"; then
         {
-          echo "== oneccl: oneCCL 2021.16.2 (PyPI oneccl-cpu) over Intel MPI 2021.16.2, CCL_ATL_TRANSPORT=ofi CCL_ATL_SHM=1 (libfabric's shm provider, its documented shared-memory setting), CCL_WORKER_COUNT=1 (offload off on these cores), Intel MPI's default pinning"
+          echo "== oneccl: oneCCL 2021.16.2 (PyPI oneccl-cpu) over Intel MPI 2021.16.2, CCL_ATL_TRANSPORT=ofi CCL_ATL_SHM=1 (libfabric's shm provider, its documented shared-memory setting), CCL_WORKER_COUNT=1 (offload off on these cores); at more ranks than cores CCL_YIELD=sched_yield and I_MPI_PIN=0 (below), else Intel MPI's default pinning"
           for np in $RANKS; do
-            CCL_ATL_TRANSPORT=ofi CCL_ATL_SHM=1 CCL_WORKER_COUNT=1 CCL_LOG_LEVEL=error \
+            # More ranks than cores: oneCCL's waits spin unless told to yield (CCL_YIELD), and
+            # Intel MPI's pinning puts two ranks on a core, where each call then waits for
+            # the scheduler's tick (4-16 ms per call at 8 B); unpinned, as the other peers.
+            yield=none pin=1
+            ((np > $(getconf _NPROCESSORS_ONLN))) && yield=sched_yield pin=0
+            echo "-- $np ranks, CCL_YIELD=$yield I_MPI_PIN=$pin"
+            I_MPI_PIN=$pin CCL_YIELD=$yield CCL_ATL_TRANSPORT=ofi CCL_ATL_SHM=1 CCL_WORKER_COUNT=1 CCL_LOG_LEVEL=error \
               "$V/bin/mpiexec" -n "$np" "$ROOT/build-peers/oneccl/bench/gradcomm-ccl-bench" \
               $((64 << 20)) 20 \
               2>&1 || echo "FAILED: oneccl at $np ranks"
