@@ -34,8 +34,7 @@ constexpr int kQuietBeforeSleepy = 100;
 constexpr std::uint64_t kClosing = 1, kStuck = 2;
 
 double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::string_view kind_name(NegotiatedKind kind) {
@@ -132,8 +131,8 @@ std::string describe_wait(const watchdog::Record& record) {
   std::string text = "negotiation of " + std::string(kind_name(NegotiatedKind{p.kind})) + " '" +
                      std::string(p.name, strnlen(p.name, sizeof p.name)) + "'";
   if (missing.empty()) return text;
-  text += ": not submitted by rank" + std::string(missing.size() > 1 ? "s " : " ") +
-          rank_list(missing);
+  text +=
+      ": not submitted by rank" + std::string(missing.size() > 1 ? "s " : " ") + rank_list(missing);
   if (p.missing_count > 8) text += ", ... (" + std::to_string(p.missing_count) + ")";
   return text;
 }
@@ -184,7 +183,7 @@ void scale(void* data, std::size_t count, DataType dtype, double factor) {
     constexpr double hi = static_cast<double>(std::numeric_limits<T>::max());
     for (std::size_t i = 0; i < count; ++i) {
       const double v = factor * static_cast<double>(p[i]);  // truncated toward zero below
-      p[i] = v <= lo ? std::numeric_limits<T>::min()
+      p[i] = v <= lo   ? std::numeric_limits<T>::min()
              : v >= hi ? std::numeric_limits<T>::max()
                        : static_cast<T>(v);
     }
@@ -192,12 +191,14 @@ void scale(void* data, std::size_t count, DataType dtype, double factor) {
   switch (dtype) {
     case DataType::float32: {
       auto* p = static_cast<float*>(data);
-      for (std::size_t i = 0; i < count; ++i) p[i] = f * p[i];
+      for (std::size_t i = 0; i < count; ++i)
+        p[i] = f * p[i];
       break;
     }
     case DataType::float64: {
       auto* p = static_cast<double*>(data);
-      for (std::size_t i = 0; i < count; ++i) p[i] = factor * p[i];
+      for (std::size_t i = 0; i < count; ++i)
+        p[i] = factor * p[i];
       break;
     }
     case DataType::float16: {
@@ -270,7 +271,8 @@ Negotiator::~Negotiator() {
 std::shared_ptr<NegotiatedState> Negotiator::submit(NegotiatedCall call) {
   auto state = std::make_shared<NegotiatedState>();
   const std::string name = call.name;
-  if (call.kind == NegotiatedKind::alltoall && call.splits.size() != static_cast<std::size_t>(size_)) {
+  if (call.kind == NegotiatedKind::alltoall &&
+      call.splits.size() != static_cast<std::size_t>(size_)) {
     throw InvalidArgument(error_message(name, rank_,
                                         "alltoall needs one split per rank (" +
                                             std::to_string(call.splits.size()) + " for " +
@@ -308,7 +310,8 @@ void Negotiator::wait(NegotiatedState& state) {
       last_progress_ = now_seconds();
     }
     waiters_.fetch_add(1, std::memory_order_acq_rel);
-    while (!state.done.load(std::memory_order_acquire)) state.done.wait(false);
+    while (!state.done.load(std::memory_order_acquire))
+      state.done.wait(false);
     waiters_.fetch_sub(1, std::memory_order_acq_rel);
   }
   if (state.error) std::rethrow_exception(state.error);
@@ -347,9 +350,11 @@ void Negotiator::loop() noexcept {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       closing_ = true;
-      for (auto& [name, state] : in_flight_) pending.push_back(state);
+      for (auto& [name, state] : in_flight_)
+        pending.push_back(state);
     }
-    for (auto& state : pending) finish(*state, error);
+    for (auto& state : pending)
+      finish(*state, error);
     table_.clear();
   }
   if (recording_ && data_->recorder()) data_->recorder()->end(false);
@@ -357,7 +362,8 @@ void Negotiator::loop() noexcept {
   std::vector<std::shared_ptr<NegotiatedState>> left;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [name, state] : in_flight_) left.push_back(state);
+    for (auto& [name, state] : in_flight_)
+      left.push_back(state);
   }
   for (auto& state : left) {
     finish(*state, std::make_exception_ptr(InvalidArgument(error_message(
@@ -394,7 +400,8 @@ bool Negotiator::cycle() {
     w.put(c.algorithm);
     w.put(static_cast<std::uint64_t>(c.fusion_threshold));
     w.put(static_cast<std::uint32_t>(c.splits.size()));
-    for (std::uint64_t v : c.splits) w.put(v);
+    for (std::uint64_t v : c.splits)
+      w.put(v);
   }
   if (mine.size() > static_cast<std::size_t>(INT_MAX)) {
     throw InvalidArgument(error_message("negotiation", rank_, "a cycle's offers exceed 2 GiB"));
@@ -406,9 +413,9 @@ bool Negotiator::cycle() {
   std::vector<std::uint64_t> headers(n);
   std::uint64_t header = (static_cast<std::uint64_t>(mine.size()) << 8) | flags;
   MPI_Request request = MPI_REQUEST_NULL;
-  check_mpi(MPI_Iallgather(&header, 1, MPI_UINT64_T, headers.data(), 1, MPI_UINT64_T, control_,
-                           &request),
-            "negotiation: MPI_Iallgather", rank_);
+  check_mpi(
+      MPI_Iallgather(&header, 1, MPI_UINT64_T, headers.data(), 1, MPI_UINT64_T, control_, &request),
+      "negotiation: MPI_Iallgather", rank_);
   check_mpi(wait_all_mpi(1, &request), "negotiation: MPI_Iallgather", rank_);
   ++cycles_;
   std::vector<int> sizes(n), displs(n);
@@ -449,7 +456,8 @@ bool Negotiator::cycle() {
       o.algorithm = in.text();
       o.fusion_threshold = in.get<std::uint64_t>();
       o.splits.resize(in.get<std::uint32_t>());
-      for (auto& v : o.splits) v = in.get<std::uint64_t>();
+      for (auto& v : o.splits)
+        v = in.get<std::uint64_t>();
       o.cycle = cycles_;
       auto& slot = table_[name];
       if (!slot) {
@@ -496,7 +504,8 @@ bool Negotiator::cycle() {
     std::string report =
         "negotiation: every rank is waiting and no operation can run, since no name was "
         "submitted by every rank:";
-    for (auto& [name, entry] : table_) report += "\n  " + who_submitted(*entry);
+    for (auto& [name, entry] : table_)
+      report += "\n  " + who_submitted(*entry);
     fail_everything(report);
   }
   note_wait(!ready.empty());
@@ -512,7 +521,8 @@ bool Negotiator::cycle() {
   quiet_cycles_ = std::min(quiet_cycles_ + 1, kQuietBeforeSleepy);
   const auto interval = quiet_cycles_ >= kQuietBeforeSleepy ? kSleepyCycle : kIdleCycle;
   std::unique_lock<std::mutex> lock(mutex_);
-  wake_.wait_for(lock, interval, [&] { return !outbox_.empty() || (closing_ && !(flags & kClosing)); });
+  wake_.wait_for(lock, interval,
+                 [&] { return !outbox_.empty() || (closing_ && !(flags & kClosing)); });
   return true;
 }
 
@@ -520,7 +530,8 @@ std::vector<bool> Negotiator::joined_ranks() const {
   std::vector<bool> joined(static_cast<std::size_t>(size_), false);
   for (const auto& [name, entry] : table_) {
     if (first_offer(*entry).kind != NegotiatedKind::join) continue;
-    for (std::size_t r = 0; r < joined.size(); ++r) joined[r] = entry->offers[r].has_value();
+    for (std::size_t r = 0; r < joined.size(); ++r)
+      joined[r] = entry->offers[r].has_value();
   }
   return joined;
 }
@@ -535,8 +546,9 @@ std::string Negotiator::who_submitted(const Entry& entry) const {
   }
   return "'" + entry.name + "' (" + signature + "): submitted by rank" +
          (by.size() > 1 ? "s " : " ") + rank_list(by) +
-         (not_by.empty() ? "" : ", not by rank" + std::string(not_by.size() > 1 ? "s " : " ") +
-                                    rank_list(not_by));
+         (not_by.empty()
+              ? ""
+              : ", not by rank" + std::string(not_by.size() > 1 ? "s " : " ") + rank_list(not_by));
 }
 
 void Negotiator::fail_everything(const std::string& why) {
@@ -569,10 +581,10 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
                               o->kind == NegotiatedKind::alltoall || o->sized_by_root;
       if (o->kind != first->kind || o->signature != first->signature || !same_count ||
           o->root != first->root || o->sized_by_root != first->sized_by_root) {
-        e->error = std::make_exception_ptr(MismatchError(
-            "'" + e->name + "': rank " + std::to_string(first_rank) + " submitted " +
-            first->signature + ", rank " + std::to_string(r) + " " + o->signature +
-            "; ranks must agree on what one name means"));
+        e->error = std::make_exception_ptr(
+            MismatchError("'" + e->name + "': rank " + std::to_string(first_rank) + " submitted " +
+                          first->signature + ", rank " + std::to_string(r) + " " + o->signature +
+                          "; ranks must agree on what one name means"));
       }
     }
     if (e->error || !first) continue;
@@ -584,10 +596,10 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
     const std::string who = "rank" + std::string(standing_in.size() > 1 ? "s " : " ") +
                             rank_list(standing_in) + " joined";
     if (first->kind == NegotiatedKind::alltoall) {
-      e->error = std::make_exception_ptr(
-          MismatchError("'" + e->name + "': " + who + "; alltoall cannot run while ranks have "
-                                                      "joined (only allreduce, allgather, "
-                                                      "broadcast and barrier can)"));
+      e->error = std::make_exception_ptr(MismatchError("'" + e->name + "': " + who +
+                                                       "; alltoall cannot run while ranks have "
+                                                       "joined (only allreduce, allgather, "
+                                                       "broadcast and barrier can)"));
     } else if (first->kind == NegotiatedKind::broadcast &&
                !e->offers[static_cast<std::size_t>(first->root)]) {
       e->error = std::make_exception_ptr(MismatchError(
@@ -628,7 +640,8 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
       run_one(e, mine.get());
     }
   }
-  for (Entry* e : ready) table_.erase(e->name);
+  for (Entry* e : ready)
+    table_.erase(e->name);
 }
 
 void Negotiator::run_allreduces(const std::vector<Entry*>& group) {
@@ -667,16 +680,19 @@ void Negotiator::run_allreduces(const std::vector<Entry*>& group) {
   std::exception_ptr error;
   try {
     ForegroundWhileWaited foreground(&waiters_);
-    for (auto& s : states) scale(s->call.data, s->call.count, s->call.dtype, s->call.prescale);
+    for (auto& s : states)
+      scale(s->call.data, s->call.count, s->call.dtype, s->call.prescale);
     GroupedAllreduceOptions options;
     options.algorithm = first->algorithm;
     if (first->fusion_threshold) options.fusion_threshold = first->fusion_threshold;
     grouped_allreduce(*data_, tensors, first->op, options);
-    for (auto& s : states) scale(s->call.data, s->call.count, s->call.dtype, s->call.postscale);
+    for (auto& s : states)
+      scale(s->call.data, s->call.count, s->call.dtype, s->call.postscale);
   } catch (...) {
     error = std::current_exception();
   }
-  for (auto& s : states) finish(*s, error);
+  for (auto& s : states)
+    finish(*s, error);
 }
 
 void Negotiator::run_one(Entry& e, NegotiatedState* mine) {

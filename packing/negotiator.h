@@ -44,7 +44,7 @@ enum class NegotiatedKind : std::uint8_t {
   allgather = 3,  // this rank's `count` bytes at `data`; the result holds every rank's
   alltoall = 4,   // this rank sends splits[j] bytes to rank j, consecutive at `data`
   barrier = 5,
-  join = 6,       // this rank has no more data: it stands in for the others' operations
+  join = 6,  // this rank has no more data: it stands in for the others' operations
 };
 
 struct NegotiatedCall {
@@ -63,7 +63,7 @@ struct NegotiatedCall {
   // float16 in float32 with the factor rounded to float, float64 in double, integers in double
   // truncated toward zero; bfloat16 as float16).
   double prescale = 1.0, postscale = 1.0;
-  std::string algorithm;  // allreduce: empty for Config::algorithm
+  std::string algorithm;             // allreduce: empty for Config::algorithm
   std::size_t fusion_threshold = 0;  // allreduce: bucket bytes, 0 for Config::fusion_threshold
   // broadcast: the receivers do not know the size; the root's `count` decides, and the bytes
   // land in the result (the root's stay at `data`).
@@ -75,9 +75,9 @@ struct NegotiatedCall {
 struct NegotiatedState {
   NegotiatedCall call;
   std::exception_ptr error;
-  std::vector<std::byte> result;        // allgather, alltoall, broadcast sized by the root
-  std::vector<std::uint64_t> counts;    // bytes that came from each rank into `result`
-  int last_joined = -1;                 // join: the last rank to join
+  std::vector<std::byte> result;      // allgather, alltoall, broadcast sized by the root
+  std::vector<std::uint64_t> counts;  // bytes that came from each rank into `result`
+  int last_joined = -1;               // join: the last rank to join
   std::atomic<bool> done{false};
 };
 
@@ -126,22 +126,22 @@ class Negotiator {
   std::unique_ptr<Communicator> data_;  // the operations run here
   MPI_Comm control_ = MPI_COMM_NULL;    // the cycles run here
 
-  std::mutex mutex_;                    // guards the fields up to `waiters_`
-  std::condition_variable wake_;        // a submission, or close()
+  std::mutex mutex_;                                     // guards the fields up to `waiters_`
+  std::condition_variable wake_;                         // a submission, or close()
   std::deque<std::shared_ptr<NegotiatedState>> outbox_;  // submitted, not yet offered
   std::map<std::string, std::shared_ptr<NegotiatedState>> in_flight_;  // by name
   bool closing_ = false;
-  double last_progress_ = 0;            // steady seconds of the last submission or completion
-  std::atomic<int> waiters_{0};         // application threads inside wait()
+  double last_progress_ = 0;     // steady seconds of the last submission or completion
+  std::atomic<int> waiters_{0};  // application threads inside wait()
 
   // The negotiation thread's own state.
   std::map<std::string, std::unique_ptr<Entry>> table_;  // the same on every rank
-  std::uint64_t offers_seen_ = 0;       // orders the table's entries
+  std::uint64_t offers_seen_ = 0;                        // orders the table's entries
   std::uint64_t cycles_ = 0;
-  int quiet_cycles_ = 0;                // consecutive cycles in which nothing happened
-  bool recording_ = false;              // a wait is on the watchdog's recorder
-  std::vector<std::byte> scratch_;      // joined ranks' stand-in buffers
-  bool closed_ = false;                 // every rank closed: the thread has ended
+  int quiet_cycles_ = 0;            // consecutive cycles in which nothing happened
+  bool recording_ = false;          // a wait is on the watchdog's recorder
+  std::vector<std::byte> scratch_;  // joined ranks' stand-in buffers
+  bool closed_ = false;             // every rank closed: the thread has ended
   std::thread thread_;
 };
 

@@ -23,8 +23,7 @@
 namespace {
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 struct Stats {
@@ -64,11 +63,11 @@ int main(int argc, char** argv) {
     gradcomm::Communicator comm(MPI_COMM_WORLD);
     std::vector<float> send(max_bytes / 4 + 1), recv(send.size());
     if (rank == 0) {
-      std::printf("# oneCCL %d.%d.%d beside gradcomm (auto), %d ranks, float32 sum; %d iterations "
-                  "per size and timing; times in us, slowest rank, median [min-max]\n",
-                  CCL_MAJOR_VERSION, CCL_MINOR_VERSION, CCL_UPDATE_VERSION, size, iters);
-      std::printf("%10s %6s %26s %26s %8s\n", "bytes", "timing", "oneCCL", "gradcomm",
-                  "ratio");
+      std::printf(
+          "# oneCCL %d.%d.%d beside gradcomm (auto), %d ranks, float32 sum; %d iterations "
+          "per size and timing; times in us, slowest rank, median [min-max]\n",
+          CCL_MAJOR_VERSION, CCL_MINOR_VERSION, CCL_UPDATE_VERSION, size, iters);
+      std::printf("%10s %6s %26s %26s %8s\n", "bytes", "timing", "oneCCL", "gradcomm", "ratio");
     }
     for (std::size_t bytes = 8; bytes <= max_bytes; bytes *= 4) {
       const std::size_t count = bytes / 4;
@@ -78,17 +77,18 @@ int main(int argc, char** argv) {
           for (int lib = 0; lib < 2; ++lib) {
             // Inputs that are exact in float32: small integers that differ per rank and step.
             const auto value = [&](std::size_t i, int r) {
-              return static_cast<float>((i * 7 + static_cast<std::size_t>(r) * 3 +
-                                         static_cast<std::size_t>(it + 2)) % 13);
+              return static_cast<float>(
+                  (i * 7 + static_cast<std::size_t>(r) * 3 + static_cast<std::size_t>(it + 2)) %
+                  13);
             };
             if (cycle || it == -2) {
-              for (std::size_t i = 0; i < count; ++i) send[i] = value(i, rank);
+              for (std::size_t i = 0; i < count; ++i)
+                send[i] = value(i, rank);
             }
             MPI_Barrier(MPI_COMM_WORLD);
             const double t0 = now();
             if (lib == 0) {
-              ccl::allreduce(send.data(), recv.data(), count, ccl::reduction::sum, ccl_comm)
-                  .wait();
+              ccl::allreduce(send.data(), recv.data(), count, ccl::reduction::sum, ccl_comm).wait();
             } else {
               gradcomm::allreduce(comm, send.data(), recv.data(), count,
                                   gradcomm::DataType::float32, gradcomm::ReduceOp::sum);
@@ -100,14 +100,14 @@ int main(int argc, char** argv) {
             for (std::size_t i = 0; i < count; i += 1 + count / 97) {
               float expected = 0;
               for (int r = 0; r < size; ++r) {
-                expected += static_cast<float>((i * 7 + static_cast<std::size_t>(r) * 3 +
-                                                static_cast<std::size_t>(step + 2)) % 13);
+                expected += static_cast<float>(
+                    (i * 7 + static_cast<std::size_t>(r) * 3 + static_cast<std::size_t>(step + 2)) %
+                    13);
               }
               if (recv[i] != expected) {
                 if (failures++ < 5) {
-                  std::fprintf(stderr, "rank %d: %s, %zu bytes: element %zu is %g, not %g\n",
-                               rank, lib == 0 ? "oneCCL" : "gradcomm", bytes, i, recv[i],
-                               expected);
+                  std::fprintf(stderr, "rank %d: %s, %zu bytes: element %zu is %g, not %g\n", rank,
+                               lib == 0 ? "oneCCL" : "gradcomm", bytes, i, recv[i], expected);
                 }
               }
             }

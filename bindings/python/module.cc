@@ -615,9 +615,9 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("_broadcast_bytes_ptr", &PyCommunicator::broadcast_bytes_ptr)
       .def("_grouped_allreduce_async_ptrs", &PyCommunicator::grouped_allreduce_async_ptrs)
       .def("_broadcast_async_ptr", &PyCommunicator::broadcast_async_ptr)
-      .def("_negotiator",
-           [](PyCommunicator& self) { return make_negotiator(self.get()); },
-           "A negotiator over this communicator (collective): gradcomm.torch's calls by name")
+      .def(
+          "_negotiator", [](PyCommunicator& self) { return make_negotiator(self.get()); },
+          "A negotiator over this communicator (collective): gradcomm.torch's calls by name")
       .def("_bench_allreduce", &PyCommunicator::bench_allreduce, py::arg("array"),
            py::arg("iterations"), py::arg("op") = "sum", py::arg("algorithm") = py::none());
 

@@ -65,8 +65,7 @@ class PyNegotiator {
                       const std::string& signature, std::uintptr_t data, std::uint64_t count,
                       std::optional<std::string> dtype, std::optional<std::string> op, int root,
                       bool sized_by_root, std::vector<std::uint64_t> splits, double prescale,
-                      double postscale, std::string algorithm,
-                      std::size_t fusion_threshold) {
+                      double postscale, std::string algorithm, std::size_t fusion_threshold) {
     const int rank = negotiator_->rank();
     NegotiatedCall call;
     call.name = name;
@@ -84,8 +83,7 @@ class PyNegotiator {
       if (!o) throw InvalidArgument(error_message(name, rank, "unknown op " + *op));
       call.op = *o;
     }
-    if (call.kind == NegotiatedKind::broadcast &&
-        (root < 0 || root >= negotiator_->size())) {
+    if (call.kind == NegotiatedKind::broadcast && (root < 0 || root >= negotiator_->size())) {
       throw InvalidArgument(error_message(name, rank,
                                           "root " + std::to_string(root) + " is outside the " +
                                               std::to_string(negotiator_->size()) + " ranks"));
@@ -120,12 +118,11 @@ void bind_negotiation(py::module_& m) {
       .def("nbytes", &PyNegotiated::nbytes)
       .def_buffer(&PyNegotiated::buffer);
   py::class_<PyNegotiator>(m, "_Negotiator")
-      .def("submit", &PyNegotiator::submit, py::arg("name"), py::arg("kind"),
-           py::arg("signature"), py::arg("data") = 0, py::arg("count") = 0,
-           py::arg("dtype") = py::none(), py::arg("op") = py::none(), py::arg("root") = -1,
-           py::arg("sized_by_root") = false, py::arg("splits") = std::vector<std::uint64_t>{},
-           py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("algorithm") = "",
-           py::arg("fusion_threshold") = 0)
+      .def("submit", &PyNegotiator::submit, py::arg("name"), py::arg("kind"), py::arg("signature"),
+           py::arg("data") = 0, py::arg("count") = 0, py::arg("dtype") = py::none(),
+           py::arg("op") = py::none(), py::arg("root") = -1, py::arg("sized_by_root") = false,
+           py::arg("splits") = std::vector<std::uint64_t>{}, py::arg("prescale") = 1.0,
+           py::arg("postscale") = 1.0, py::arg("algorithm") = "", py::arg("fusion_threshold") = 0)
       .def("close", &PyNegotiator::close);
 }
 
