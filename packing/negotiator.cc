@@ -385,7 +385,8 @@ bool Negotiator::cycle() {
       flags |= kStuck;
     }
   }
-  std::vector<std::byte> mine;
+  std::vector<std::byte>& mine = out_;  // the cycle's buffers keep their memory between cycles
+  mine.clear();
   Writer w(mine);
   for (const auto& s : fresh) {
     const NegotiatedCall& c = s->call;
@@ -410,7 +411,8 @@ bool Negotiator::cycle() {
   // Every rank's header (payload size and flags), then, when any rank offers something, every
   // rank's offers.
   const auto n = static_cast<std::size_t>(size_);
-  std::vector<std::uint64_t> headers(n);
+  std::vector<std::uint64_t>& headers = headers_;
+  headers.resize(n);
   std::uint64_t header = (static_cast<std::uint64_t>(mine.size()) << 8) | flags;
   MPI_Request request = MPI_REQUEST_NULL;
   check_mpi(
@@ -418,7 +420,10 @@ bool Negotiator::cycle() {
       "negotiation: MPI_Iallgather", rank_);
   check_mpi(wait_all_mpi(1, &request), "negotiation: MPI_Iallgather", rank_);
   ++cycles_;
-  std::vector<int> sizes(n), displs(n);
+  std::vector<int>& sizes = sizes_;
+  std::vector<int>& displs = displs_;
+  sizes.resize(n);
+  displs.resize(n);
   std::size_t total = 0;
   bool all_closing = true;
   std::vector<bool> stuck(n);
@@ -432,7 +437,8 @@ bool Negotiator::cycle() {
     all_closing = all_closing && (headers[r] & kClosing);
     stuck[r] = (headers[r] & (kClosing | kStuck)) != 0;
   }
-  std::vector<std::byte> offers(total);
+  std::vector<std::byte>& offers = in_;
+  offers.resize(total);
   if (total > 0) {
     check_mpi(MPI_Iallgatherv(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, offers.data(),
                               sizes.data(), displs.data(), MPI_BYTE, control_, &request),

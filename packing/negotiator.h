@@ -138,10 +138,12 @@ class Negotiator {
   std::map<std::string, std::unique_ptr<Entry>> table_;  // the same on every rank
   std::uint64_t offers_seen_ = 0;                        // orders the table's entries
   std::uint64_t cycles_ = 0;
-  int quiet_cycles_ = 0;            // consecutive cycles in which nothing happened
-  bool recording_ = false;          // a wait is on the watchdog's recorder
-  std::vector<std::byte> scratch_;  // joined ranks' stand-in buffers
-  bool closed_ = false;             // every rank closed: the thread has ended
+  int quiet_cycles_ = 0;             // consecutive cycles in which nothing happened
+  bool recording_ = false;           // a wait is on the watchdog's recorder
+  std::vector<std::byte> scratch_;   // joined ranks' stand-in buffers
+  std::vector<std::byte> out_, in_;  // a cycle's offers: this rank's, every rank's
+  std::vector<std::uint64_t> headers_;
+  std::vector<int> sizes_, displs_;
   std::thread thread_;
 };
 

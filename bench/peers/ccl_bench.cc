@@ -69,7 +69,12 @@ int main(int argc, char** argv) {
           CCL_MAJOR_VERSION, CCL_MINOR_VERSION, CCL_UPDATE_VERSION, size, iters);
       std::printf("%10s %6s %26s %26s %8s\n", "bytes", "timing", "oneCCL", "gradcomm", "ratio");
     }
-    for (std::size_t bytes = 8; bytes <= max_bytes; bytes *= 4) {
+    // 8 B, then by factors of 4, and the largest size itself (64 MiB is not a power of 4 times 8).
+    std::vector<std::size_t> sizes;
+    for (std::size_t b = 8; b <= max_bytes; b *= 4)
+      sizes.push_back(b);
+    if (sizes.empty() || sizes.back() != max_bytes) sizes.push_back(max_bytes);
+    for (const std::size_t bytes : sizes) {
       const std::size_t count = bytes / 4;
       for (int cycle = 0; cycle < 2; ++cycle) {
         std::vector<double> t_ccl, t_gc;

@@ -57,9 +57,13 @@ run_mpi_peer() {
       for timing in "" --cycle; do
         echo "-- $np ranks ${timing:-back to back}"
         # shellcheck disable=SC2086
-        timeout "${PEER_TIMEOUT:-900}" $launch -np "$np" \
-          "$ROOT/build-peers/$peer/bench/gradcomm-bench" -a auto -f 4 \
-          -b 8 -e 64M $timing 2>&1 | grep -v "^\[" || echo "FAILED: $peer at $np ranks"
+        # 8 B to 32 MiB by factors of 4, then 64 MiB.
+        for sizes in "-b 8 -e 32M -f 4" "-b 64M -e 64M"; do
+          # shellcheck disable=SC2086
+          timeout "${PEER_TIMEOUT:-900}" $launch -np "$np" \
+            "$ROOT/build-peers/$peer/bench/gradcomm-bench" -a auto $sizes $timing 2>&1 |
+            grep -v "^\[" || echo "FAILED: $peer at $np ranks"
+        done
       done
     done
   } | tee "$OUT/$peer.txt"

@@ -48,7 +48,7 @@ def test_shuffled_orders_complete():
         positions = sorted(i for i, c in enumerate(calls) if c in extra)
         for i, item in zip(positions, extra):
             calls[i] = item
-    handles, kept = {}, {}
+    handles = {}
     for kind, k in calls:
         n = 5 + k
         if kind == "allreduce":
@@ -200,8 +200,7 @@ def test_allgather_async_is_asynchronous():
 
 
 def test_alltoall_with_and_without_splits():
-    rows = [r + 1 for r in range(SIZE)]  # rank r sends r+1+j rows to rank j
-    send = [RANK + 1 + j for j in range(SIZE)]
+    send = [RANK + 1 + j for j in range(SIZE)]  # rank r sends r+1+j rows to rank j
     t = torch.cat([torch.full((n, 2), float(100 * RANK + j)) for j, n in enumerate(send)])
     out, received = hvd.alltoall(t, splits=torch.tensor(send, dtype=torch.int32), name="a2a")
     assert received.tolist() == [r + 1 + RANK for r in range(SIZE)]
@@ -214,7 +213,6 @@ def test_alltoall_with_and_without_splits():
     y, _ = hvd.alltoall(x, splits=send)
     (y * 2).sum().backward()
     assert torch.equal(x.grad, torch.full_like(t, 2.0))
-    assert rows
 
 
 def test_optimizer_names_attributes_errors_and_warning():
