@@ -278,6 +278,11 @@ std::shared_ptr<NegotiatedState> Negotiator::submit(NegotiatedCall call) {
                                             std::to_string(call.splits.size()) + " for " +
                                             std::to_string(size_) + " ranks)"));
   }
+  if (call.kind == NegotiatedKind::broadcast && (call.root < 0 || call.root >= size_)) {
+    throw InvalidArgument(error_message(name, rank_,
+                                        "root " + std::to_string(call.root) + " is outside the " +
+                                            std::to_string(size_) + " ranks"));
+  }
   state->call = std::move(call);
   {
     std::lock_guard<std::mutex> lock(mutex_);

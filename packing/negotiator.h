@@ -95,7 +95,8 @@ class Negotiator {
   int size() const { return size_; }
 
   // Queues `call` for the next cycle. Throws InvalidArgument when its name is already in flight
-  // on this rank, or when the negotiator is closed; the buffers must stay valid and untouched
+  // on this rank, for a broadcast root or alltoall splits that do not fit the ranks, or when the
+  // negotiator is closed; the buffers must stay valid and untouched
   // until the state is done.
   std::shared_ptr<NegotiatedState> submit(NegotiatedCall call);
   // Blocks (without spinning) until the operation is done; rethrows its error.

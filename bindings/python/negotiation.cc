@@ -83,11 +83,6 @@ class PyNegotiator {
       if (!o) throw InvalidArgument(error_message(name, rank, "unknown op " + *op));
       call.op = *o;
     }
-    if (call.kind == NegotiatedKind::broadcast && (root < 0 || root >= negotiator_->size())) {
-      throw InvalidArgument(error_message(name, rank,
-                                          "root " + std::to_string(root) + " is outside the " +
-                                              std::to_string(negotiator_->size()) + " ranks"));
-    }
     call.root = root;
     call.sized_by_root = sized_by_root;
     call.splits = std::move(splits);
