@@ -15,14 +15,19 @@ def human(n):
     return str(n)
 
 
+def section(line):
+    """run.sh's "-- N ranks back to back|--cycle" line as (N, "b2b"|"cycle"), else None."""
+    m = re.match(r"-- (\d+) ranks (back to back|--cycle)", line)
+    return (int(m.group(1)), "b2b" if m.group(2) == "back to back" else "cycle") if m else None
+
+
 def mpi_peer(text):
     """gradcomm-bench output: {(ranks, timing): {bytes: (mpi_us, auto_us)}}."""
     out, key, header = {}, None, []
     for line in text.splitlines():
-        m = re.match(r"-- (\d+) ranks (back to back|--cycle)", line)
-        if m:
-            key = (int(m.group(1)), "b2b" if m.group(2) == "back to back" else "cycle")
-            out[key] = {}
+        if section(line):
+            key = section(line)
+            out.setdefault(key, {})
             continue
         if line.startswith("#") and "algorithm" in line and "size" in line:
             header = line.lstrip("#").split()
@@ -56,10 +61,9 @@ def gloo_peer(text):
     medians (both through torch.distributed.all_reduce)."""
     out, key = {}, None
     for line in text.splitlines():
-        m = re.match(r"-- (\d+) ranks (back to back|--cycle)", line)
-        if m:
-            key = (int(m.group(1)), "b2b" if m.group(2) == "back to back" else "cycle")
-            out[key] = {}
+        if section(line):
+            key = section(line)
+            out.setdefault(key, {})
             continue
         m = re.match(r"\s*(\d+) B\s+gloo\s+([\d.]+) us.*?\sgradcomm\s+([\d.]+) us", line)
         if key and m:
