@@ -57,8 +57,9 @@ run_mpi_peer() {
       for timing in "" --cycle; do
         echo "-- $np ranks ${timing:-back to back}"
         # shellcheck disable=SC2086
-        # 8 B to 32 MiB by factors of 4, then 64 MiB.
-        for sizes in "-b 8 -e 32M -f 4" "-b 64M -e 64M"; do
+        # 8 B to 32 MiB by factors of 4, then 64 MiB (PEER_SWEEPS: other sweeps, ';' between).
+        IFS=';' read -ra sweeps <<<"${PEER_SWEEPS:--b 8 -e 32M -f 4;-b 64M -e 64M}"
+        for sizes in "${sweeps[@]}"; do
           # shellcheck disable=SC2086
           timeout "${PEER_TIMEOUT:-900}" $launch -np "$np" \
             "$ROOT/build-peers/$peer/bench/gradcomm-bench" -a auto $sizes $timing 2>&1 |
