@@ -626,6 +626,20 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 
 # ---- grouped all-reduce -------------------------------------------------------------------------
+def _check_disjoint(tensors, call):
+    """In-place results written into one another's memory would be garbage: refused, as the C++
+    grouped_allreduce refuses them, before anything is submitted."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+                   for i, t in enumerate(tensors) if t.numel() > 0)
+    reach, owner = 0, None  # the furthest end so far and its tensor
+    for begin, end, i in spans:
+        if owner is not None and begin < reach:
+            raise InvalidArgument(f"{call}: tensor {max(i, owner)}: memory overlaps tensor "
+                                  f"{min(i, owner)}")
+        if end > reach:
+            reach, owner = end, i
+
+
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set, *,
                              algorithm=None, fusion_threshold=None, comm=None):
@@ -637,6 +651,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         check_tensor(t, call, f"tensor {i}", writes=True)
+    _check_disjoint(tensors, call)
     opname = _resolve_op(op, average, call)
     algorithm = _algorithm_checked(algorithm, call)
     c = _comm(comm)
