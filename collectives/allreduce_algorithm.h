@@ -58,6 +58,10 @@ class AllreduceAlgorithm {
   virtual AllreduceCapabilities capabilities() const { return {}; }
   virtual bool supports(const AllreduceArgs&, const Communicator&) const { return true; }
   virtual void run(const AllreduceArgs& args, Communicator& comm) = 0;
+  // True when run(args) begins with an exchange that carries CallContext::fingerprint() to every
+  // peer and calls CallContext::call_proven once all agree (or require_check when they do not):
+  // the consistency check then posts on its board only if that exchange waits long.
+  virtual bool proves_call(const AllreduceArgs&) const { return false; }
   // The cost model's seconds for one call of `bytes` (collectives/select/cost_model.h); nullopt
   // when the algorithm has no model here, and is then no candidate of auto's.
   virtual std::optional<double> predicted_seconds(const CostModel&, const CostQuery&) const {

@@ -64,6 +64,10 @@ void reduce_to_all(const std::vector<std::byte*>& targets,
 
 }  // namespace
 
+bool AllreduceShm::proves_call(const AllreduceArgs& args) const {
+  return !args.device && args.count * args.element_bytes() <= kShmSmallBytes;
+}
+
 std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
                                                       const CostQuery& q) const {
   if (!model.one_host || q.groups > 1) return std::nullopt;  // emulated nodes count as nodes
@@ -92,9 +96,10 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   const CallInfo* info = args.call.info();
   packet.count = args.count;
   packet.sequence = info ? info->sequence : 0;
-  packet.dtype = static_cast<std::uint32_t>(args.dtype);
-  packet.op = static_cast<std::uint32_t>(args.op);
-  packet.path = static_cast<std::uint32_t>(path);
+  packet.fingerprint = args.call.fingerprint();
+  packet.dtype = static_cast<std::uint8_t>(args.dtype);
+  packet.op = static_cast<std::uint8_t>(args.op);
+  packet.path = static_cast<std::uint8_t>(path);
   packet.in_call = info ? 1u : 0u;
   packet.algorithm = info ? info->algorithm : -1;
 
@@ -105,7 +110,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     mine.descriptor[first % 2] = descriptor_of(args, path, std::nullopt);
     packet.round.store(first, std::memory_order_release);
     mine.copied.store(first, std::memory_order_release);
-    bool same = true;
+    bool same = true, proven = packet.in_call != 0;
     for (int j = 0; j < n; ++j) {
       if (j == me) continue;
       const SmallPacket& theirs = s.control(j).packet[first % 2];
@@ -114,10 +119,18 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
              theirs.op == packet.op && theirs.path == packet.path &&
              (!theirs.in_call || !packet.in_call ||
               (theirs.sequence == packet.sequence && theirs.algorithm == packet.algorithm));
+      proven = proven && theirs.in_call && theirs.fingerprint == packet.fingerprint;
     }
     if (!same) {  // every rank finds the difference in the descriptors and throws alike
       s.wait_all(&RankControl::copied, first, "copy-in", args.call);
       agree_on_call(s, first, args.call);
+    }
+    if (proven) {
+      args.call.call_proven(comm);  // the check reads no peer's post
+    } else if (packet.in_call) {
+      // The same buffers and sequence, another call (kind, tensor list): every rank sees a
+      // difference here and completes the check, which throws on every rank alike.
+      args.call.require_check();
     }
     std::vector<const std::byte*>& sources = s.sources;  // no allocation per call
     for (int j = 0; j < n; ++j) {

@@ -30,6 +30,8 @@ class AllreduceShm : public AllreduceAlgorithm {
     return {.host_buffers = true, .device_buffers = false, .polls_check = true};
   }
   void run(const AllreduceArgs& args, Communicator& comm) override;
+  // The latency path's one line per rank carries the call's whole fingerprint.
+  bool proves_call(const AllreduceArgs& args) const override;
   std::optional<double> predicted_seconds(const CostModel& model,
                                           const CostQuery& q) const override;
 };

@@ -7,9 +7,14 @@
 // buckets) run with the outer call's context. A default context belongs to no call: no salt, no
 // comparison (tests and benchmarks that run an algorithm directly).
 
+#include <cstdint>
 #include <string_view>
 
 #include "collectives/check/call_info.h"
+
+namespace gradcomm {
+class Communicator;
+}
 
 namespace gradcomm::collectives {
 
@@ -30,15 +35,23 @@ class CallContext {
   void poll_check() const;
   // Completes the comparison now (before blocking in an MPI collective).
   void require_check() const;
+  // A hash of the whole fingerprint (0 outside a call): equal on two ranks exactly when they make
+  // the same call (up to a 64-bit hash's collisions).
+  std::uint64_t fingerprint() const { return fingerprint_; }
+  // Says that every rank of `comm` was seen in this call with the same fingerprint() (an
+  // algorithm that exchanged it in its first step, CallScope::start's `proves_call`): the
+  // comparison then needs nothing more. Ignored unless `comm` is the call's own communicator.
+  void call_proven(const Communicator& comm) const;
 
  private:
   friend class CallScope;
-  CallContext(CallScope* scope, const CallInfo* info, int salt)
-      : scope_(scope), info_(info), salt_(salt) {}
+  CallContext(CallScope* scope, const CallInfo* info, int salt, std::uint64_t fingerprint)
+      : scope_(scope), info_(info), salt_(salt), fingerprint_(fingerprint) {}
 
   CallScope* scope_ = nullptr;
   const CallInfo* info_ = nullptr;
   int salt_ = 0;
+  std::uint64_t fingerprint_ = 0;
 };
 
 }  // namespace gradcomm::collectives

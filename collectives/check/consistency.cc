@@ -351,7 +351,7 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
   std::uint64_t h = 0;
   for (std::int64_t f : to_fields(info_))
     h = mix(h, static_cast<std::uint64_t>(f));
-  context_ = CallContext(this, &info_, 1 + static_cast<int>(h % salt_range()));
+  context_ = CallContext(this, &info_, 1 + static_cast<int>(h % salt_range()), h);
   if (watchdog::Recorder* recorder = comm.recorder()) recorder->begin(to_record(info_));
   // Nothing here may throw: full mode compares in start() or check_now(), before any
   // communication.
@@ -378,6 +378,7 @@ void CallScope::check_now() {
   if (!outermost_) return context_.require_check();
   if (comm_.config().check == CheckMode::off || comm_.size() == 1) return;
   CheckState& state = *state_;
+  if (deferred_) post_deferred();
   if (!compared_) {
     post_fingerprint(state);
     compared_ = true;
@@ -401,11 +402,15 @@ void CallScope::before_first_use(std::string_view what) {
   state.used.emplace_back(what);
 }
 
-void CallScope::start(std::string_view algorithm, bool polls_check) {
+void CallScope::start(std::string_view algorithm, bool polls_check, bool proves_call) {
   if (!outermost_ || comm_.size() == 1 || comm_.config().check == CheckMode::off) return;
   before_first_use(algorithm);
   if (comm_.config().check == CheckMode::full) return check_now();
   if (compared_) return;
+  if (proves_call && state_->board.data() != nullptr) {
+    proves_ = deferred_ = compared_ = true;
+    return;
+  }
   if (polls_check) {
     post_fingerprint(*state_);
     compared_ = true;  // polled by the waits, completed in finish()
@@ -414,9 +419,22 @@ void CallScope::start(std::string_view algorithm, bool polls_check) {
   check_now();
 }
 
+void CallScope::post_deferred() {
+  deferred_ = false;
+  post_fingerprint(*state_);
+}
+
 void CallScope::finish(const void* output, std::size_t bytes) {
   if (!outermost_) return;
   CheckState& state = *state_;
+  if (proven_) {
+    // Every rank was seen making this call: nothing to compare, nor any peer's post to wait for
+    // (where a long wait posted this rank's, the peers may not have posted theirs).
+    deferred_ = false;
+    state.board_pending = false;
+  } else if (deferred_) {
+    post_deferred();  // not proven (a peer outside any call): compare as usual
+  }
   complete(state, comm_, *this, call_);
   if (comm_.config().check == CheckMode::full && output != nullptr && comm_.size() > 1) {
     compare_outputs(output, bytes, comm_, call_, info_.sequence);
@@ -425,11 +443,14 @@ void CallScope::finish(const void* output, std::size_t bytes) {
 }
 
 bool CallScope::pending() const {
-  return outermost_ && (state_->board_pending || state_->request != MPI_REQUEST_NULL);
+  return outermost_ &&
+         (deferred_ || state_->board_pending || state_->request != MPI_REQUEST_NULL);
 }
 
 void CallScope::poll() {
   if (!outermost_) return;
+  // A wait that polls is long enough for a peer in another call to be waiting for this post.
+  if (deferred_) post_deferred();
   CheckState& state = *state_;
   if (state.board_pending) return board_poll(state, comm_, *this, call_, /*wait=*/false);
   if (state.request == MPI_REQUEST_NULL) return;
@@ -449,6 +470,10 @@ void CallContext::poll_check() const {
 
 void CallContext::require_check() const {
   if (scope_ != nullptr) scope_->check_now();
+}
+
+void CallContext::call_proven(const Communicator& comm) const {
+  if (scope_ != nullptr && scope_->proves_ && &comm == &scope_->comm_) scope_->proven_ = true;
 }
 
 }  // namespace gradcomm::collectives

@@ -11,7 +11,10 @@
 //   memory board (each rank writes its own and reads the others', no message); across hosts
 //   through one MPI_Iallreduce of the fields' minima and maxima. Message tags carry a hash of the
 //   fingerprint, so mismatched calls never exchange data; shm also compares the fingerprints in
-//   its shared call descriptors. After a mismatch every rank re-duplicates its MPI communicator
+//   its shared call descriptors. shm's latency path carries a hash of the whole fingerprint in
+//   the one line each rank writes anyway: on the board its fingerprint is posted only when a
+//   wait grows long (a peer in another call may be polling for it), and a call whose lines all
+//   agree reads no peer's post (CallContext::call_proven). After a mismatch every rank re-duplicates its MPI communicator
 //   and drops its shm segment (the next call maps a fresh one). Everything else (mpi,
 //   hierarchical, broadcast, allgatherv, grouped_allreduce, calls with count 0, an algorithm's
 //   first use on a communicator) completes the comparison before it starts.
@@ -57,7 +60,11 @@ class CallScope {
   void before_first_use(std::string_view what);
   // Starts the comparison of a call that runs `algorithm`: in the background when the algorithm
   // polls it in its waits (`polls_check`, AllreduceCapabilities), else completed first.
-  void start(std::string_view algorithm, bool polls_check);
+  // `proves_call`: the algorithm's first exchange carries CallContext::fingerprint() to every
+  // peer (shm's latency path), so on the board the fingerprint is posted only once its waits poll
+  // (a peer in another call needs it there) or it cannot prove the call, and a proven call
+  // (CallContext::call_proven) reads no peer's post: one cross-core line less per call.
+  void start(std::string_view algorithm, bool polls_check, bool proves_call = false);
   // The call is done: completes the comparison (MismatchError on every rank when the ranks
   // disagree) and, in full mode, compares the output's hash when `output` is given.
   void finish(const void* output = nullptr, std::size_t bytes = 0);
@@ -75,6 +82,7 @@ class CallScope {
  private:
   friend class CallContext;
   void post_fingerprint(CheckState& state);
+  void post_deferred();
   bool pending() const;
   void poll();
 
@@ -85,7 +93,10 @@ class CallScope {
   std::string_view call_;
   bool outermost_ = false;
   std::function<void()> reporter_;
-  bool compared_ = false;  // the comparison was posted (and maybe completed)
+  bool compared_ = false;  // the comparison was posted (and maybe completed), or deferred
+  bool proves_ = false;    // start()'s proves_call, on the board
+  bool deferred_ = false;  // the board post is left to the algorithm's waits or to finish()
+  bool proven_ = false;    // the algorithm saw every rank's same fingerprint (call_proven)
   bool finished_ = false;
 };
 

@@ -75,9 +75,9 @@ struct alignas(kShmLine) SmallPacket {
   ShmCounter round{0};
   std::uint64_t count = 0;
   std::uint64_t sequence = 0;
-  std::uint32_t dtype = 0, op = 0, path = 0, in_call = 0;
+  std::uint64_t fingerprint = 0;  // CallContext::fingerprint(): the whole call, hashed
+  std::uint8_t dtype = 0, op = 0, path = 0, in_call = 0;
   std::int32_t algorithm = -1;
-  std::uint32_t unused = 0;
   std::byte data[kShmInlineBytes] = {};
 };
 static_assert(sizeof(SmallPacket) == kShmLine, "one cache line");

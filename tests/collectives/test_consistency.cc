@@ -7,12 +7,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/allgather.h"
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/check/consistency.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "packing/grouped_allreduce.h"
@@ -50,9 +53,12 @@ class Consistency : public testing::MpiTestWithParam<Case> {
     return c;
   }
   AllreduceOptions options() const { return {.algorithm = GetParam().algorithm}; }
-  // Whether this algorithm can run here at all (shm needs one host, ...).
-  static bool odd_rank() { return world().rank() == world().size() - 1; }
 };
+
+// Whether this algorithm can run here at all (shm needs one host, ...).
+bool odd_rank() {
+  return world().rank() == world().size() - 1;
+}
 
 // sum of (r + 1) over ranks, for an exact check after a mismatch.
 float expected_sum(int ranks) {
@@ -199,6 +205,46 @@ TEST(ConsistencyModes, GroupedTensorListsAreComparedInEveryMode) {
                     HasSubstr("tensor 1 is 100 x float32 on rank 0 but 99 x float32 on rank 1")))
         << to_string(mode);
   }
+}
+
+// shm's latency path carries the call's whole fingerprint in its one line per rank, so with the
+// board the check posts nothing and reads no peer's post when the lines agree.
+TEST(ConsistencyModes, ShmLatencyPathProvesTheCallOrReportsTheDifference) {
+  if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  Communicator comm(MPI_COMM_WORLD);
+  const AllreduceOptions shm{.algorithm = "shm"};
+  expect_exact(comm, shm, 8);
+  // A late rank: the others' waits post their fingerprints meanwhile; every rank still proves the
+  // call from the lines and none waits for a post the late one never made.
+  for (int late = 0; late < comm.size(); ++late) {
+    if (comm.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    expect_exact(comm, shm, 5);
+  }
+  // Lines that agree on the buffers, sequence and algorithm of another kind of call: only the
+  // fingerprints differ, and the board's comparison reports it on every rank before anything is
+  // written.
+  std::vector<float> data(4, 1.0f);
+  collectives::CallInfo info;
+  info.sequence = comm.next_sequence();
+  info.kind = odd_rank() ? collectives::CallKind::broadcast : collectives::CallKind::allreduce;
+  info.count = 4;
+  info.dtype = static_cast<int>(DataType::float32);
+  info.op = static_cast<int>(ReduceOp::sum);
+  info.algorithm = collectives::algorithm_index("shm");
+  info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
+  auto call = [&] {
+    collectives::CallScope scope(comm, info, "allreduce(shm)");
+    scope.start("shm", /*polls_check=*/true, /*proves_call=*/true);
+    collectives::AllreduceArgs args{data.data(), data.data(), 4, DataType::float32, ReduceOp::sum,
+                                    info.sequence};
+    args.call = scope.context();
+    comm.attachment<collectives::AlgorithmCache>().find("shm")->run(args, comm);
+    scope.finish(data.data(), sizeof(float) * 4);
+  };
+  EXPECT_THAT(call, ::testing::ThrowsMessage<MismatchError>(HasSubstr("kind of call")));
+  EXPECT_EQ(data, std::vector<float>(4, 1.0f)) << "reported before the reduction wrote anything";
+  expect_exact(comm, shm, 1000);
+  expect_exact(comm, shm, 3);
 }
 
 TEST(ConsistencyModes, InvalidVariableNamesTheValidValues) {

@@ -45,11 +45,20 @@ float expected_sum(int ranks, std::size_t i) {
 const std::vector<std::size_t> kCounts = {0,    1,     2,     3,      7,       4093,   4096,
                                           4097, 65536, 65537, 196613, 1000003, 1 << 20};
 
-std::set<std::string> segment_files() {
+// This job's segment files ("gradcomm-<creator's pid>-<serial>"): ctest runs other jobs beside
+// this one, whose segments come and go meanwhile.
+std::set<std::string> segment_files(Communicator& comm) {
+  long mine = static_cast<long>(getpid());
+  std::vector<long> pids(static_cast<std::size_t>(comm.size()));
+  MPI_Allgather(&mine, 1, MPI_LONG, pids.data(), 1, MPI_LONG, comm.mpi_comm());
   std::set<std::string> names;
   if (DIR* dir = opendir("/dev/shm")) {
     while (const dirent* entry = readdir(dir)) {
-      if (std::strncmp(entry->d_name, "gradcomm-", 9) == 0) names.insert(entry->d_name);
+      for (long pid : pids) {
+        const std::string prefix = "gradcomm-" + std::to_string(pid) + "-";
+        if (std::strncmp(entry->d_name, prefix.c_str(), prefix.size()) == 0)
+          names.insert(entry->d_name);
+      }
     }
     closedir(dir);
   }
@@ -236,7 +245,7 @@ TEST_F(Shm, AllocateChecksSizesAcrossRanks) {
 // them), and nothing after they are released.
 TEST_F(Shm, NoSegmentFileOutlivesTheMapping) {
   Communicator& comm = world();
-  const std::set<std::string> before = segment_files();
+  const std::set<std::string> before = segment_files(comm);
   MPI_Barrier(comm.mpi_comm());
   {
     Communicator fresh(comm.mpi_comm());
@@ -246,11 +255,11 @@ TEST_F(Shm, NoSegmentFileOutlivesTheMapping) {
               {.algorithm = "shm"});
     EXPECT_EQ(data[0], static_cast<float>(comm.size()));
     MPI_Barrier(comm.mpi_comm());
-    for (const std::string& name : segment_files())
+    for (const std::string& name : segment_files(comm))
       EXPECT_TRUE(before.count(name)) << "/dev/shm/" << name << " exists while mapped";
   }
   MPI_Barrier(comm.mpi_comm());
-  for (const std::string& name : segment_files())
+  for (const std::string& name : segment_files(comm))
     EXPECT_TRUE(before.count(name)) << "/dev/shm/" << name << " left behind";
 }
 
