@@ -94,14 +94,14 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   const ShmPath path = bytes <= kShmSmallBytes ? ShmPath::small : ShmPath::staged;
   SmallPacket& packet = mine.packet[first % 2];
   const CallInfo* info = args.call.info();
-  packet.count = args.count;
-  packet.sequence = info ? info->sequence : 0;
+  packet.count = static_cast<std::uint32_t>(args.count);  // (the staged path does not compare it)
+  packet.sequence = info ? static_cast<std::uint32_t>(info->sequence) : 0;
   packet.fingerprint = args.call.fingerprint();
   packet.dtype = static_cast<std::uint8_t>(args.dtype);
   packet.op = static_cast<std::uint8_t>(args.op);
   packet.path = static_cast<std::uint8_t>(path);
   packet.in_call = info ? 1u : 0u;
-  packet.algorithm = info ? info->algorithm : -1;
+  packet.algorithm = static_cast<std::int16_t>(info ? info->algorithm : -1);
 
   if (path == ShmPath::small) {  // latency path: one flag round, in one line where it fits
     const bool inline_data = bytes <= kShmInlineBytes;

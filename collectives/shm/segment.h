@@ -70,15 +70,17 @@ struct ShmDescriptor {
 // A latency-path call in one cache line: its fingerprint, its data when it fits in `data`, and
 // the round as the flag, written last (release). A peer that waits on `round` gets everything
 // the call needs to compare and reduce in that one line transfer.
-inline constexpr std::size_t kShmInlineBytes = 16;
+// The latency path's counts fit 32 bits (at most kShmSmallBytes), and the sequence is compared
+// by its low 32 bits (calls that far apart never meet in one round); half the line is data.
+inline constexpr std::size_t kShmInlineBytes = 32;
 struct alignas(kShmLine) SmallPacket {
   ShmCounter round{0};
-  std::uint64_t count = 0;
-  std::uint64_t sequence = 0;
   std::uint64_t fingerprint = 0;  // CallContext::fingerprint(): the whole call, hashed
+  std::uint32_t count = 0;
+  std::uint32_t sequence = 0;
+  std::int16_t algorithm = -1;
   std::uint8_t dtype = 0, op = 0, path = 0, in_call = 0;
-  std::int32_t algorithm = -1;
-  std::byte data[kShmInlineBytes] = {};
+  alignas(16) std::byte data[kShmInlineBytes] = {};
 };
 static_assert(sizeof(SmallPacket) == kShmLine, "one cache line");
 
