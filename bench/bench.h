@@ -1,6 +1,6 @@
 #pragma once
 
-// gradcomm-bench's shared engine: options, the timing rounds, the correctness check, STREAM,
+// gradcomm-bench's shared engine: options, the timing rounds, the correctness check, the bound,
 // and the output formats (table, CSV, JSON). One file per mode uses it: sweep.cc (size sweeps,
 // --tune, --device gpu), workload_mode.cc (--workload). Method: gradcomm_bench.cc's header and
 // docs/benchmarking.md.
@@ -120,11 +120,13 @@ inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array
 
 // The bound on busbw (--bound), measured in the same run right before each row (this machine's
 // speed drifts), the smaller of:
-//   - memory: an in-place read-modify-write stream x[i] += y[i] on every rank at once over
-//     arrays of the row's size (at most kStreamBytes: from the caches the row's data fits in, or
-//     from DRAM; no write-allocate, like an in-place all-reduce), rmw bytes/s counted as STREAM
-//     does (read x, read y, write x); each rank must read n slices and write n slices of S/n, so
-//     busbw <= rmw / (2n) * 2(n-1)/n;
+//   - local: the reduction a call must do, on data of this rank's alone: every rank at once runs
+//     the library's own kernels over n arrays of S/n (S = the row's size, at most kStreamBytes),
+//     reducing all n into every one, in 8 KiB blocks as shm does. With --cycle every rank first
+//     rewrites the arrays (as the cycle rewrites the input); back to back they stay as the last
+//     trial left them. A call does this work and more (its sources lie in other ranks' caches),
+//     so it takes at least that long, T: busbw <= 2(n-1)/n * S / T. From the caches the row fits
+//     in, or from DRAM.
 //   - cross-core: every rank writes a region of the row's size S (at most kProbeBytes), then all
 //     ranks at once fetch what a call must bring in: from every peer's region, the slice of
 //     S/n this rank reduces (lines another core has just written). A call cannot take less
@@ -138,7 +140,7 @@ inline constexpr std::size_t kStateProbeBytes = std::size_t{1} << 20;
 inline constexpr double kNearCrossCore = 50e9;  // bytes/s: far reads 25-35, near 70-90
 
 struct Bound {
-  double rmw = 0, dram_busbw = 0;  // bytes/s
+  double local_busbw = 0;          // the local bound (bytes/s of busbw)
   double cross_core_busbw = 0;     // the cross-core bound at the row's size (0: not one host)
   double state_rate = 0;           // bytes/s per reader of a peer's kStateProbeBytes region
   double busbw = 0;                // the bound (bytes/s)
@@ -147,20 +149,22 @@ struct Bound {
 
 class BoundProbe {
  public:
-  explicit BoundProbe(Communicator& comm);
+  // `cycle`: the row is timed in the training-like cycle (--cycle).
+  BoundProbe(Communicator& comm, bool cycle);
   ~BoundProbe();
   BoundProbe(const BoundProbe&) = delete;
   BoundProbe& operator=(const BoundProbe&) = delete;
   Bound measure(std::size_t bytes);  // collective
 
  private:
-  double rmw_rate(std::size_t bytes);
+  double local_busbw(std::size_t bytes);
   template <class Read>
   double after_peers_wrote(std::size_t floats, Read&& read);
   double state_rate();
   double slice_fetch_busbw(std::size_t bytes);
   Communicator& comm_;
-  std::vector<float> rmw_x_, rmw_y_;
+  bool cycle_;
+  std::vector<float> local_;  // the local bound's n arrays
   MPI_Comm node_ = MPI_COMM_NULL;
   MPI_Win window_ = MPI_WIN_NULL;
   float* mine_ = nullptr;

@@ -3,10 +3,15 @@
 
 #include "bench/bench.h"
 
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/reduce_kernels.h"
+
 namespace gradcomm::bench {
 namespace {
 
-constexpr int kTrials = 3;
+constexpr int kTrials = 5;
 
 // The slowest rank's time of `kernel`, all ranks starting together; the best of kTrials. Each
 // trial first runs `prepare(trial)` untimed, before the barrier.
@@ -42,16 +47,10 @@ GRADCOMM_BENCH_CLONES double checksum(const float* p, std::size_t n) {
   return static_cast<double>(sum);
 }
 
-GRADCOMM_BENCH_CLONES void add_into(float* __restrict x, const float* __restrict y, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
-    x[i] += y[i];
-}
-
 }  // namespace
 
-BoundProbe::BoundProbe(Communicator& comm) : comm_(comm) {
-  rmw_x_.assign(kStreamBytes / sizeof(float), 1.0f);
-  rmw_y_.assign(kStreamBytes / sizeof(float), 0.0f);
+BoundProbe::BoundProbe(Communicator& comm, bool cycle) : comm_(comm), cycle_(cycle) {
+  local_.assign(kStreamBytes / sizeof(float), 1.0f);  // touched once
   // The cross-core probe needs memory every rank maps: one host only.
   int shared_size = 0;
   check_mpi(MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node_),
@@ -79,14 +78,41 @@ BoundProbe::~BoundProbe() {
   if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
 }
 
-double BoundProbe::rmw_rate(std::size_t bytes) {
-  const std::size_t n = std::clamp<std::size_t>(bytes, 4096, kStreamBytes) / sizeof(float);
-  float* x = rmw_x_.data();
-  const float* y = rmw_y_.data();
+double BoundProbe::local_busbw(std::size_t bytes) {
+  const int ranks = comm_.size();
+  const auto n = static_cast<std::size_t>(ranks);
+  const std::size_t total = std::clamp<std::size_t>(bytes, 4096, kStreamBytes) / sizeof(float);
+  // Each array's floats (a rank's slice of the row). The arrays lie 1 KiB + a line apart beyond
+  // their size, so that no two streams alias on 4 KiB boundaries.
+  const std::size_t pad = (std::size_t{1} << 10) / sizeof(float) + 16;
+  const std::size_t m = std::min(total / n, local_.size() / n - pad);
+  std::vector<float*> arrays(n);
+  for (std::size_t j = 0; j < n; ++j)
+    arrays[j] = local_.data() + j * (m + pad);
+  constexpr std::size_t kBlock = (std::size_t{8} << 10) / sizeof(float);  // shm's blocks
   const double t = best_of_trials(
-      comm_.mpi_comm(), [](int) {}, [&] { add_into(x, y, n); });
-  sink_ += x[n / 2];
-  return 3.0 * static_cast<double>(n * sizeof(float)) * comm_.size() / t;
+      comm_.mpi_comm(),
+      [&](int trial) {
+        std::memset(local_.data(), 0x3c + trial, n * (m + pad) * sizeof(float));
+      },
+      [&] {
+        for (std::size_t b0 = 0; b0 < m; b0 += kBlock) {  // shm's reduce_to_all, in place
+          const std::size_t k = std::min(kBlock, m - b0);
+          if (n == 2) {
+            reduce_to_both(arrays[0] + b0, arrays[1] + b0, arrays[0] + b0, arrays[1] + b0, k,
+                           DataType::float32, ReduceOp::sum);
+            continue;
+          }
+          reduce_to(arrays[0] + b0, arrays[0] + b0, arrays[1] + b0, k, DataType::float32,
+                    ReduceOp::sum);
+          for (std::size_t j = 2; j < n; ++j)
+            reduce_into(arrays[0] + b0, arrays[j] + b0, k, DataType::float32, ReduceOp::sum);
+          for (std::size_t j = 1; j < n; ++j)
+            std::memcpy(arrays[j] + b0, arrays[0] + b0, k * sizeof(float));
+        }
+      });
+  sink_ += local_[m / 2];
+  return 2.0 * (ranks - 1) / ranks * static_cast<double>(m * n * sizeof(float)) / t;
 }
 
 // Every rank writes its region of `floats` (with memset, as --cycle rewrites a call's input),
@@ -124,14 +150,18 @@ Bound BoundProbe::measure(std::size_t bytes) {
   Bound b;
   const int n = comm_.size();
   if (n < 2) return b;
-  const double share = 2.0 * (n - 1) / n;  // busbw's factor
-  b.rmw = rmw_rate(bytes);
-  b.dram_busbw = b.rmw / (2.0 * n) * share;
-  b.busbw = b.dram_busbw;
-  if (!mine_) return b;  // not one host: memory only
+  b.local_busbw = local_busbw(bytes);
+  b.busbw = b.local_busbw;
+  if (!mine_) return b;  // not one host: the local bound only
   b.cross_core_busbw = slice_fetch_busbw(bytes);
   b.state_rate = state_rate();
-  b.busbw = std::min(b.dram_busbw, b.cross_core_busbw);
+  // Back to back, a call's sources can stay where its own last call left them (registered in
+  // place: every line a rank reads, it wrote last), so only the local bound holds there.
+  b.busbw = cycle_ ? std::min(b.local_busbw, b.cross_core_busbw) : b.local_busbw;
+  if (std::getenv("GRADCOMM_BENCH_BOUND_PARTS") && comm_.rank() == 0) {
+    std::fprintf(stderr, "# bound at %zu B: local %.1f GB/s, cross-core %.1f GB/s\n", bytes,
+                 b.local_busbw / 1e9, b.cross_core_busbw / 1e9);
+  }
   return b;
 }
 

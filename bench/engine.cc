@@ -388,9 +388,10 @@ void print_header(const Options& o, int n) {
     }
     if (o.bound) {
       std::printf(
-          "# bound: busbw bound measured before the row (GB/s): min(rmw / (2n) * 2(n-1)/n, "
-          "2 x cross-core read rate);\n#   of_bound = busbw / bound; state: far or near, from the "
-          "cross-core rate at 1 MiB\n");
+          "# bound: busbw bound measured before the row (GB/s): the library's reduction on each "
+          "rank's own data%s;\n#   of_bound = busbw / bound; state: far or near, from the "
+          "cross-core rate at 1 MiB\n",
+          o.cycle ? ", or the cross-core fetch of the slices a call reduces where slower" : "");
     }
     std::printf(
         "# time: per call, slowest rank, over rounds (a round: the same number of calls of "
