@@ -140,10 +140,10 @@ inline constexpr std::size_t kStateProbeBytes = std::size_t{1} << 20;
 inline constexpr double kNearCrossCore = 50e9;  // bytes/s: far reads 25-35, near 70-90
 
 struct Bound {
-  double local_busbw = 0;          // the local bound (bytes/s of busbw)
-  double cross_core_busbw = 0;     // the cross-core bound at the row's size (0: not one host)
-  double state_rate = 0;           // bytes/s per reader of a peer's kStateProbeBytes region
-  double busbw = 0;                // the bound (bytes/s)
+  double local_busbw = 0;       // the local bound (bytes/s of busbw)
+  double cross_core_busbw = 0;  // the cross-core bound at the row's size (0: not one host)
+  double state_rate = 0;        // bytes/s per reader of a peer's kStateProbeBytes region
+  double busbw = 0;             // the bound (bytes/s)
   std::string state() const;
 };
 

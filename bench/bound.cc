@@ -92,9 +92,7 @@ double BoundProbe::local_busbw(std::size_t bytes) {
   constexpr std::size_t kBlock = (std::size_t{8} << 10) / sizeof(float);  // shm's blocks
   const double t = best_of_trials(
       comm_.mpi_comm(),
-      [&](int trial) {
-        std::memset(local_.data(), 0x3c + trial, n * (m + pad) * sizeof(float));
-      },
+      [&](int trial) { std::memset(local_.data(), 0x3c + trial, n * (m + pad) * sizeof(float)); },
       [&] {
         for (std::size_t b0 = 0; b0 < m; b0 += kBlock) {  // shm's reduce_to_all, in place
           const std::size_t k = std::min(kBlock, m - b0);

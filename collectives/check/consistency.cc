@@ -443,8 +443,7 @@ void CallScope::finish(const void* output, std::size_t bytes) {
 }
 
 bool CallScope::pending() const {
-  return outermost_ &&
-         (deferred_ || state_->board_pending || state_->request != MPI_REQUEST_NULL);
+  return outermost_ && (deferred_ || state_->board_pending || state_->request != MPI_REQUEST_NULL);
 }
 
 void CallScope::poll() {

@@ -14,10 +14,10 @@
 //   its shared call descriptors. shm's latency path carries a hash of the whole fingerprint in
 //   the one line each rank writes anyway: on the board its fingerprint is posted only when a
 //   wait grows long (a peer in another call may be polling for it), and a call whose lines all
-//   agree reads no peer's post (CallContext::call_proven). After a mismatch every rank re-duplicates its MPI communicator
-//   and drops its shm segment (the next call maps a fresh one). Everything else (mpi,
-//   hierarchical, broadcast, allgatherv, grouped_allreduce, calls with count 0, an algorithm's
-//   first use on a communicator) completes the comparison before it starts.
+//   agree reads no peer's post (CallContext::call_proven). After a mismatch every rank
+//   re-duplicates its MPI communicator and drops its shm segment (the next call maps a fresh one).
+//   Everything else (mpi, hierarchical, broadcast, allgatherv, grouped_allreduce, calls with count
+//   0, an algorithm's first use on a communicator) completes the comparison before it starts.
 // - full: every call compares before it starts, and an all-reduce then compares a hash of every
 //   rank's output, so a silent divergence is an error too.
 // - off: no comparison (the recorder and the tags stay).

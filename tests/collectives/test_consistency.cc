@@ -235,8 +235,8 @@ TEST(ConsistencyModes, ShmLatencyPathProvesTheCallOrReportsTheDifference) {
   auto call = [&] {
     collectives::CallScope scope(comm, info, "allreduce(shm)");
     scope.start("shm", /*polls_check=*/true, /*proves_call=*/true);
-    collectives::AllreduceArgs args{data.data(), data.data(), 4, DataType::float32, ReduceOp::sum,
-                                    info.sequence};
+    collectives::AllreduceArgs args{data.data(),       data.data(),   4,
+                                    DataType::float32, ReduceOp::sum, info.sequence};
     args.call = scope.context();
     comm.attachment<collectives::AlgorithmCache>().find("shm")->run(args, comm);
     scope.finish(data.data(), sizeof(float) * 4);
