@@ -111,7 +111,8 @@ struct alignas(64) BoardSlot {
   std::int64_t fields[kFields];
 };
 // A rank can be at most one call ahead of another's posting (a call completes only once every
-// rank has posted it), so slots of 4 calls per rank never overwrite one still being read.
+// rank has entered it: posted it, or for a call shm's packets proved, written its packet, which
+// follows any post it makes), so slots of 4 calls per rank never overwrite one still being read.
 constexpr std::uint64_t kBoardDepth = 4;
 
 }  // namespace
@@ -193,7 +194,8 @@ void board_poll(CheckState& state, Communicator& comm, const CallScope& scope,
       const BoardSlot& slot = state.slot(j, state.board_sequence);
       if (slot.posted.load(std::memory_order_acquire) < want) continue;
       if (std::memcmp(slot.fields, state.mine.data(), sizeof slot.fields) != 0) {
-        // Wait for every rank's fingerprint (each posts before it communicates), then report.
+        // Wait for every rank's fingerprint (each posts before it communicates, or, deferred,
+        // once its wait polls or its packets disagree), then report.
         std::vector<CallInfo> calls;
         for (int r = 0; r < state.size; ++r) {
           const BoardSlot& other = state.slot(r, state.board_sequence);
@@ -360,6 +362,8 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
 CallScope::~CallScope() {
   if (!outermost_) return;
   CheckState& state = *state_;
+  // Unwinding before a deferred post was made: a peer in another call may be polling for it.
+  if (deferred_) post_deferred();
   if (state.request != MPI_REQUEST_NULL) {
     // Unwinding from another error: complete the comparison every rank posted, so that the
     // communicator's collectives stay in step (and its buffers outlive it).
@@ -419,6 +423,13 @@ void CallScope::start(std::string_view algorithm, bool polls_check, bool proves_
   check_now();
 }
 
+void CallScope::prove() {
+  // Nothing is left to compare, nor any peer's post to wait for: where a long wait posted this
+  // rank's fingerprint, the peers may have proven the call without posting theirs.
+  deferred_ = false;
+  state_->board_pending = false;
+}
+
 void CallScope::post_deferred() {
   deferred_ = false;
   post_fingerprint(*state_);
@@ -427,14 +438,7 @@ void CallScope::post_deferred() {
 void CallScope::finish(const void* output, std::size_t bytes) {
   if (!outermost_) return;
   CheckState& state = *state_;
-  if (proven_) {
-    // Every rank was seen making this call: nothing to compare, nor any peer's post to wait for
-    // (where a long wait posted this rank's, the peers may not have posted theirs).
-    deferred_ = false;
-    state.board_pending = false;
-  } else if (deferred_) {
-    post_deferred();  // not proven (a peer outside any call): compare as usual
-  }
+  if (deferred_) post_deferred();  // not proven (a peer outside any call): compare as usual
   complete(state, comm_, *this, call_);
   if (comm_.config().check == CheckMode::full && output != nullptr && comm_.size() > 1) {
     compare_outputs(output, bytes, comm_, call_, info_.sequence);
@@ -472,7 +476,7 @@ void CallContext::require_check() const {
 }
 
 void CallContext::call_proven(const Communicator& comm) const {
-  if (scope_ != nullptr && scope_->proves_ && &comm == &scope_->comm_) scope_->proven_ = true;
+  if (scope_ != nullptr && scope_->proves_ && &comm == &scope_->comm_) scope_->prove();
 }
 
 }  // namespace gradcomm::collectives

@@ -83,6 +83,7 @@ class CallScope {
   friend class CallContext;
   void post_fingerprint(CheckState& state);
   void post_deferred();
+  void prove();
   bool pending() const;
   void poll();
 
@@ -96,7 +97,6 @@ class CallScope {
   bool compared_ = false;  // the comparison was posted (and maybe completed), or deferred
   bool proves_ = false;    // start()'s proves_call, on the board
   bool deferred_ = false;  // the board post is left to the algorithm's waits or to finish()
-  bool proven_ = false;    // the algorithm saw every rank's same fingerprint (call_proven)
   bool finished_ = false;
 };
 
