@@ -1085,6 +1085,11 @@ def _scale_(tensor, factor):
 
 
 
+def _alias(name):
+    """A read-write attribute that is another attribute under another name."""
+    return property(lambda self: getattr(self, name), lambda self, v: setattr(self, name, v))
+
+
 class _DistributedOptimizerMixin:
     def _gradcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
                         gradient_predivide_factor, num_groups, groups, algorithm,
@@ -1202,21 +1207,8 @@ class _DistributedOptimizerMixin:
         self.process_set = global_process_set
 
     # Horovod's names for state gradcomm keeps under its own.
-    @property
-    def _synchronized(self):
-        return self._gradcomm_synchronized
-
-    @_synchronized.setter
-    def _synchronized(self, value):
-        self._gradcomm_synchronized = value
-
-    @property
-    def _should_synchronize(self):
-        return self._gradcomm_should_sync
-
-    @_should_synchronize.setter
-    def _should_synchronize(self, value):
-        self._gradcomm_should_sync = value
+    _synchronized = _alias("_gradcomm_synchronized")
+    _should_synchronize = _alias("_gradcomm_should_sync")
 
     @property
     def _allreduce_delay(self):
