@@ -20,6 +20,8 @@ cd "$(dirname "$0")/../.."
 bundle=$PWD/.device
 out=${OUT:-/tmp/gradcomm-gpu}
 mkdir -p "$out"
+# Every results page names the CPU model: record the host's.
+{ lscpu | sed -n 's/^Model name: *//p'; nproc; nvidia-smi -L 2>/dev/null; } | tee "$out/machine.txt"
 # Use the machine's own Open MPI when it has one (same libmpi.so.40 ABI); else add Debian's.
 own_mpi=1
 if ! command -v mpirun >/dev/null; then
