@@ -86,29 +86,16 @@ double BoundProbe::local_busbw(std::size_t bytes) {
   // their size, so that no two streams alias on 4 KiB boundaries.
   const std::size_t pad = (std::size_t{1} << 10) / sizeof(float) + 16;
   const std::size_t m = std::min(total / n, local_.size() / n - pad);
-  std::vector<float*> arrays(n);
-  for (std::size_t j = 0; j < n; ++j)
-    arrays[j] = local_.data() + j * (m + pad);
-  constexpr std::size_t kBlock = (std::size_t{8} << 10) / sizeof(float);  // shm's blocks
+  std::vector<std::byte*> targets(n);
+  std::vector<const std::byte*> sources(n);
+  for (std::size_t j = 0; j < n; ++j) {
+    targets[j] = reinterpret_cast<std::byte*>(local_.data() + j * (m + pad));
+    sources[j] = targets[j];
+  }
   const double t = best_of_trials(
       comm_.mpi_comm(),
       [&](int trial) { std::memset(local_.data(), 0x3c + trial, n * (m + pad) * sizeof(float)); },
-      [&] {
-        for (std::size_t b0 = 0; b0 < m; b0 += kBlock) {  // shm's reduce_to_all, in place
-          const std::size_t k = std::min(kBlock, m - b0);
-          if (n == 2) {
-            reduce_to_both(arrays[0] + b0, arrays[1] + b0, arrays[0] + b0, arrays[1] + b0, k,
-                           DataType::float32, ReduceOp::sum);
-            continue;
-          }
-          reduce_to(arrays[0] + b0, arrays[0] + b0, arrays[1] + b0, k, DataType::float32,
-                    ReduceOp::sum);
-          for (std::size_t j = 2; j < n; ++j)
-            reduce_into(arrays[0] + b0, arrays[j] + b0, k, DataType::float32, ReduceOp::sum);
-          for (std::size_t j = 1; j < n; ++j)
-            std::memcpy(arrays[j] + b0, arrays[0] + b0, k * sizeof(float));
-        }
-      });
+      [&] { reduce_to_all(targets, sources, m, DataType::float32, ReduceOp::sum, ranks); });
   sink_ += local_[m / 2];
   return 2.0 * (ranks - 1) / ranks * static_cast<double>(m * n * sizeof(float)) / t;
 }

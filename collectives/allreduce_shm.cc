@@ -16,9 +16,6 @@
 namespace gradcomm::collectives {
 namespace {
 
-// The staged path reduces in blocks of this many bytes (reduce_to_all).
-constexpr std::size_t kShmBlockBytes = std::size_t{8} << 10;
-
 // A staged round's bytes per rank: one stage slot, or all of them where ranks share CPUs.
 constexpr std::size_t round_bytes(bool crowded) {
   return crowded ? kShmRoundBytes * kShmStageSlots : kShmRoundBytes;
@@ -33,33 +30,6 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
   for (std::size_t j = 2; j < sources.size(); ++j)
     reduce_into(result, sources[j], n, args.dtype, op);
   if (args.op == ReduceOp::avg) divide_by(result, n, args.dtype, ranks);
-}
-
-// targets[j] = sources[0] op ... op sources[n - 1] over `n` elements, for every j, block by block
-// so that each block's result is still in L1 when it is copied. targets[0] may be exactly
-// sources[0] (in place) or overlap nothing; targets[j > 0] overlaps no source but its own,
-// sources[j], which it may be exactly (it is written only after the block is reduced).
-void reduce_to_all(const std::vector<std::byte*>& targets,
-                   const std::vector<const std::byte*>& sources, std::size_t n,
-                   const AllreduceArgs& args, int ranks) {
-  const std::size_t es = args.element_bytes();
-  const std::size_t block = kShmBlockBytes / es;
-  const ReduceOp op = args.op == ReduceOp::avg ? ReduceOp::sum : args.op;
-  for (std::size_t b0 = 0; b0 < n; b0 += block) {
-    const std::size_t m = std::min(block, n - b0);
-    const std::size_t at = b0 * es;
-    std::byte* result = targets[0] + at;
-    if (sources.size() == 2 && args.op != ReduceOp::avg) {  // one pass to both outputs
-      reduce_to_both(result, targets[1] + at, sources[0] + at, sources[1] + at, m, args.dtype, op);
-      continue;
-    }
-    reduce_to(result, sources[0] + at, sources[1] + at, m, args.dtype, op);
-    for (std::size_t j = 2; j < sources.size(); ++j)
-      reduce_into(result, sources[j] + at, m, args.dtype, op);
-    if (args.op == ReduceOp::avg) divide_by(result, m, args.dtype, ranks);
-    for (std::size_t j = 1; j < targets.size(); ++j)
-      std::memcpy(targets[j] + at, result, m * es);
-  }
 }
 
 }  // namespace
@@ -212,7 +182,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
         targets[jj] = peers.outputs[jj] ? peers.outputs[jj] + at : slot;
       }
     }
-    reduce_to_all(targets, sources, p.p1 - p.p0, args, n);
+    reduce_to_all(targets, sources, p.p1 - p.p0, args.dtype, args.op, n);
     mine.reduced.store(r, std::memory_order_release);
     if (k + 1 < rounds && !whole) {  // the next round's copy-in overlaps the peers' reductions
       stage_in(k + 1);

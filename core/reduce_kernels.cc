@@ -1,5 +1,6 @@
 #include "core/reduce_kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -380,6 +381,30 @@ void convert(void* dst, DataType to, const void* src, DataType from, std::size_t
                                         std::string(to_string(to))));
   }
   convert_dispatch(dst, to, src, from, n);
+}
+
+void reduce_to_all(const std::vector<std::byte*>& targets,
+                   const std::vector<const std::byte*>& sources, std::size_t n, DataType dtype,
+                   ReduceOp op, int ranks) {
+  const std::size_t es = element_size(dtype);
+  const std::size_t block = kReduceBlockBytes / es;
+  const ReduceOp kernel_op = op == ReduceOp::avg ? ReduceOp::sum : op;
+  for (std::size_t b0 = 0; b0 < n; b0 += block) {
+    const std::size_t m = std::min(block, n - b0);
+    const std::size_t at = b0 * es;
+    std::byte* result = targets[0] + at;
+    if (sources.size() == 2 && op != ReduceOp::avg) {  // one pass to both outputs
+      reduce_to_both(result, targets[1] + at, sources[0] + at, sources[1] + at, m, dtype,
+                     kernel_op);
+      continue;
+    }
+    reduce_to(result, sources[0] + at, sources[1] + at, m, dtype, kernel_op);
+    for (std::size_t j = 2; j < sources.size(); ++j)
+      reduce_into(result, sources[j] + at, m, dtype, kernel_op);
+    if (op == ReduceOp::avg) divide_by(result, m, dtype, ranks);
+    for (std::size_t j = 1; j < targets.size(); ++j)
+      std::memcpy(targets[j] + at, result, m * es);
+  }
 }
 
 void divide_by(void* buf, std::size_t n, DataType dtype, int divisor) {

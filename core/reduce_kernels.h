@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "core/data_type.h"
 #include "core/reduce_op.h"
@@ -21,6 +22,17 @@ void reduce_to(void* dst, const void* a, const void* b, std::size_t n, DataType 
 // exactly a and dst1 exactly b; no other overlap is allowed.
 void reduce_to_both(void* dst0, void* dst1, const void* a, const void* b, std::size_t n,
                     DataType dtype, ReduceOp op);
+
+// targets[j] = sources[0] op ... op sources[k - 1] over `n` elements, for every j (avg divided by
+// `ranks`), in blocks of kReduceBlockBytes so that each block's result is still in L1 when it is
+// copied (shm's reduction; gradcomm-bench's bound runs the same). targets[0] may be exactly
+// sources[0] (in place) or overlap nothing; targets[j > 0] overlaps no source but its own,
+// sources[j], which it may be exactly (it is written only after the block is reduced). At least
+// two sources.
+inline constexpr std::size_t kReduceBlockBytes = std::size_t{8} << 10;
+void reduce_to_all(const std::vector<std::byte*>& targets,
+                   const std::vector<const std::byte*>& sources, std::size_t n, DataType dtype,
+                   ReduceOp op, int ranks);
 
 // buf[i] = buf[i] / divisor, the last step of avg. Floating types divide (correctly rounded for
 // float32/float64; float16/bfloat16 divide in float32 and round once); integers truncate.
