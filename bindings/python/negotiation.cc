@@ -5,11 +5,13 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "core/error.h"
 #include "packing/negotiator.h"
+#include "packing/tensor.h"
 
 namespace py = pybind11;
 
@@ -119,6 +121,21 @@ void bind_negotiation(py::module_& m) {
            py::arg("splits") = std::vector<std::uint64_t>{}, py::arg("prescale") = 1.0,
            py::arg("postscale") = 1.0, py::arg("algorithm") = "", py::arg("fusion_threshold") = 0)
       .def("close", &PyNegotiator::close);
+  // packing::validate_tensors for a front end that submits a list's tensors one by one:
+  // (address, count, dtype name) each; InvalidArgument naming `call`, `rank` and the tensor.
+  m.def(
+      "_validate_tensors",
+      [](const std::vector<std::tuple<std::uintptr_t, std::size_t, std::string>>& tensors,
+         const std::string& call, int rank) {
+        std::vector<packing::TensorDesc> descs;
+        for (const auto& [address, count, dtype] : tensors) {
+          const auto d = parse_data_type(dtype);
+          if (!d) throw InvalidArgument(error_message(call, rank, "unknown dtype " + dtype));
+          descs.push_back({reinterpret_cast<void*>(address), count, *d});
+        }
+        packing::validate_tensors(descs, call, rank);
+      },
+      py::arg("tensors"), py::arg("call"), py::arg("rank"));
 }
 
 py::object make_negotiator(const std::shared_ptr<Communicator>& parent) {

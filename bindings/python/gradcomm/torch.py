@@ -626,20 +626,6 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 
 # ---- grouped all-reduce -------------------------------------------------------------------------
-def _check_disjoint(tensors, call):
-    """In-place results written into one another's memory would be garbage: refused, as the C++
-    grouped_allreduce refuses them, before anything is submitted."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-                   for i, t in enumerate(tensors) if t.numel() > 0)
-    reach, owner = 0, None  # the furthest end so far and its tensor
-    for begin, end, i in spans:
-        if owner is not None and begin < reach:
-            raise InvalidArgument(f"{call}: tensor {max(i, owner)}: memory overlaps tensor "
-                                  f"{min(i, owner)}")
-        if end > reach:
-            reach, owner = end, i
-
-
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set, *,
                              algorithm=None, fusion_threshold=None, comm=None):
@@ -649,12 +635,14 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     call = "grouped_allreduce_async_"
     _check_process_set(process_set, call)
     tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        check_tensor(t, call, f"tensor {i}", writes=True)
-    _check_disjoint(tensors, call)
+    dtypes = [check_tensor(t, call, f"tensor {i}", writes=True) for i, t in enumerate(tensors)]
+    c = _comm(comm)
+    # In-place results written into one another's memory would be garbage: refused before
+    # anything is submitted, by the check grouped_allreduce makes in C++.
+    _gradcomm._validate_tensors([(t.data_ptr(), t.numel(), d) for t, d in zip(tensors, dtypes)],
+                                call, c.rank())
     opname = _resolve_op(op, average, call)
     algorithm = _algorithm_checked(algorithm, call)
-    c = _comm(comm)
     handle = next(_next_handle)
     base, n = _op_name("grouped_allreduce", name, c), len(tensors)
     states = [_submit_allreduce(c, t, f"{base}_{i + 1}of{n}", opname, prescale_factor,
