@@ -4,6 +4,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <climits>
 #include <cstring>
@@ -12,6 +15,7 @@
 #include <utility>
 
 #include "collectives/allreduce.h"
+#include "collectives/allreduce_nccl.h"
 #include "collectives/broadcast.h"
 #include "collectives/exchange.h"
 #include "core/error.h"
@@ -41,17 +45,19 @@ std::string describe(const at::Tensor& t) {
   return text + "] on " + t.device().str();
 }
 
-// A tensor gradcomm can communicate: dense, contiguous, on the CPU.
+// A tensor gradcomm can communicate: dense, contiguous, on the CPU or (torch 2.x) a CUDA device.
 void check_tensor(const std::string& call, int rank, const at::Tensor& t,
                   const char* what = "tensor") {
   if (!t.defined()) invalid(call, rank, std::string("the ") + what + " is undefined");
   if (t.is_sparse())
     invalid(call, rank, std::string("the ") + what + " is sparse; pass a dense one");
-  if (!t.device().is_cpu()) {
+  if (!t.device().is_cpu() && !(GRADCOMM_TORCH_CUDA && t.device().is_cuda())) {
     unsupported(call, rank,
                 std::string("the ") + what + " is " + describe(t) +
-                    ": this build of the gradcomm backend takes CPU tensors (use the nccl "
-                    "backend for CUDA tensors)");
+                    (GRADCOMM_TORCH_CUDA
+                         ? ": the gradcomm backend takes CPU and CUDA tensors"
+                         : ": the gradcomm backend built for torch " TORCH_VERSION
+                           " takes CPU tensors (CUDA tensors need its build for torch 2.x)"));
   }
   if (!t.is_contiguous()) {
     invalid(call, rank,
@@ -124,8 +130,14 @@ bool async_op(const Options& opts) {
 
 // --- Work ------------------------------------------------------------------------------------
 
-c10::intrusive_ptr<c10::ivalue::Future> make_future() {
-  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+// A future of tensors; for a call on CUDA tensors, one that follows torch's stream rules for
+// `device` (what waits for it or chains onto it waits for the stream that completed it).
+c10::intrusive_ptr<c10::ivalue::Future> make_future(
+    std::optional<c10::Device> device = std::nullopt) {
+  std::vector<c10::Device> devices;
+  if (device) devices.push_back(*device);
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                  std::move(devices));
 }
 
 // Completes its future once MPI says the transfer is done (send, recv). Not on the engine:
@@ -133,10 +145,13 @@ c10::intrusive_ptr<c10::ivalue::Future> make_future() {
 // receive, would wait for each other forever).
 class PointToPointWork : public c10d::Work {
  public:
-  PointToPointWork(c10d::OpType type, const char* title, at::Tensor tensor, MPI_Request request,
-                   int rank)
+  // `staged`: for a CUDA tensor, the host copy MPI sends from or receives into (a received one
+  // is copied to the tensor, on the current stream of whoever completes the work).
+  PointToPointWork(c10d::OpType type, const char* title, at::Tensor tensor, at::Tensor staged,
+                   MPI_Request request, int rank)
       : c10d::Work(rank, type, title, c10::optional<std::vector<at::Tensor>>({tensor})),
         tensor_(std::move(tensor)),
+        staged_(std::move(staged)),
         request_(request),
         future_(make_future()) {}
 
@@ -181,6 +196,13 @@ class PointToPointWork : public c10d::Work {
         return;
       }
     }
+    if (!error && staged_.defined() && retrieveOpType() != c10d::OpType::SEND) {
+      try {
+        tensor_.copy_(staged_);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
     if (error) {
       future_->setError(error);
       finish(error);
@@ -191,6 +213,7 @@ class PointToPointWork : public c10d::Work {
   }
 
   at::Tensor tensor_;
+  at::Tensor staged_;
   std::mutex request_mutex_;
   MPI_Request request_;
   int source_ = -1;
@@ -199,13 +222,132 @@ class PointToPointWork : public c10d::Work {
 
 }  // namespace
 
+// --- CUDA tensors ------------------------------------------------------------------------------
+
+// A call's place on the group's stream of one CUDA device (torch's NCCL backend orders its work
+// the same way):
+// - at the call, an event on the caller's current stream, which the group's stream waits for
+//   before the call's work: the collective reads what the caller's kernels wrote;
+// - every tensor of the call is recorded on the group's stream with torch's caching allocator,
+//   so memory the caller frees early is not handed out again while the call still uses it;
+// - the body runs on the engine with the group's stream current: NCCL's work and torch's own
+//   copies and conversions in it are enqueued there, and the host does not wait for them;
+// - collectives gradcomm runs on the host (broadcast, the gathers and scatters, all-to-all) see
+//   a pinned host copy of each CUDA tensor: filled from the device before the body (the engine
+//   waits for that copy), copied back asynchronously after it.
+class DeviceCall {
+ public:
+#if GRADCOMM_TORCH_CUDA
+  DeviceCall(c10::Device device, c10::Stream stream)
+      : device_(device), stream_(stream), ready_(device.type()) {}
+
+  c10::Device device() const {
+    return device_;
+  }
+
+  // The tensor the body reads and writes for `t`: `t` itself on the NCCL path, a pinned host
+  // copy of it when `staged`. Before submit.
+  at::Tensor place(const at::Tensor& t, bool read, bool written) {
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    staged_.push_back({t, host, read, written});
+    return host;
+  }
+
+  // At the call, on the caller's thread.
+  void enter(const std::vector<at::Tensor>& tensors) {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    ready_.record(impl.getStream(device_));
+    for (const at::Tensor& t : tensors) {
+      if (t.defined() && t.is_cuda()) impl.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
+    }
+  }
+
+  // On the engine (or the caller's thread for a call torch waits for at once): `body` and then
+  // `then` (which completes the work) with the group's stream current.
+  void run(const std::function<void()>& body, const std::function<void()>& then) {
+    c10::DeviceGuard device_guard(device_);
+    ready_.block(stream_);
+    c10::StreamGuard stream_guard(stream_);
+    for (Staged& s : staged_) {
+      if (s.read) s.host.copy_(s.device);  // waits for the copy: the host reads it next
+    }
+    body();
+    for (Staged& s : staged_) {
+      if (s.written) s.device.copy_(s.host, /*non_blocking=*/true);
+    }
+    // Released before the waiter wakes (see submit). The pinned copies may go while the copies
+    // back are in flight: torch's host allocator keeps such memory until its copy is done.
+    staged_.clear();
+    then();
+  }
+
+  void* native_stream() const {
+    return stream_.native_handle();
+  }
+
+ private:
+  struct Staged {
+    at::Tensor device, host;
+    bool read, written;
+  };
+  c10::Device device_;
+  c10::Stream stream_;
+  c10::Event ready_;
+  std::vector<Staged> staged_;
+#else
+  c10::Device device() const {
+    return c10::Device(c10::kCPU);
+  }
+  at::Tensor place(const at::Tensor& t, bool, bool) {
+    return t;
+  }
+  void run(const std::function<void()>& body, const std::function<void()>& then) {
+    body();
+    then();
+  }
+  void* native_stream() const {
+    return nullptr;
+  }
+#endif
+};
+
+namespace {
+
+// The tensor a body uses for `t` of a call placed by `device` (see DeviceCall::place).
+at::Tensor on_host(const std::shared_ptr<DeviceCall>& device, const at::Tensor& t, bool read,
+                   bool written) {
+  return device ? device->place(t, read, written) : t;
+}
+
+// gradcomm's all-reduce options for a call placed by `device`: enqueued on the group's stream,
+// returning once enqueued (the call's check across ranks is done by then).
+AllreduceOptions reduce_options(const std::shared_ptr<DeviceCall>& device) {
+  AllreduceOptions options;
+  if (device) {
+    options.stream = device->native_stream();
+    options.asynchronous = true;
+  }
+  return options;
+}
+
+}  // namespace
+
 GradcommWork::GradcommWork(c10d::OpType type, const char* profiling_title,
-                           std::vector<at::Tensor> outputs)
+                           std::vector<at::Tensor> outputs, std::optional<c10::Device> device)
     : c10d::Work(-1, type, profiling_title, c10::optional<std::vector<at::Tensor>>(outputs)),
       outputs_(std::move(outputs)),
-      future_(make_future()) {}
+      device_(device),
+      future_(make_future(device)) {}
 
 void GradcommWork::complete() {
+#if GRADCOMM_TORCH_CUDA
+  if (device_) {
+    // Called with the group's stream current (DeviceCall::run).
+    c10::impl::VirtualGuardImpl impl(device_->type());
+    done_event_ = std::make_unique<c10::Event>(device_->type());
+    done_event_->record(impl.getStream(*device_));
+  }
+#endif
   future_->markCompleted(c10::IValue(outputs_));
   finish();
 }
@@ -221,7 +363,13 @@ bool GradcommWork::wait(std::chrono::milliseconds timeout) {
     std::atomic<int>& waiters;
     ~Leave() { waiters.fetch_sub(1, std::memory_order_relaxed); }
   } leave{waiters_};
-  return c10d::Work::wait(timeout);
+  const bool done = c10d::Work::wait(timeout);
+#if GRADCOMM_TORCH_CUDA
+  // The caller's stream waits for the call's work on the group's stream; the host does not.
+  if (done_event_)
+    done_event_->block(c10::impl::VirtualGuardImpl(device_->type()).getStream(*device_));
+#endif
+  return done;
 }
 
 std::vector<at::Tensor> GradcommWork::result() {
@@ -255,31 +403,89 @@ ProcessGroupGradcomm::~ProcessGroupGradcomm() {
   if (p2p_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&p2p_);
 }
 
+std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
+    const std::string& call, const std::vector<at::Tensor>& tensors, bool nccl) {
+  std::optional<c10::Device> device;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    if (!device) {
+      device = t.device();
+    } else if (t.device() != *device) {
+      invalid(call, rank_,
+              "its tensors are on " + device->str() + " and " + t.device().str() +
+                  ": every tensor of one call must be on one device");
+    }
+  }
+  if (!device || device->is_cpu()) return nullptr;
+#if GRADCOMM_TORCH_CUDA
+  c10::impl::VirtualGuardImpl impl(device->type());
+  std::shared_ptr<DeviceCall> placed;
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    if (nccl) {
+      if (!gpu_unavailable_) gpu_unavailable_ = collectives::nccl_unavailable_reason();
+      if (!gpu_unavailable_->empty()) {
+        unsupported(call, rank_,
+                    "CUDA tensors are reduced by NCCL through gradcomm's GPU module, which cannot "
+                    "run here: " +
+                        *gpu_unavailable_);
+      }
+    }
+    auto it = streams_.find(device->index());
+    if (it == streams_.end()) {
+      it = streams_.emplace(device->index(), impl.getStreamFromGlobalPool(*device, false)).first;
+    }
+    placed = std::make_shared<DeviceCall>(*device, it->second);
+  }
+  placed->enter(tensors);
+  return placed;
+#else
+  (void)nccl;
+  unsupported(call, rank_, "CUDA tensors need the gradcomm backend built for torch 2.x");
+#endif
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, const char* title,
                                                             std::vector<at::Tensor> outputs,
-                                                            std::function<void()> body,
-                                                            bool async) {
-  auto work = c10::make_intrusive<GradcommWork>(type, title, std::move(outputs));
+                                                            std::function<void()> body, bool async,
+                                                            std::shared_ptr<DeviceCall> device) {
+  auto work = c10::make_intrusive<GradcommWork>(
+      type, title, std::move(outputs),
+      device ? std::optional<c10::Device>(device->device()) : std::nullopt);
   if (!async) {
     comm_->settle();  // the group's earlier calls first
     try {
       at::NoGradGuard no_grad;  // the copies in and out of the tensors are no graph's ops
-      body();
+      if (device) {
+        device->run(body, [&work] { work->complete(); });
+      } else {
+        body();
+        work->complete();
+      }
     } catch (...) {
       work->fail(std::current_exception());  // wait() rethrows it, as for a call on the engine
-      return work;
     }
-    work->complete();
     return work;
   }
   auto state = std::make_shared<detail::RequestState>();
   state->call = title;
-  state->work = [work, body = std::move(body)]() mutable {
+  state->work = [work, body = std::move(body), device = std::move(device)]() mutable {
     ForegroundWhileWaited foreground(work->waiters());
     std::exception_ptr error;
+    bool completed = false;
     try {
       at::NoGradGuard no_grad;  // the copies in and out of the tensors are no graph's ops
-      body();
+      if (device) {
+        // The future's callbacks (DDP's, a comm hook's) run here, with the group's stream
+        // current, as they would on torch's NCCL backend.
+        device->run(body, [&] {
+          body = nullptr;
+          work->complete();
+          completed = true;
+        });
+      } else {
+        body();
+      }
     } catch (...) {
       error = std::current_exception();
     }
@@ -287,6 +493,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
     // Python object it keeps alive would take the GIL on this thread, and once the program has
     // returned after its last wait, Python is finalizing and ends such a thread (an abort).
     body = nullptr;
+    device = nullptr;
+    if (completed) return;
     // The future's callbacks (DDP's, a comm hook's) run here, on the engine.
     if (error) {
       work->fail(error);
@@ -304,12 +512,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::T
   check_one(call, rank_, tensors);
   check_root(call, rank_, size_, opts.rootRank);
   if (opts.rootTensor != 0) invalid(call, rank_, "rootTensor must be 0 (one tensor per process)");
-  at::Tensor t = tensors[0];
-  Communicator& comm = *comm_;
   const int root = static_cast<int>(opts.rootRank);
+  auto device = device_call(call, tensors);
+  at::Tensor t = on_host(device, tensors[0], rank_ == root, rank_ != root);
+  Communicator& comm = *comm_;
   return submit(
       c10d::OpType::BROADCAST, "gradcomm:broadcast", tensors,
-      [&comm, t, root] { broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root); }, async_op(opts));
+      [&comm, t, root] { broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root); }, async_op(opts),
+      device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::Tensor>& tensors,
@@ -318,10 +528,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::T
   check_one(call, rank_, tensors);
   at::Tensor t = tensors[0];
   const Reduction r = plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp);
+  auto device = device_call(call, tensors, /*nccl=*/true);
+  const AllreduceOptions options = reduce_options(device);
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::ALLREDUCE, "gradcomm:all_reduce", tensors,
-      [&comm, t, r] { reduce_into(comm, r, t, t); }, async_op(opts));
+      [&comm, t, r, options] { reduce_into(comm, r, t, t, options); }, async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
@@ -335,9 +547,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
     plans.push_back(plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp));
     all_native = all_native && plans.back().via == Reduction::Via::native;
   }
+  auto device = device_call(call, tensors, /*nccl=*/true);
+  const AllreduceOptions options = reduce_options(device);
   Communicator& comm = *comm_;
   std::vector<at::Tensor> list = tensors;
-  if (all_native) {
+  if (all_native && !device) {
     // One fused call: gradcomm's buckets, checked as one call.
     const ReduceOp op = plans[0].op;
     return submit(
@@ -354,11 +568,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
   }
   return submit(
       c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
-      [&comm, list, plans] {
+      [&comm, list, plans, options] {
+        // One call per tensor: CUDA tensors (each one NCCL call on the group's stream), and
+        // lists gradcomm's fused host path cannot take in one dtype.
         for (std::size_t i = 0; i < list.size(); ++i)
-          reduce_into(comm, plans[i], list[i], list[i]);
+          reduce_into(comm, plans[i], list[i], list[i], options);
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tensor>& tensors,
@@ -369,12 +585,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tens
   at::Tensor t = tensors[0];
   const Reduction r = plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp);
   const bool root = opts.rootRank == rank_;
-  // Every rank reduces; only the root's tensor receives the result.
-  at::Tensor out = root ? t : at::empty_like(t);
+  auto device = device_call(call, tensors, /*nccl=*/true);
+  const AllreduceOptions options = reduce_options(device);
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::REDUCE, "gradcomm:reduce", tensors,
-      [&comm, t, out, r] { reduce_into(comm, r, t, out); }, async_op(opts));
+      [&comm, t, root, r, options] {
+        // Every rank reduces; only the root's tensor receives the result. Scratch is made here,
+        // on the stream that uses it.
+        reduce_into(comm, r, t, root ? t : at::empty_like(t), options);
+      },
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
@@ -387,21 +608,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
             "the output list must hold one tensor per rank (" + std::to_string(size_) + "), got " +
                 std::to_string(outputs.size() == 1 ? outputs[0].size() : outputs.size()));
   }
-  const at::Tensor in = inputs[0];
   for (const at::Tensor& o : outputs[0])
-    check_like(call, rank_, o, in, "output tensor");
+    check_like(call, rank_, o, inputs[0], "output tensor");
+  std::vector<at::Tensor> all = outputs[0];
+  all.push_back(inputs[0]);
+  auto device = device_call(call, all);
+  const at::Tensor in = on_host(device, inputs[0], true, false);
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& o : outputs[0])
+    outs.push_back(on_host(device, o, false, true));
   at::Tensor flat = at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
-  std::vector<at::Tensor> outs = outputs[0];
   Communicator& comm = *comm_;
   return submit(
-      c10d::OpType::ALLGATHER, "gradcomm:all_gather", outs,
+      c10d::OpType::ALLGATHER, "gradcomm:all_gather", outputs[0],
       [&comm, in, flat, outs] {
         allgather_bytes(comm, in.data_ptr(), flat.data_ptr(), bytes_of(in));
         for (std::size_t r = 0; r < outs.size(); ++r)
           outs[r].view({-1}).copy_(
               flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
@@ -416,12 +642,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
                 ": the output must hold group size (" + std::to_string(size_) +
                 ") times the input's elements, of its dtype");
   }
-  at::Tensor in = input, out = output;
+  auto device = device_call(call, {input, output});
+  at::Tensor in = on_host(device, input, true, false), out = on_host(device, output, false, true);
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
       [&comm, in, out] { allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in)); },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
@@ -443,11 +670,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
       check_like(call, rank_, o, inputs[i], "output tensor");
       all_outs.push_back(o);
     }
-    flats.push_back(
-        at::empty({static_cast<int64_t>(size_) * inputs[i].numel()}, inputs[i].options()));
   }
-  std::vector<at::Tensor> ins = inputs;
-  std::vector<std::vector<at::Tensor>> outs = outputs;
+  std::vector<at::Tensor> all = all_outs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  auto device = device_call(call, all);
+  std::vector<at::Tensor> ins;
+  std::vector<std::vector<at::Tensor>> outs;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    ins.push_back(on_host(device, inputs[i], true, false));
+    outs.emplace_back();
+    for (const at::Tensor& o : outputs[i])
+      outs.back().push_back(on_host(device, o, false, true));
+    flats.push_back(at::empty({static_cast<int64_t>(size_) * ins[i].numel()}, ins[i].options()));
+  }
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::ALLGATHER_COALESCED, "gradcomm:all_gather_coalesced", all_outs,
@@ -460,7 +695,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
           }
         }
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
@@ -470,15 +705,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
   check_one(call, rank_, inputs);
   check_root(call, rank_, size_, opts.rootRank);
   const bool root = opts.rootRank == rank_;
-  const at::Tensor in = inputs[0];
-  const std::vector<at::Tensor> outs =
-      root_list(call, rank_, size_, outputs, in, opts.rootRank, "output");
+  const std::vector<at::Tensor> outputs_here =
+      root_list(call, rank_, size_, outputs, inputs[0], opts.rootRank, "output");
+  std::vector<at::Tensor> all = outputs_here;
+  all.push_back(inputs[0]);
+  auto device = device_call(call, all);
+  const at::Tensor in = on_host(device, inputs[0], true, false);
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& o : outputs_here)
+    outs.push_back(on_host(device, o, false, true));
   at::Tensor flat =
       root ? at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
   Communicator& comm = *comm_;
   return submit(
-      c10d::OpType::GATHER, "gradcomm:gather", outs,
+      c10d::OpType::GATHER, "gradcomm:gather", outputs_here,
       [&comm, in, flat, outs, root_rank] {
         gather_bytes(comm, in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, bytes_of(in),
                      root_rank);
@@ -487,7 +728,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
               flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
         }
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
@@ -497,9 +738,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
   check_one(call, rank_, outputs);
   check_root(call, rank_, size_, opts.rootRank);
   const bool root = opts.rootRank == rank_;
-  const at::Tensor out = outputs[0];
-  const std::vector<at::Tensor> ins =
-      root_list(call, rank_, size_, inputs, out, opts.rootRank, "input");
+  const std::vector<at::Tensor> inputs_here =
+      root_list(call, rank_, size_, inputs, outputs[0], opts.rootRank, "input");
+  std::vector<at::Tensor> all = inputs_here;
+  all.push_back(outputs[0]);
+  auto device = device_call(call, all);
+  const at::Tensor out = on_host(device, outputs[0], false, true);
+  std::vector<at::Tensor> ins;
+  for (const at::Tensor& i : inputs_here)
+    ins.push_back(on_host(device, i, true, false));
   at::Tensor flat =
       root ? at::empty({static_cast<int64_t>(size_) * out.numel()}, out.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
@@ -514,7 +761,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
         scatter_bytes(comm, flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
                       bytes_of(out), root_rank);
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
@@ -530,21 +777,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
   for (const at::Tensor& i : inputs[0])
     check_like(call, rank_, i, out, "input tensor");
   const Reduction r = plan_reduction(call, rank_, out.scalar_type(), opts.reduceOp);
-  at::Tensor flat = at::empty({static_cast<int64_t>(size_) * out.numel()}, out.options());
   std::vector<at::Tensor> ins = inputs[0];
-  const int64_t me = rank_;
+  std::vector<at::Tensor> all = ins;
+  all.push_back(out);
+  auto device = device_call(call, all, /*nccl=*/true);
+  const AllreduceOptions options = reduce_options(device);
+  const int64_t me = rank_, n = size_;
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::REDUCE_SCATTER, "gradcomm:reduce_scatter", outputs,
-      [&comm, out, flat, ins, r, me] {
+      [&comm, out, ins, r, me, n, options] {
+        at::Tensor flat = at::empty({n * out.numel()}, out.options());
         for (std::size_t k = 0; k < ins.size(); ++k) {
           flat.narrow(0, static_cast<int64_t>(k) * out.numel(), out.numel())
               .copy_(ins[k].view({-1}));
         }
-        reduce_into(comm, r, flat, flat);
+        reduce_into(comm, r, flat, flat, options);
         out.view({-1}).copy_(flat.narrow(0, me * out.numel(), out.numel()));
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
@@ -560,16 +811,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
                 ") times the output's elements, of its dtype");
   }
   const Reduction r = plan_reduction(call, rank_, output.scalar_type(), opts.reduceOp);
-  at::Tensor in = input, out = output, flat = at::empty_like(input);
+  auto device = device_call(call, {input, output}, /*nccl=*/true);
+  const AllreduceOptions options = reduce_options(device);
+  at::Tensor in = input, out = output;
   const int64_t me = rank_;
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
-      [&comm, in, out, flat, r, me] {
-        reduce_into(comm, r, in, flat);
+      [&comm, in, out, r, me, options] {
+        at::Tensor flat = at::empty_like(in);
+        reduce_into(comm, r, in, flat, options);
         out.view({-1}).copy_(flat.view({-1}).narrow(0, me * out.numel(), out.numel()));
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall_base(
@@ -619,14 +873,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall_base(
   };
   const std::vector<std::size_t> send = bytes_per_rank(input, input_split_sizes, "input");
   const std::vector<std::size_t> recv = bytes_per_rank(output, output_split_sizes, "output");
-  at::Tensor in = input, out = output;
+  auto device = device_call(call, {input, output});
+  at::Tensor in = on_host(device, input, true, false), out = on_host(device, output, false, true);
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::ALLTOALL_BASE, "gradcomm:all_to_all_single", {output},
       [&comm, in, out, send, recv] {
         alltoallv_bytes(comm, in.data_ptr(), send, out.data_ptr(), recv);
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(std::vector<at::Tensor>& outputs,
@@ -654,9 +909,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(std::vector<at::Te
     send_elements += inputs[j].numel();
     recv_elements += outputs[j].numel();
   }
-  at::Tensor send_flat = at::empty({send_elements}, inputs[0].options());
-  at::Tensor recv_flat = at::empty({recv_elements}, inputs[0].options());
-  std::vector<at::Tensor> ins = inputs, outs = outputs;
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  auto device = device_call(call, all);
+  std::vector<at::Tensor> ins, outs;
+  for (std::size_t j = 0; j < n; ++j) {
+    ins.push_back(on_host(device, inputs[j], true, false));
+    outs.push_back(on_host(device, outputs[j], false, true));
+  }
+  at::Tensor send_flat = at::empty({send_elements}, ins[0].options());
+  at::Tensor recv_flat = at::empty({recv_elements}, ins[0].options());
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::ALLTOALL, "gradcomm:all_to_all", outputs,
@@ -673,7 +935,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(std::vector<at::Te
           at += t.numel();
         }
       },
-      async_op(opts));
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::barrier(const c10d::BarrierOptions& opts) {
@@ -705,19 +967,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
   if (bytes > static_cast<std::size_t>(INT_MAX)) invalid(call, rank_, "the tensor exceeds 2 GiB");
   // Behind the group's collectives: a tensor an earlier call writes is sent once it is written.
   comm_->settle();
+  // A CUDA tensor travels through a host copy: one sent is copied now, after the caller's
+  // stream has written it (the copy waits for that stream); one received is copied to the device
+  // when the work completes.
+  at::Tensor staged;
+  if (!tensor.device().is_cpu()) {
+    staged = sending ? tensor.to(at::kCPU)
+                     : at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
+  }
+  void* buffer = staged.defined() ? staged.data_ptr() : tensor.data_ptr();
   MPI_Request request = MPI_REQUEST_NULL;
   const int n = static_cast<int>(bytes);
   if (sending) {
-    check_mpi(MPI_Isend(tensor.data_ptr(), n, MPI_BYTE, peer, tag, p2p_, &request),
+    check_mpi(MPI_Isend(buffer, n, MPI_BYTE, peer, tag, p2p_, &request),
               "torch.distributed send (gradcomm): MPI_Isend", rank_);
   } else {
-    check_mpi(MPI_Irecv(tensor.data_ptr(), n, MPI_BYTE, peer, tag, p2p_, &request),
+    check_mpi(MPI_Irecv(buffer, n, MPI_BYTE, peer, tag, p2p_, &request),
               "torch.distributed recv (gradcomm): MPI_Irecv", rank_);
   }
   return c10::make_intrusive<PointToPointWork>(
       sending ? c10d::OpType::SEND
               : (peer == MPI_ANY_SOURCE ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
-      sending ? "gradcomm:send" : "gradcomm:recv", tensor, request, rank_);
+      sending ? "gradcomm:send" : "gradcomm:recv", tensor, staged, request, rank_);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::send(std::vector<at::Tensor>& tensors,

@@ -25,12 +25,17 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
 
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <mpi.h>
 
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,10 +54,27 @@ using BackendBase = c10d::ProcessGroup;
   (TORCH_VERSION_MAJOR > (major) ||           \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+// CUDA tensors (torch 2.x): ordered on streams through c10's device-generic interfaces
+// (c10::Stream, c10::Event, the device guard), so the backend compiles without CUDA's headers and
+// loads where torch has no CUDA. Torch 1.13 here is Debian's, without CUDA: CUDA tensors are
+// refused there with a clear error.
+#if TORCH_VERSION_MAJOR >= 2
+#define GRADCOMM_TORCH_CUDA 1
+#else
+#define GRADCOMM_TORCH_CUDA 0
+#endif
+
+class DeviceCall;
+
 // A call in flight: completed (or failed) by the progress engine; its future holds the outputs.
+// A call on CUDA tensors (`device` set) completes once its work is enqueued on the group's stream
+// of that device: complete() then runs with that stream current, so the future (made for the
+// device) records its event there, and wait() makes the caller's current stream wait for it
+// without blocking the host, as torch's NCCL backend does.
 class GradcommWork : public c10d::Work {
  public:
-  GradcommWork(c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs);
+  GradcommWork(c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
+               std::optional<c10::Device> device = std::nullopt);
 
   // The engine's side. Neither holds a lock while callbacks of the future run.
   void complete();
@@ -67,6 +89,9 @@ class GradcommWork : public c10d::Work {
  private:
   std::atomic<int> waiters_{0};
   std::vector<at::Tensor> outputs_;
+  std::optional<c10::Device> device_;
+  // Recorded on the group's stream once the call is enqueued (CUDA calls only).
+  std::unique_ptr<c10::Event> done_event_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -139,14 +164,30 @@ class ProcessGroupGradcomm : public BackendBase {
   // Where torch says the caller waits at once (the options' asyncOp, torch 2.2 and later:
   // dist.all_reduce(t) without async_op), `body` runs on the caller's thread behind the
   // group's earlier calls instead, with no hand-over to the engine.
+  // `device` (from device_call) orders a call on CUDA tensors on the group's stream: the body
+  // runs with that stream current, after the caller's stream has reached the call.
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* title,
                                         std::vector<at::Tensor> outputs, std::function<void()> body,
-                                        bool async = true);
+                                        bool async = true,
+                                        std::shared_ptr<DeviceCall> device = nullptr);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool sending, at::Tensor& tensor, int peer,
                                                 int tag);
+  // Where a call's tensors live: nullptr for CPU tensors; for CUDA tensors (all on one device,
+  // else InvalidArgument), the call's place on the group's stream of that device. Called on the
+  // caller's thread, after the call's checks: it records the caller's current stream. `nccl`:
+  // the call reduces on the GPU through gradcomm's GPU module (Unsupported, naming why, where
+  // that cannot run); other calls run on the host, on pinned copies (DeviceCall::place).
+  std::shared_ptr<DeviceCall> device_call(const std::string& call,
+                                          const std::vector<at::Tensor>& tensors,
+                                          bool nccl = false);
 
   std::unique_ptr<Communicator> comm_;
   MPI_Comm p2p_ = MPI_COMM_NULL;  // send and recv: a duplicate of their own, tags are torch's
+  // The group's communication stream per CUDA device, taken from torch's pool at the first call
+  // on that device; and why gradcomm's GPU path cannot run here, once asked.
+  std::mutex streams_mutex_;
+  std::map<c10::DeviceIndex, c10::Stream> streams_;
+  std::optional<std::string> gpu_unavailable_;
 };
 
 // The group torch asks for: the world (empty `global_ranks`) or the ranks of a new_group, in

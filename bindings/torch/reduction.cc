@@ -117,22 +117,22 @@ Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
 }
 
 void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
-                 const at::Tensor& out) {
+                 const at::Tensor& out, const AllreduceOptions& options) {
   switch (r.via) {
     case Reduction::Via::native:
       allreduce(comm, in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(in.numel()), r.dtype,
-                r.op);
+                r.op, options);
       return;
     case Reduction::Via::complex_parts: {
       const at::Tensor parts_in = at::view_as_real(in), parts_out = at::view_as_real(out);
       allreduce(comm, parts_in.data_ptr(), parts_out.data_ptr(),
-                static_cast<std::size_t>(parts_in.numel()), r.dtype, r.op);
+                static_cast<std::size_t>(parts_in.numel()), r.dtype, r.op, options);
       return;
     }
     case Reduction::Via::widened: {
       at::Tensor wide = in.to(scalar_type_of(r.dtype));
       allreduce(comm, wide.data_ptr(), wide.data_ptr(), static_cast<std::size_t>(wide.numel()),
-                r.dtype, r.op);
+                r.dtype, r.op, options);
       out.copy_(wide);
       return;
     }

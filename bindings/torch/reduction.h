@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "collectives/allreduce.h"
 #include "core/communicator.h"
 #include "core/data_type.h"
 #include "core/reduce_op.h"
@@ -28,8 +29,9 @@ Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
                          const c10d::ReduceOp& op);
 
 // Reduces `in` across `comm` into `out` (the same tensor for in place), by the plan. On the
-// engine: the tensors' data is read and written here only.
+// engine: the tensors' data is read and written here only. CUDA tensors: `options` names the
+// stream, which must be current (the conversions of a plan run on torch's current stream).
 void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
-                 const at::Tensor& out);
+                 const at::Tensor& out, const AllreduceOptions& options = {});
 
 }  // namespace gradcomm::torch_backend
