@@ -29,7 +29,6 @@ Loaded& loaded() {
   return *state;
 }
 
-#if GRADCOMM_HAVE_NCCL
 std::string this_object_directory() {
   Dl_info info{};
   if (dladdr(reinterpret_cast<void*>(&this_object_directory), &info) == 0 || !info.dli_fname)
@@ -38,18 +37,21 @@ std::string this_object_directory() {
   const std::filesystem::path path = std::filesystem::canonical(info.dli_fname, ec);
   return ec ? std::string() : path.parent_path().string();
 }
-#endif
 
 void load(Loaded& state) {
-#if !GRADCOMM_HAVE_NCCL
-  state.why_not = "this gradcomm was built without the GPU path (GRADCOMM_WITH_NCCL=OFF)";
-#else
   // Where to look, in order. GRADCOMM_NCCL_MODULE is read here rather than in Config because
-  // the module is loaded once per process, not per communicator.
+  // the module is loaded once per process, not per communicator. A build without the GPU path
+  // (no CUDA where it was built) still loads a module it is pointed at: one built elsewhere
+  // from the same source (the runtime ABI version is checked below).
   std::vector<std::string> candidates;
   if (const char* explicit_path = std::getenv("GRADCOMM_NCCL_MODULE");
       explicit_path && *explicit_path) {
     candidates.emplace_back(explicit_path);
+  } else if (!GRADCOMM_HAVE_NCCL) {
+    state.why_not =
+        "this gradcomm was built without the GPU path (GRADCOMM_WITH_NCCL=OFF); set "
+        "GRADCOMM_NCCL_MODULE to a " GRADCOMM_NCCL_MODULE_NAME " built from the same source";
+    return;
   } else {
     if (const std::string here = this_object_directory(); !here.empty())
       candidates.push_back(here + "/" GRADCOMM_NCCL_MODULE_NAME);
@@ -85,7 +87,6 @@ void load(Loaded& state) {
     return;
   }
   state.runtime.reset(runtime);
-#endif
 }
 
 // Counts objects ever loaded into the process (dl_iterate_phdr's dlpi_adds): while it does not

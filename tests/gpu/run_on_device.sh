@@ -4,9 +4,12 @@
 # runs test_gpu and test_gpu_c at 1, 2 and 4 ranks, test_gpu_host, the progress-engine bench,
 # the GPU pack benchmark and gradcomm-bench --device gpu. Results go to stdout and, when $OUT is set, to $OUT/*.txt.
 #
-#   tests/gpu/run_on_device.sh [all|bench|tests|overlap]
+#   tests/gpu/run_on_device.sh [all|bench|tests|torch|overlap]
 #     bench: only the benchmarks; tests: only the tests and the engine bench (with and without
-#     its poll); overlap: the emulated link's rate, then bench/overlap_report.sh across 2 hosts (on
+#     its poll); torch: only the torch backend's CUDA tests (tests/gpu/test_torch_cuda.py, also
+#     part of all), which build gradcomm's Python modules there against the machine's torch
+#     (TORCH_PYTHON, default /opt/torch/.venv/bin/python; its Python version need not be this
+#     VM's) and load the bundled GPU module; overlap: the emulated link's rate, then bench/overlap_report.sh across 2 hosts (on
 #     a machine with cores to spare, unlike the 2-core VM where both hosts share the cores).
 #     On the H100 machines of 2026-11-24 scripts/mpirun-hosts placed both ranks on the first
 #     emulated host (link.txt: `hostname` printed gch0 twice; a 32 MiB ring took 15 ms, far
@@ -62,8 +65,42 @@ else
   echo "== no CUDA MPS: ranks sharing the GPU are time-sliced" | tee -a "$out/machine.txt"
 fi
 status=0
+# The torch backend on CUDA tensors: a build of the Python modules for the machine's torch (no
+# CUDA needed for it: they load the bundled GPU module), then test_torch_cuda.py at 1-3 ranks.
+torch_cuda_tests() {
+  local py=${TORCH_PYTHON:-/opt/torch/.venv/bin/python} tb=/tmp/gradcomm-torch-build
+  echo "== torch backend on CUDA tensors ($py)"
+  command -v mpicxx >/dev/null && mpicxx --showme:version >/dev/null 2>&1 ||
+    cp -rn "$bundle/mpidev/." / 2>/dev/null
+  "$py" -c 'import pytest' 2>/dev/null || export PYTHONPATH=$bundle/pylib${PYTHONPATH:+:$PYTHONPATH}
+  local pybind_dir
+  pybind_dir=$("$py" -m pybind11 --cmakedir 2>/dev/null)
+  if ! { cmake -S . -B "$tb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMM_WITH_NCCL=OFF \
+           -DGRADCOMM_BUILD_TESTS=OFF -DGRADCOMM_BUILD_BENCH=OFF -DGRADCOMM_PYTHON="$py" \
+           -DGRADCOMM_TORCH_PYTHONS="$py" ${pybind_dir:+-Dpybind11_DIR="$pybind_dir"} &&
+         ninja -C "$tb"; } >"$out/torch_build.txt" 2>&1; then
+    tail -30 "$out/torch_build.txt"
+    echo "FAIL: the torch backend could not be built here (torch_build.txt)"
+    status=1
+    return
+  fi
+  grep -E "torch backend|Python module" "$out/torch_build.txt"
+  for np in 1 2 3; do
+    echo "== test_torch_cuda np$np"
+    timeout 300 mpirun -n "$np" --bind-to none -x PYTHONPATH="$tb/python${PYTHONPATH:+:$PYTHONPATH}" \
+      -x GRADCOMM_NCCL_MODULE -x LD_LIBRARY_PATH -x GRADCOMM_TIMEOUT=30 \
+      "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_torch_cuda.py 2>&1 |
+      tee "$out/torch_cuda_np$np.txt" | tail -15
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  done
+}
+if [[ $what == torch ]]; then
+  torch_cuda_tests
+  exit $status
+fi
 tests=0
 [[ $what == all || $what == tests ]] && tests=1
+((tests)) && torch_cuda_tests
 ((tests)) && for np in 1 2 4; do
   echo "== test_gpu np$np"
   timeout 150 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 | tee "$out/test_gpu_np$np.txt" | tail -25

@@ -1,0 +1,237 @@
+"""torch.distributed on the "gradcomm" backend with CUDA tensors (torch 2.x), under mpirun on a GPU
+machine (tests/gpu/run_on_device.sh torch). Skipped where torch sees no GPU.
+
+- every collective on CUDA tensors against a reference computed on the CPU on each rank (every
+  dtype and op of all_reduce; counts 0, 1, primes and large);
+- stream order: the collective waits for the caller's current stream, work.wait() makes that
+  stream wait for the result, and neither blocks the host;
+- torch's DDP on CUDA over gradcomm against DDP over torch's own nccl backend (or gloo where nccl
+  cannot run): the same parameters;
+- ranks that call different collectives get an error on every rank, and the group stays usable.
+
+Ranks share the machine's GPU: each gets its own NCCL_HOSTID (set before any NCCL call), so NCCL
+connects them through its socket transport instead of refusing two ranks on one device.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from mpi4py import MPI  # noqa: E402
+
+os.environ.setdefault("NCCL_HOSTID", f"gradcomm-torch-cuda-{MPI.COMM_WORLD.Get_rank()}")
+
+import torch.distributed as dist  # noqa: E402
+
+import gradcomm.torch  # noqa: E402,F401  (registers the backend)
+
+torch.set_num_threads(1)
+dist.init_process_group("gradcomm")
+RANK = dist.get_rank()
+SIZE = dist.get_world_size()
+DEV = torch.device("cuda", RANK % torch.cuda.device_count())
+torch.cuda.set_device(DEV)
+R = dist.ReduceOp
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.int32, torch.int64, torch.int8, torch.uint8]
+COUNTS = [0, 1, 7, 1009, 65537]
+
+
+def values(rank, dtype, n):
+    base = (torch.arange(n) % 3 + rank % 2 + 1).to(torch.int64)
+    if dtype == torch.bool:
+        return (torch.arange(n) + rank) % 2 == 0
+    if dtype.is_complex:
+        return torch.complex(base.double(), -base.double()).to(dtype)
+    return base.to(dtype)
+
+
+def expected(op, dtype, n):
+    inputs = [values(r, dtype, n) for r in range(SIZE)]
+    if dtype == torch.bool:
+        stacked = torch.stack(inputs) if n else torch.zeros(SIZE, 0, dtype=torch.bool)
+        return stacked.any(0) if op in (R.SUM, R.MAX) else stacked.all(0)
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    stacked = torch.stack([t.to(wide) for t in inputs]) if n else torch.zeros(SIZE, 0, dtype=wide)
+    integer = not (dtype.is_floating_point or dtype.is_complex)
+    average = ((lambda s: torch.div(s.sum(0), SIZE, rounding_mode="trunc")) if integer
+               else (lambda s: s.sum(0) / SIZE))
+    return {R.SUM: lambda s: s.sum(0), R.AVG: average, R.PRODUCT: lambda s: s.prod(0),
+            R.MIN: lambda s: s.min(0).values if n else s[0],
+            R.MAX: lambda s: s.max(0).values if n else s[0]}[op](stacked)
+
+
+def check(actual, want, dtype, op=None):
+    assert actual.is_cuda and actual.dtype == dtype
+    actual = actual.cpu()
+    if op == R.AVG and (dtype.is_floating_point or dtype.is_complex):
+        tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+        assert torch.allclose(actual.double(), want.double(), rtol=tol, atol=tol), (actual, want)
+    else:
+        assert torch.equal(actual, want.to(dtype)), f"rank {RANK}: {actual} != {want}"
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("op", [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX],
+                         ids=["sum", "avg", "product", "min", "max"])
+@pytest.mark.parametrize("dtype", FLOATS + INTS + [torch.bool, torch.complex64], ids=str)
+def test_all_reduce(dtype, op, count):
+    if dtype == torch.bool and op == R.AVG:
+        pytest.skip("AVG of bool is refused")
+    if dtype.is_complex and op not in (R.SUM, R.AVG):
+        pytest.skip("only SUM and AVG are defined on complex tensors")
+    t = values(RANK, dtype, count).to(DEV)
+    dist.all_reduce(t, op=op)
+    check(t, expected(op, dtype, count), dtype, op)
+
+
+def test_all_reduce_coalesced_and_reduce_scatter():
+    ts = [values(RANK, d, n).to(DEV) for d, n in [(torch.float32, 1009), (torch.int64, 7),
+                                                  (torch.float16, 1)]]
+    dist.all_reduce_coalesced(ts)
+    for t, (d, n) in zip(ts, [(torch.float32, 1009), (torch.int64, 7), (torch.float16, 1)]):
+        check(t, expected(R.SUM, d, n), d)
+    n = 257
+    full = expected(R.SUM, torch.float32, SIZE * n)
+    src = values(RANK, torch.float32, SIZE * n).to(DEV)
+    out = torch.empty(n, device=DEV)
+    dist.reduce_scatter_tensor(out, src)
+    check(out, full[RANK * n:(RANK + 1) * n], torch.float32)
+    out2 = torch.empty(n, device=DEV)
+    dist.reduce_scatter(out2, list(src.chunk(SIZE)))
+    check(out2, full[RANK * n:(RANK + 1) * n], torch.float32)
+
+
+@pytest.mark.parametrize("count", COUNTS)
+def test_host_staged_collectives(count):
+    d = torch.float32
+    b = values(RANK, d, count).to(DEV)
+    dist.broadcast(b, src=SIZE - 1)
+    check(b, values(SIZE - 1, d, count), d)
+    mine = torch.full((count,), float(RANK), device=DEV)
+    outs = [torch.empty(count, device=DEV) for _ in range(SIZE)]
+    dist.all_gather(outs, mine)
+    for r, o in enumerate(outs):
+        check(o, torch.full((count,), float(r)), d)
+    flat = torch.empty(SIZE * count, device=DEV)
+    dist.all_gather_into_tensor(flat, mine)
+    check(flat, torch.arange(SIZE).repeat_interleave(count).float(), d)
+    red = values(RANK, d, count).to(DEV)
+    dist.reduce(red, dst=0)
+    if RANK == 0:
+        check(red, expected(R.SUM, d, count), d)
+    gathered = [torch.empty(count, device=DEV) for _ in range(SIZE)] if RANK == 0 else None
+    dist.gather(mine, gathered, dst=0)
+    if RANK == 0:
+        for r, o in enumerate(gathered):
+            check(o, torch.full((count,), float(r)), d)
+    scattered = torch.empty(count, device=DEV)
+    pieces = [torch.full((count,), 10.0 + r, device=DEV) for r in range(SIZE)] if RANK == 0 else None
+    dist.scatter(scattered, pieces, src=0)
+    check(scattered, torch.full((count,), 10.0 + RANK), d)
+    a2a_in = torch.arange(SIZE * 3, dtype=d, device=DEV) + 100 * RANK
+    a2a_out = torch.empty(SIZE * 3, device=DEV)
+    dist.all_to_all_single(a2a_out, a2a_in)
+    want = torch.cat([torch.arange(RANK * 3, RANK * 3 + 3, dtype=d) + 100 * r for r in range(SIZE)])
+    check(a2a_out, want, d)
+    dist.barrier()
+
+
+def test_send_recv_ring():
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    t = torch.full((1009,), float(RANK), device=DEV)
+    got = torch.empty(1009, device=DEV)
+    right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    reqs = [dist.isend(t, right), dist.irecv(got, left)]
+    for r in reqs:
+        r.wait()
+    check(got, torch.full((1009,), float(left)), torch.float32)
+
+
+def test_stream_order_without_blocking_the_host():
+    """The collective starts after the kernels queued before it on the caller's stream, wait()
+    orders the caller's stream after it, and neither call waits on the host."""
+    side = torch.cuda.Stream(device=DEV)
+    t = torch.zeros(1 << 20, device=DEV)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the write
+        t.fill_(RANK + 1.0)
+        start = time.perf_counter()
+        work = dist.all_reduce(t, async_op=True)
+        issued = time.perf_counter() - start
+        pending = torch.cuda.Event()
+        pending.record(side)
+        assert not pending.query(), "the stream finished before the sleep: sleep too short"
+        work.wait()
+        waited = time.perf_counter() - start
+        copy = t.clone()  # on `side`, after wait(): sees the reduced values
+    assert issued < 0.05 and waited < 0.05, (issued, waited)
+    side.synchronize()
+    want = float(sum(range(1, SIZE + 1)))
+    assert torch.all(copy == want).item(), f"rank {RANK}: {copy[:4]} != {want}"
+    # The future follows torch's stream rules too: then() runs after the result is there.
+    t.fill_(1.0)
+    fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    assert torch.all(fut.wait() == 2.0 * SIZE).item()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.a = torch.nn.Linear(20, 256)
+        self.b = torch.nn.Linear(256, 5)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def train_ddp(group, steps=5):
+    model = Net().to(DEV)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEV], process_group=group,
+                                                    bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for i in range(steps):
+        g = torch.Generator().manual_seed(1000 * i + RANK)
+        x, y = torch.randn(12, 20, generator=g).to(DEV), torch.randint(0, 5, (12,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y.to(DEV)).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+
+def test_ddp_on_cuda_matches_the_reference_backend():
+    try:
+        reference = dist.new_group(backend="nccl")
+    except Exception:  # noqa: BLE001  (no nccl in this torch: gloo takes CUDA tensors too)
+        reference = dist.new_group(backend="gloo")
+    ours = train_ddp(None)
+    theirs = train_ddp(reference)
+    mine = ours.numpy().tobytes()
+    assert MPI.COMM_WORLD.allreduce(int(MPI.COMM_WORLD.bcast(mine, root=0) != mine)) == 0
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()
+
+
+def test_ranks_that_disagree_fail_on_every_rank_and_the_group_stays_usable():
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(RuntimeError, match="disagree"):
+        t = torch.ones(100 + (RANK == 1), device=DEV)
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+    t = torch.ones(10, device=DEV)
+    dist.all_reduce(t)
+    check(t, torch.full((10,), float(SIZE)), torch.float32)
+
+
+def test_mixed_devices_are_refused_before_communication():
+    with pytest.raises(RuntimeError, match="one device"):
+        dist.all_gather_into_tensor(torch.empty(SIZE * 3), torch.ones(3, device=DEV))
