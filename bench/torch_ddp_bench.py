@@ -3,6 +3,8 @@ variants' steps alternated so all see the same machine state:
 
   compute        the model alone, no communication (what exposed communication is measured from)
   gradcomm-ddp   gradcomm.torch.DistributedDataParallel
+  gradcomm-ddp-bucket-view  the same with gradient_as_bucket_view=True (gradients produced in
+                 the buckets' registered memory: nothing packed or unpacked)
   gradcomm-hvd   gradcomm.torch.DistributedOptimizer (Horovod's API)
   torch-ddp      torch.nn.parallel.DistributedDataParallel, gloo backend
   torch-ddp-gradcomm  torch.nn.parallel.DistributedDataParallel on the gradcomm backend
@@ -118,6 +120,13 @@ for name in variants:
     elif name == "gradcomm-ddp":
         ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm,
                                           bucket_cap_mb=gradcomm_cap_mb)
+        runs[name] = (ddp, sgd(ddp.parameters()))
+    elif name in ("gradcomm-ddp-bucket-view", "gradcomm-ddp-bucket-view-no-overlap"):
+        # Gradients produced in bucket memory: nothing copied.
+        ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm,
+                                          bucket_cap_mb=gradcomm_cap_mb,
+                                          gradient_as_bucket_view=True,
+                                          overlap=not name.endswith("-no-overlap"))
         runs[name] = (ddp, sgd(ddp.parameters()))
     elif name == "gradcomm-ddp-no-overlap":
         ddp = hvd.DistributedDataParallel(model, algorithm=args.algorithm, overlap=False,
