@@ -8,10 +8,13 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "collectives/allreduce.h"
@@ -156,8 +159,9 @@ class PointToPointWork : public c10d::Work {
         future_(make_future()) {}
 
   ~PointToPointWork() override {
-    std::lock_guard<std::mutex> lock(request_mutex_);
-    if (request_ != MPI_REQUEST_NULL && mpi_ready()) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    // Completes the transfer, and for a CUDA tensor received, its copy to the device: a work
+    // dropped without wait() still delivers, as one on a CPU tensor (MPI writes it) does.
+    if (mpi_ready()) poll(true);
   }
 
   bool isCompleted() override {
@@ -198,6 +202,7 @@ class PointToPointWork : public c10d::Work {
     }
     if (!error && staged_.defined() && retrieveOpType() != c10d::OpType::SEND) {
       try {
+        at::NoGradGuard no_grad;  // the tensor may be a leaf that requires grad
         tensor_.copy_(staged_);
       } catch (...) {
         error = std::current_exception();
@@ -235,11 +240,26 @@ class PointToPointWork : public c10d::Work {
 // - collectives gradcomm runs on the host (broadcast, the gathers and scatters, all-to-all) see
 //   a pinned host copy of each CUDA tensor: filled from the device before the body (the engine
 //   waits for that copy), copied back asynchronously after it.
+// Whether this torch's c10::Stream gives its native handle (torch 2.11 and later): gradcomm's
+// NCCL path needs the cudaStream_t to enqueue on.
+template <class S>
+constexpr bool kHasNativeHandle = requires(const S& s) {
+  s.native_handle();
+};
+
 class DeviceCall {
  public:
 #if GRADCOMM_TORCH_CUDA
-  DeviceCall(c10::Device device, c10::Stream stream)
-      : device_(device), stream_(stream), ready_(device.type()) {}
+  // `call` and `rank` name the call in a timeout's message; `timeout_seconds` is the group's
+  // GRADCOMM_TIMEOUT (0: no limit).
+  DeviceCall(c10::Device device, c10::Stream stream, std::string call, int rank,
+             int timeout_seconds)
+      : device_(device),
+        stream_(stream),
+        ready_(device.type()),
+        call_(std::move(call)),
+        rank_(rank),
+        timeout_seconds_(timeout_seconds) {}
 
   c10::Device device() const {
     return device_;
@@ -263,14 +283,23 @@ class DeviceCall {
   }
 
   // On the engine (or the caller's thread for a call torch waits for at once): `body` and then
-  // `then` (which completes the work) with the group's stream current.
-  void run(const std::function<void()>& body, const std::function<void()>& then) {
+  // `then` (which completes the work) with the group's stream current. With `monitor` (on the
+  // engine), it then stays with the call until the GPU has finished it, so that a peer that
+  // stops inside NCCL, or a hung GPU, ends the job within GRADCOMM_TIMEOUT (torch's NCCL
+  // watchdog does the same) instead of leaving the caller's stream waiting forever; the group's
+  // next call is enqueued after that.
+  void run(const std::function<void()>& body, const std::function<void()>& then, bool monitor) {
     c10::DeviceGuard device_guard(device_);
     ready_.block(stream_);
     c10::StreamGuard stream_guard(stream_);
+    bool copied = false;
     for (Staged& s : staged_) {
-      if (s.read) s.host.copy_(s.device);  // waits for the copy: the host reads it next
+      if (s.read) {
+        s.host.copy_(s.device, /*non_blocking=*/true);
+        copied = true;
+      }
     }
+    if (copied) wait_for_stream("copying its CUDA tensors to the host");
     body();
     for (Staged& s : staged_) {
       if (s.written) s.device.copy_(s.host, /*non_blocking=*/true);
@@ -279,13 +308,46 @@ class DeviceCall {
     // back are in flight: torch's host allocator keeps such memory until its copy is done.
     staged_.clear();
     then();
+    if (monitor) wait_for_stream("its work on the GPU");
   }
 
+  // The cudaStream_t of the group's stream (nullptr where this torch cannot give it).
   void* native_stream() const {
-    return stream_.native_handle();
+    if constexpr (kHasNativeHandle<c10::Stream>) {
+      return stream_.native_handle();
+    } else {
+      return nullptr;
+    }
   }
 
  private:
+  // Polls (never an unbounded synchronize) until the group's stream has passed what is enqueued
+  // on it now. Past GRADCOMM_TIMEOUT the job is aborted, as gradcomm's watchdog aborts a stalled
+  // call: the work may already have completed for its caller, so there is nobody to throw to.
+  void wait_for_stream(const char* what) {
+    c10::Event done(device_.type());
+    done.record(stream_);
+    const auto start = std::chrono::steady_clock::now();
+    for (int polls = 0; !done.query(); ++polls) {
+      if (timeout_seconds_ > 0 &&
+          std::chrono::steady_clock::now() - start > std::chrono::seconds(timeout_seconds_)) {
+        const std::string message = error_message(
+            "torch.distributed " + call_ + " (gradcomm)", rank_,
+            std::string(what) + " did not finish within GRADCOMM_TIMEOUT=" +
+                std::to_string(timeout_seconds_) + " s on " + device_.str() +
+                " (a peer may have stopped inside NCCL, or the GPU hangs): aborting the job");
+        std::fprintf(stderr, "%s\n", message.c_str());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      if (polls < 1000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
   struct Staged {
     at::Tensor device, host;
     bool read, written;
@@ -293,6 +355,9 @@ class DeviceCall {
   c10::Device device_;
   c10::Stream stream_;
   c10::Event ready_;
+  std::string call_;
+  int rank_;
+  int timeout_seconds_;
   std::vector<Staged> staged_;
 #else
   c10::Device device() const {
@@ -301,7 +366,7 @@ class DeviceCall {
   at::Tensor place(const at::Tensor& t, bool, bool) {
     return t;
   }
-  void run(const std::function<void()>& body, const std::function<void()>& then) {
+  void run(const std::function<void()>& body, const std::function<void()>& then, bool) {
     body();
     then();
   }
@@ -364,12 +429,26 @@ bool GradcommWork::wait(std::chrono::milliseconds timeout) {
     ~Leave() { waiters.fetch_sub(1, std::memory_order_relaxed); }
   } leave{waiters_};
   const bool done = c10d::Work::wait(timeout);
+  synchronize();
+  return done;
+}
+
+bool GradcommWork::isCompleted() {
+  if (!c10d::Work::isCompleted()) return false;
+#if GRADCOMM_TORCH_CUDA
+  // A CUDA call is complete once the GPU has run it, as on torch's NCCL backend.
+  if (done_event_) return done_event_->query();
+#endif
+  return true;
+}
+
+void GradcommWork::synchronize() {
 #if GRADCOMM_TORCH_CUDA
   // The caller's stream waits for the call's work on the group's stream; the host does not.
-  if (done_event_)
+  if (done_event_ && c10d::Work::isCompleted()) {
     done_event_->block(c10::impl::VirtualGuardImpl(device_->type()).getStream(*device_));
+  }
 #endif
-  return done;
 }
 
 std::vector<at::Tensor> GradcommWork::result() {
@@ -422,6 +501,13 @@ std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
   std::shared_ptr<DeviceCall> placed;
   {
     std::lock_guard<std::mutex> lock(streams_mutex_);
+    if (nccl && !kHasNativeHandle<c10::Stream>) {
+      unsupported(call, rank_,
+                  "CUDA tensors are reduced through NCCL on the group's stream, whose handle "
+                  "this torch (" TORCH_VERSION
+                  ") does not give (c10::Stream::native_handle, "
+                  "torch 2.11 and later)");
+    }
     if (nccl) {
       if (!gpu_unavailable_) gpu_unavailable_ = collectives::nccl_unavailable_reason();
       if (!gpu_unavailable_->empty()) {
@@ -435,7 +521,8 @@ std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
     if (it == streams_.end()) {
       it = streams_.emplace(device->index(), impl.getStreamFromGlobalPool(*device, false)).first;
     }
-    placed = std::make_shared<DeviceCall>(*device, it->second);
+    placed = std::make_shared<DeviceCall>(*device, it->second, call, rank_,
+                                          comm_->config().timeout_seconds);
   }
   placed->enter(tensors);
   return placed;
@@ -454,16 +541,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
       device ? std::optional<c10::Device>(device->device()) : std::nullopt);
   if (!async) {
     comm_->settle();  // the group's earlier calls first
+    bool completed = false;
     try {
       at::NoGradGuard no_grad;  // the copies in and out of the tensors are no graph's ops
+      auto complete = [&] {
+        completed = true;  // a callback that throws from here must not fail a completed work
+        work->complete();
+      };
       if (device) {
-        device->run(body, [&work] { work->complete(); });
+        device->run(body, complete, /*monitor=*/false);  // the caller's host does not wait
       } else {
         body();
-        work->complete();
+        complete();
       }
     } catch (...) {
-      work->fail(std::current_exception());  // wait() rethrows it, as for a call on the engine
+      // wait() rethrows it, as for a call on the engine
+      if (!completed) work->fail(std::current_exception());
     }
     return work;
   }
@@ -478,11 +571,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
       if (device) {
         // The future's callbacks (DDP's, a comm hook's) run here, with the group's stream
         // current, as they would on torch's NCCL backend.
-        device->run(body, [&] {
-          body = nullptr;
-          work->complete();
-          completed = true;
-        });
+        device->run(
+            body,
+            [&] {
+              body = nullptr;
+              completed = true;  // a callback that throws from here must not fail the work
+              work->complete();
+            },
+            /*monitor=*/true);
       } else {
         body();
       }
@@ -965,11 +1061,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
   }
   const std::size_t bytes = bytes_of(tensor);
   if (bytes > static_cast<std::size_t>(INT_MAX)) invalid(call, rank_, "the tensor exceeds 2 GiB");
-  // Behind the group's collectives: a tensor an earlier call writes is sent once it is written.
+  // Behind the group's collectives: a CPU tensor an earlier call writes is sent once it is
+  // written (for a CUDA tensor, once that call is enqueued; see below).
   comm_->settle();
-  // A CUDA tensor travels through a host copy: one sent is copied now, after the caller's
-  // stream has written it (the copy waits for that stream); one received is copied to the device
-  // when the work completes.
+  // A CUDA tensor travels through a host copy: one sent is copied now, on the caller's current
+  // stream (the host waits for that copy, so it sees what that stream wrote; as on torch's NCCL
+  // backend, what an earlier collective of the group writes is seen once the caller has waited
+  // for it); one received is copied to the device when the work completes, on the current
+  // stream of the thread that completes it.
   at::Tensor staged;
   if (!tensor.device().is_cpu()) {
     staged = sending ? tensor.to(at::kCPU)

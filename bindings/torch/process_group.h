@@ -83,7 +83,12 @@ class GradcommWork : public c10d::Work {
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // Counted in waiters() while it blocks: the engine then waits as a blocking call would.
+  // Then synchronize().
   bool wait(std::chrono::milliseconds timeout) override;
+  // A CUDA call: true once its work has run on the GPU.
+  bool isCompleted() override;
+  // A CUDA call: the caller's current stream waits for its work (no host wait).
+  void synchronize() override;
   const std::atomic<int>* waiters() const { return &waiters_; }
 
  private:

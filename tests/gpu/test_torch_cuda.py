@@ -91,11 +91,12 @@ def test_all_reduce(dtype, op, count):
 
 
 def test_all_reduce_coalesced_and_reduce_scatter():
-    ts = [values(RANK, d, n).to(DEV) for d, n in [(torch.float32, 1009), (torch.int64, 7),
-                                                  (torch.float16, 1)]]
-    dist.all_reduce_coalesced(ts)
-    for t, (d, n) in zip(ts, [(torch.float32, 1009), (torch.int64, 7), (torch.float16, 1)]):
-        check(t, expected(R.SUM, d, n), d)
+    for d in (torch.float32, torch.int64, torch.float16):  # torch wants one dtype per call
+        counts = [1009, 7, 1, 0]
+        ts = [values(RANK, d, n).to(DEV) for n in counts]
+        dist.all_reduce_coalesced(ts)
+        for t, n in zip(ts, counts):
+            check(t, expected(R.SUM, d, n), d)
     n = 257
     full = expected(R.SUM, torch.float32, SIZE * n)
     src = values(RANK, torch.float32, SIZE * n).to(DEV)
@@ -159,6 +160,7 @@ def test_stream_order_without_blocking_the_host():
     orders the caller's stream after it, and neither call waits on the host."""
     side = torch.cuda.Stream(device=DEV)
     t = torch.zeros(1 << 20, device=DEV)
+    dist.all_reduce(t)  # NCCL's communicator and its connections for this size, before timing
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the write
@@ -180,6 +182,27 @@ def test_stream_order_without_blocking_the_host():
     t.fill_(1.0)
     fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert torch.all(fut.wait() == 2.0 * SIZE).item()
+    # is_completed() says whether the GPU has run it, as on torch's NCCL backend.
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        work = dist.all_reduce(t, async_op=True)
+        while not work.is_completed():
+            time.sleep(0.001)
+        assert side.query(), "is_completed() before the stream got there"
+
+
+def test_a_dropped_recv_still_delivers():
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    got = torch.zeros(33, device=DEV)
+    if RANK == 1:
+        dist.isend(torch.full((33,), 7.0, device=DEV), 0).wait()
+    elif RANK == 0:
+        work = dist.irecv(got, 1)
+        del work  # never waited for: completing it delivers the data
+        torch.cuda.synchronize()
+        check(got, torch.full((33,), 7.0), torch.float32)
+    dist.barrier()
 
 
 class Net(torch.nn.Module):
