@@ -57,6 +57,9 @@ parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
 parser.add_argument("--gradcomm-bucket-cap-mb", type=float, default=None,
                     help="bucket cap of the gradcomm variants alone (default: --bucket-cap-mb)")
 parser.add_argument("--json", default=None, help="append the results to this file")
+parser.add_argument("--save-params", default=None, metavar="DIR",
+                    help="rank 0 saves each variant's final parameters to DIR/<model>_np<ranks>_"
+                         "h<hosts>_<variant>.pt (to compare variants timed in separate launches)")
 parser.add_argument("--no-lead-in", dest="lead_in", action="store_false",
                     help="no untimed step of a variant before its timed one (then each timed step "
                          "follows another variant's step, always the same one)")
@@ -233,6 +236,11 @@ if rank == 0:
     # the same parameters, up to float rounding (the reduction orders differ).
     finals = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()])
               for name, (m, _) in runs.items() if name != "compute"}
+    if args.save_params:
+        os.makedirs(args.save_params, exist_ok=True)
+        for name, v in finals.items():
+            torch.save(v, os.path.join(args.save_params,
+                                       f"{args.model}_np{size}_h{hosts}_{name}.pt"))
     if finals:
         ref_name, ref = next(iter(finals.items()))
         for name, v in finals.items():

@@ -9,17 +9,25 @@
 # thread stopped: what its idle cycles cost a step. gradcomm-ddp-bucket-view is gradcomm's DDP
 # with gradient_as_bucket_view=True (torch DDP's option; the gradients are produced in the
 # buckets' registered memory, and nothing is packed or unpacked).
-# usage: bench/horovod/compare.sh [--torch2] [--hosts] [--steps N] [--json FILE]
+# usage: bench/horovod/compare.sh [--torch2] [--hosts] [--steps N] [--json FILE] [--separate N]
 #   --torch2: torch 2.x (scripts/common.sh's pin) instead of Debian's torch 1.13
+#   --separate N: Horovod and gradcomm in separate launches instead of one, alternated N times
+#     each (launch H: compute,horovod; launch G: compute and the gradcomm variants), with a
+#     summary by bench/horovod/summary.py. Once initialized, Horovod's background thread runs its
+#     negotiation cycle (every 1 ms, MPI collectives that spin while they wait) for the whole
+#     process, so in a shared launch every variant pays for it, the compute alone included: on
+#     these 2 cores the MLP's compute took 1.5x longer with Horovod initialized. A gradcomm user
+#     does not pay that; a Horovod user does, and launch H measures it.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-hosts=0 steps=30 json= flavour=torch1
+hosts=0 steps=30 json= flavour=torch1 separate=0
 while (($#)); do
   case $1 in
     --torch2) flavour=torch2 ;;
     --hosts) hosts=1 ;;
     --steps) steps=$2; shift ;;
     --json) json=$2; shift ;;
+    --separate) separate=$2; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -33,6 +41,35 @@ if ((hosts)); then  # two emulated hosts, links shaped to 1 Gbit/s
   "$ROOT/scripts/hosts" shape 1gbit
 fi
 echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'), $(getconf _NPROCESSORS_ONLN) cores; horovod 0.28.1, torch $("$PY" -c 'import torch; print(torch.__version__)')"
+launch() {  # launch NP VARIANTS MODEL JSON [save-params dir]
+  local np=$1 which=$2 model=$3 out=$4 params=${5:-}
+  local bench=("$ROOT/bench/torch_ddp_bench.py" --model "$model" --variants "$which"
+               --steps "$steps" --json "$out" ${params:+--save-params "$params"})
+  if ((hosts)); then
+    "$ROOT/scripts/mpirun-hosts" 2x1 -x PYTHONPATH -x OMP_NUM_THREADS -- "$PY" "${bench[@]}"
+  else
+    mpirun -np "$np" --oversubscribe --bind-to none -x PYTHONPATH -x OMP_NUM_THREADS "$PY" \
+      "${bench[@]}"
+  fi
+}
+if ((separate)); then
+  dir=${json:-$(mktemp -d)}
+  [[ -n $json ]] && mkdir -p "$dir"
+  nps="2 4"
+  ((hosts)) && nps=2
+  for model in cnn mlp; do
+    for np in $nps; do
+      for ((rep = 1; rep <= separate; rep++)); do
+        echo "== $model np$np, launch pair $rep of $separate"
+        launch "$np" compute,horovod "$model" "$dir/horovod.jsonl" "$dir/params"
+        launch "$np" compute,gradcomm-hvd,gradcomm-ddp,gradcomm-ddp-bucket-view "$model" \
+          "$dir/gradcomm.jsonl" "$dir/params"
+      done
+    done
+  done
+  "$PY" "$ROOT/bench/horovod/summary.py" "$dir"
+  exit
+fi
 for model in cnn mlp; do
   if ((hosts)); then
     "$ROOT/scripts/mpirun-hosts" 2x1 -x PYTHONPATH -x OMP_NUM_THREADS -- "$PY" "$ROOT/bench/torch_ddp_bench.py" \
