@@ -139,9 +139,9 @@ for name in variants:
                                           bucket_cap_mb=gradcomm_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
     elif name in ("gradcomm-hvd", "gradcomm-hvd-no-negotiator"):
-        # -no-negotiator: the same optimizer, its steps timed while gradcomm.torch's negotiation
-        # thread is stopped (closed before the step, made again after): what the idle cycles
-        # cost a step.
+        # -no-negotiator: the same optimizer, with gradcomm.torch's negotiator closed before
+        # its lead-in step; its first call makes a new one. So it compares a fresh negotiator
+        # with one that cycled through the other variants' steps (not a step without one).
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(sgd(model.parameters()),
                                        named_parameters=model.named_parameters(),

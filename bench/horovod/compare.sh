@@ -7,9 +7,9 @@
 # operations, 1 ms cycle, 128 MiB fusion), as its documentation recommends for a start.
 # Horovod runs as `horovod-scoped`: initialized before its own steps and shut down after them
 # (see --separate for why: its background thread otherwise slows every variant in the process).
-# gradcomm-hvd-no-negotiator times the same optimizer's steps with gradcomm.torch's negotiation
-# thread stopped: what its idle cycles cost a step. gradcomm-ddp-bucket-view is gradcomm's DDP
-# with gradient_as_bucket_view=True (torch DDP's option; the gradients are produced in the
+# gradcomm-hvd-no-negotiator closes gradcomm.torch's negotiator before its steps (its first call
+# makes a new one): a fresh negotiator against one that cycled through the other variants' steps.
+# gradcomm-ddp-bucket-view is gradcomm's DDP with gradient_as_bucket_view=True (torch DDP's option; the gradients are produced in the
 # buckets' registered memory, and nothing is packed or unpacked).
 # usage: bench/horovod/compare.sh [--torch2] [--hosts] [--steps N] [--json FILE] [--separate N]
 #   --torch2: torch 2.x (scripts/common.sh's pin) instead of Debian's torch 1.13
