@@ -384,6 +384,21 @@ at::Tensor on_host(const std::shared_ptr<DeviceCall>& device, const at::Tensor& 
   return device ? device->place(t, read, written) : t;
 }
 
+std::vector<at::Tensor> on_host(const std::shared_ptr<DeviceCall>& device,
+                                const std::vector<at::Tensor>& ts, bool read, bool written) {
+  std::vector<at::Tensor> placed;
+  placed.reserve(ts.size());
+  for (const at::Tensor& t : ts)
+    placed.push_back(on_host(device, t, read, written));
+  return placed;
+}
+
+// `list` and `more`, for device_call.
+std::vector<at::Tensor> joined(std::vector<at::Tensor> list, const std::vector<at::Tensor>& more) {
+  list.insert(list.end(), more.begin(), more.end());
+  return list;
+}
+
 // gradcomm's all-reduce options for a call placed by `device`: enqueued on the group's stream,
 // returning once enqueued (the call's check across ranks is done by then).
 AllreduceOptions reduce_options(const std::shared_ptr<DeviceCall>& device) {
@@ -706,13 +721,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
   }
   for (const at::Tensor& o : outputs[0])
     check_like(call, rank_, o, inputs[0], "output tensor");
-  std::vector<at::Tensor> all = outputs[0];
-  all.push_back(inputs[0]);
-  auto device = device_call(call, all);
+  auto device = device_call(call, joined(outputs[0], inputs));
   const at::Tensor in = on_host(device, inputs[0], true, false);
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& o : outputs[0])
-    outs.push_back(on_host(device, o, false, true));
+  const std::vector<at::Tensor> outs = on_host(device, outputs[0], false, true);
   at::Tensor flat = at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
   Communicator& comm = *comm_;
   return submit(
@@ -767,16 +778,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
       all_outs.push_back(o);
     }
   }
-  std::vector<at::Tensor> all = all_outs;
-  all.insert(all.end(), inputs.begin(), inputs.end());
-  auto device = device_call(call, all);
-  std::vector<at::Tensor> ins;
+  auto device = device_call(call, joined(all_outs, inputs));
+  const std::vector<at::Tensor> ins = on_host(device, inputs, true, false);
   std::vector<std::vector<at::Tensor>> outs;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    ins.push_back(on_host(device, inputs[i], true, false));
-    outs.emplace_back();
-    for (const at::Tensor& o : outputs[i])
-      outs.back().push_back(on_host(device, o, false, true));
+    outs.push_back(on_host(device, outputs[i], false, true));
     flats.push_back(at::empty({static_cast<int64_t>(size_) * ins[i].numel()}, ins[i].options()));
   }
   Communicator& comm = *comm_;
@@ -803,13 +809,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
   const bool root = opts.rootRank == rank_;
   const std::vector<at::Tensor> outputs_here =
       root_list(call, rank_, size_, outputs, inputs[0], opts.rootRank, "output");
-  std::vector<at::Tensor> all = outputs_here;
-  all.push_back(inputs[0]);
-  auto device = device_call(call, all);
+  auto device = device_call(call, joined(outputs_here, inputs));
   const at::Tensor in = on_host(device, inputs[0], true, false);
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& o : outputs_here)
-    outs.push_back(on_host(device, o, false, true));
+  const std::vector<at::Tensor> outs = on_host(device, outputs_here, false, true);
   at::Tensor flat =
       root ? at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
@@ -836,13 +838,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
   const bool root = opts.rootRank == rank_;
   const std::vector<at::Tensor> inputs_here =
       root_list(call, rank_, size_, inputs, outputs[0], opts.rootRank, "input");
-  std::vector<at::Tensor> all = inputs_here;
-  all.push_back(outputs[0]);
-  auto device = device_call(call, all);
+  auto device = device_call(call, joined(inputs_here, outputs));
   const at::Tensor out = on_host(device, outputs[0], false, true);
-  std::vector<at::Tensor> ins;
-  for (const at::Tensor& i : inputs_here)
-    ins.push_back(on_host(device, i, true, false));
+  const std::vector<at::Tensor> ins = on_host(device, inputs_here, true, false);
   at::Tensor flat =
       root ? at::empty({static_cast<int64_t>(size_) * out.numel()}, out.options()) : at::Tensor();
   const int root_rank = static_cast<int>(opts.rootRank);
@@ -874,9 +872,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
     check_like(call, rank_, i, out, "input tensor");
   const Reduction r = plan_reduction(call, rank_, out.scalar_type(), opts.reduceOp);
   std::vector<at::Tensor> ins = inputs[0];
-  std::vector<at::Tensor> all = ins;
-  all.push_back(out);
-  auto device = device_call(call, all, /*nccl=*/true);
+  auto device = device_call(call, joined(ins, outputs), /*nccl=*/true);
   const AllreduceOptions options = reduce_options(device);
   const int64_t me = rank_, n = size_;
   Communicator& comm = *comm_;
@@ -1005,14 +1001,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(std::vector<at::Te
     send_elements += inputs[j].numel();
     recv_elements += outputs[j].numel();
   }
-  std::vector<at::Tensor> all = inputs;
-  all.insert(all.end(), outputs.begin(), outputs.end());
-  auto device = device_call(call, all);
-  std::vector<at::Tensor> ins, outs;
-  for (std::size_t j = 0; j < n; ++j) {
-    ins.push_back(on_host(device, inputs[j], true, false));
-    outs.push_back(on_host(device, outputs[j], false, true));
-  }
+  auto device = device_call(call, joined(inputs, outputs));
+  const std::vector<at::Tensor> ins = on_host(device, inputs, true, false);
+  const std::vector<at::Tensor> outs = on_host(device, outputs, false, true);
   at::Tensor send_flat = at::empty({send_elements}, ins[0].options());
   at::Tensor recv_flat = at::empty({recv_elements}, ins[0].options());
   Communicator& comm = *comm_;

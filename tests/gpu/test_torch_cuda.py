@@ -14,6 +14,7 @@ connects them through its socket transport instead of refusing two ranks on one 
 """
 
 import os
+import sys
 import time
 
 import pytest
@@ -30,6 +31,11 @@ import torch.distributed as dist  # noqa: E402
 
 import gradcomm.torch  # noqa: E402,F401  (registers the backend)
 
+# The CPU tests' inputs and serial reference.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_backend"))
+import reference  # noqa: E402
+from reference import values  # noqa: E402
+
 torch.set_num_threads(1)
 dist.init_process_group("gradcomm")
 RANK = dist.get_rank()
@@ -42,28 +48,8 @@ INTS = [torch.int32, torch.int64, torch.int8, torch.uint8]
 COUNTS = [0, 1, 7, 1009, 65537]
 
 
-def values(rank, dtype, n):
-    base = (torch.arange(n) % 3 + rank % 2 + 1).to(torch.int64)
-    if dtype == torch.bool:
-        return (torch.arange(n) + rank) % 2 == 0
-    if dtype.is_complex:
-        return torch.complex(base.double(), -base.double()).to(dtype)
-    return base.to(dtype)
-
-
 def expected(op, dtype, n):
-    inputs = [values(r, dtype, n) for r in range(SIZE)]
-    if dtype == torch.bool:
-        stacked = torch.stack(inputs) if n else torch.zeros(SIZE, 0, dtype=torch.bool)
-        return stacked.any(0) if op in (R.SUM, R.MAX) else stacked.all(0)
-    wide = torch.complex128 if dtype.is_complex else torch.float64
-    stacked = torch.stack([t.to(wide) for t in inputs]) if n else torch.zeros(SIZE, 0, dtype=wide)
-    integer = not (dtype.is_floating_point or dtype.is_complex)
-    average = ((lambda s: torch.div(s.sum(0), SIZE, rounding_mode="trunc")) if integer
-               else (lambda s: s.sum(0) / SIZE))
-    return {R.SUM: lambda s: s.sum(0), R.AVG: average, R.PRODUCT: lambda s: s.prod(0),
-            R.MIN: lambda s: s.min(0).values if n else s[0],
-            R.MAX: lambda s: s.max(0).values if n else s[0]}[op](stacked)
+    return reference.expected(op, dtype, n, list(range(SIZE)))
 
 
 def check(actual, want, dtype, op=None):
@@ -233,11 +219,11 @@ def train_ddp(group, steps=5):
 
 def test_ddp_on_cuda_matches_the_reference_backend():
     try:
-        reference = dist.new_group(backend="nccl")
+        torch_backend = dist.new_group(backend="nccl")
     except Exception:  # noqa: BLE001  (no nccl in this torch: gloo takes CUDA tensors too)
-        reference = dist.new_group(backend="gloo")
+        torch_backend = dist.new_group(backend="gloo")
     ours = train_ddp(None)
-    theirs = train_ddp(reference)
+    theirs = train_ddp(torch_backend)
     mine = ours.numpy().tobytes()
     assert MPI.COMM_WORLD.allreduce(int(MPI.COMM_WORLD.bcast(mine, root=0) != mine)) == 0
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()

@@ -13,6 +13,8 @@ from mpi4py import MPI
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import gradcomm.torch  # noqa: F401  (registers the backend, fills RANK etc. from MPI)
+import reference
+from reference import values
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 torch.set_num_threads(1)  # ranks share the cores
@@ -27,32 +29,8 @@ INTS = [torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16]
 COUNTS = [0, 1, 7, 1009, 65537]
 
 
-def values(rank, dtype, n):
-    """Rank `rank`'s input: small integers, exact in every dtype, products stay small."""
-    base = (torch.arange(n) % 3 + rank % 2 + 1).to(torch.int64)
-    if dtype == torch.bool:
-        return (torch.arange(n) + rank) % 2 == 0
-    if dtype.is_complex:
-        return torch.complex(base.double(), -base.double()).to(dtype)
-    return base.to(dtype)
-
-
 def expected(op, dtype, n, ranks=None):
-    ranks = list(range(SIZE)) if ranks is None else ranks
-    inputs = [values(r, dtype, n) for r in ranks]
-    if dtype == torch.bool:
-        stacked = torch.stack(inputs) if n else torch.zeros(len(ranks), 0, dtype=torch.bool)
-        return stacked.any(0) if op in (R.SUM, R.MAX) else stacked.all(0)
-    wide = torch.complex128 if dtype.is_complex else torch.float64
-    stacked = torch.stack([t.to(wide) for t in inputs]) if n else torch.zeros(len(ranks), 0,
-                                                                                 dtype=wide)
-    integer = not (dtype.is_floating_point or dtype.is_complex)
-    average = ((lambda s: torch.div(s.sum(0), len(ranks), rounding_mode="trunc")) if integer
-               else (lambda s: s.sum(0) / len(ranks)))  # integers truncate, as in C
-    result = {R.SUM: lambda s: s.sum(0), R.AVG: average,
-              R.PRODUCT: lambda s: s.prod(0), R.MIN: lambda s: s.min(0).values if n else s[0],
-              R.MAX: lambda s: s.max(0).values if n else s[0]}[op](stacked)
-    return result
+    return reference.expected(op, dtype, n, list(range(SIZE)) if ranks is None else ranks)
 
 
 def check(actual, want, dtype, op=None):
