@@ -53,13 +53,8 @@ def expected(op, dtype, n):
 
 
 def check(actual, want, dtype, op=None):
-    assert actual.is_cuda and actual.dtype == dtype
-    actual = actual.cpu()
-    if op == R.AVG and (dtype.is_floating_point or dtype.is_complex):
-        tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
-        assert torch.allclose(actual.double(), want.double(), rtol=tol, atol=tol), (actual, want)
-    else:
-        assert torch.equal(actual, want.to(dtype)), f"rank {RANK}: {actual} != {want}"
+    assert actual.is_cuda
+    reference.check(actual, want, dtype, op, RANK)
 
 
 @pytest.mark.parametrize("count", COUNTS)

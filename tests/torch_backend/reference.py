@@ -30,3 +30,15 @@ def expected(op, dtype, n, ranks):
     return {R.SUM: lambda s: s.sum(0), R.AVG: average,
             R.PRODUCT: lambda s: s.prod(0), R.MIN: lambda s: s.min(0).values if n else s[0],
             R.MAX: lambda s: s.max(0).values if n else s[0]}[op](stacked)
+
+
+def check(actual, want, dtype, op=None, rank=None):
+    """`actual` (on any device) holds `want`: exactly, or within float rounding for AVG of
+    floating and complex tensors."""
+    assert actual.dtype == dtype
+    actual = actual.cpu()
+    if op is not None and op == R.AVG and (dtype.is_floating_point or dtype.is_complex):
+        tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+        assert torch.allclose(actual.double(), want.double(), rtol=tol, atol=tol), (actual, want)
+    else:
+        assert torch.equal(actual, want.to(dtype)), f"rank {rank}: {actual} != {want}"

@@ -34,12 +34,7 @@ def expected(op, dtype, n, ranks=None):
 
 
 def check(actual, want, dtype, op=None):
-    assert actual.dtype == dtype
-    if op is not None and op == R.AVG and (dtype.is_floating_point or dtype.is_complex):
-        tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
-        assert torch.allclose(actual.double(), want.double(), rtol=tol, atol=tol), (actual, want)
-    else:
-        assert torch.equal(actual, want.to(dtype)), f"rank {RANK}: {actual} != {want}"
+    reference.check(actual, want, dtype, op, RANK)
 
 
 # --- all_reduce ---------------------------------------------------------------------------------
