@@ -5,8 +5,14 @@ call (no torch in between), in one run, rounds alternated, results checked:
   gradcomm        dist.all_reduce on a gradcomm group (the torch.distributed backend)
   gradcomm-native gradcomm's C++ all-reduce through its Python module (the same communicator
                   kind, no c10d, no progress engine)
+  nccl            dist.all_reduce on torch's own nccl backend (--device cuda)
 
     PYTHONPATH=build/python mpirun -np 2 /usr/bin/python3 bench/torch_allreduce_bench.py
+
+With --device cuda (torch 2.x on a GPU machine; default variants nccl,gradcomm) the tensors live
+on the GPU and each timed call ends with torch.cuda.synchronize(), so a call's time is its time
+to the result on the device. Ranks sharing one GPU get their own NCCL_HOSTID, so that both
+backends' NCCL communicators connect them over NCCL's socket transport alike.
 
 Each round runs one untimed call of its variant, then --iters timed calls back to back (the
 median call of the round is kept); with --cycle the timed call follows a pass over a 64 MiB
@@ -33,7 +39,9 @@ parser.add_argument("--sizes", default="1K,16K,256K,1M,4M,16M,64M", help="bytes 
 parser.add_argument("--rounds", type=int, default=7)
 parser.add_argument("--iters", type=int, default=10, help="timed calls per round")
 parser.add_argument("--cycle", action="store_true", help="a cache-clearing pass before each call")
-parser.add_argument("--variants", default="gloo,gradcomm,gradcomm-native")
+parser.add_argument("--variants", default=None,
+                    help="default gloo,gradcomm,gradcomm-native (cpu), nccl,gradcomm (cuda)")
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
 parser.add_argument("--json", help="append one JSON object per run to this file")
 args = parser.parse_args()
 
@@ -41,12 +49,26 @@ torch.set_num_threads(1)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
+cuda = args.device == "cuda"
+if cuda:
+    os.environ.setdefault("NCCL_HOSTID", f"gradcomm-bench-{rank}")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+default_variants = "nccl,gradcomm" if cuda else "gloo,gradcomm,gradcomm-native"
+variants = (args.variants or default_variants).split(",")
 dist.init_process_group("gradcomm")
-groups = {"gradcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-gradcomm.init()
-native = gradcomm.world()
-variants = args.variants.split(",")
-scratch = torch.zeros(16 << 20) if args.cycle else None
+groups = {"gradcomm": dist.group.WORLD}
+for name in ("gloo", "nccl"):
+    if name in variants:
+        groups[name] = dist.new_group(backend=name)
+if "gradcomm-native" in variants:
+    if cuda:
+        raise SystemExit("gradcomm-native takes host memory only: leave it out with --device cuda")
+    gradcomm.init()
+    native = gradcomm.world()
+scratch = torch.zeros(16 << 20, device=device) if args.cycle else None
 
 
 def parse(text):
@@ -59,14 +81,16 @@ def call(name, t):
         native._allreduce_ptr(t.data_ptr(), t.data_ptr(), t.numel(), "float32", "sum", None)
     else:
         dist.all_reduce(t, group=groups[name])
+    if cuda:
+        torch.cuda.synchronize()
 
 
 results = []
 for size_bytes in [parse(s) for s in args.sizes.split(",")]:
     n = max(1, size_bytes // 4)
-    base = torch.arange(n, dtype=torch.float32) % 7 + rank
-    want = (torch.arange(n, dtype=torch.float32) % 7) * size + size * (size - 1) / 2
-    t = torch.empty(n)
+    base = (torch.arange(n, dtype=torch.float32) % 7 + rank).to(device)
+    want = ((torch.arange(n, dtype=torch.float32) % 7) * size + size * (size - 1) / 2).to(device)
+    t = torch.empty(n, device=device)
     rounds = {v: [] for v in variants}
     for r in range(args.rounds):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -82,12 +106,12 @@ for size_bytes in [parse(s) for s in args.sizes.split(",")]:
                 t0 = time.perf_counter()
                 call(name, t)
                 times.append(time.perf_counter() - t0)
-            if not torch.equal(t, want):
+            if not torch.equal(t, want):  # exact: small integers in float32
                 raise SystemExit(f"rank {rank}: {name} at {size_bytes} bytes: wrong result")
             slowest = world.allreduce(statistics.median(times), op=MPI.MAX)
             rounds[name].append(slowest)
     if rank == 0:
-        row = {"bytes": size_bytes, "ranks": size, "cycle": args.cycle}
+        row = {"bytes": size_bytes, "ranks": size, "cycle": args.cycle, "device": args.device}
         line = f"{size_bytes:>10d} B"
         for name in variants:
             med = statistics.median(rounds[name])
@@ -99,6 +123,9 @@ for size_bytes in [parse(s) for s in args.sizes.split(",")]:
         if "gloo" in row and "gradcomm" in row:
             row["gloo_over_gradcomm"] = row["gloo"]["median_us"] / row["gradcomm"]["median_us"]
             line += f"  gloo/gradcomm {row['gloo_over_gradcomm']:.2f}x"
+        if "nccl" in row and "gradcomm" in row:
+            row["gradcomm_over_nccl"] = row["gradcomm"]["median_us"] / row["nccl"]["median_us"]
+            line += f"  gradcomm/nccl {row['gradcomm_over_nccl']:.2f}"
         if "gradcomm-native" in row and "gradcomm" in row:
             row["gradcomm_over_native"] = (row["gradcomm"]["median_us"] /
                                            row["gradcomm-native"]["median_us"])
@@ -107,5 +134,6 @@ for size_bytes in [parse(s) for s in args.sizes.split(",")]:
         results.append(row)
 if rank == 0 and args.json:
     with open(args.json, "a") as f:
-        f.write(json.dumps({"torch": torch.__version__, "results": results}) + "\n")
+        f.write(json.dumps({"torch": torch.__version__, "device": args.device,
+                            "results": results}) + "\n")
 dist.destroy_process_group()

@@ -12,6 +12,12 @@ variants' steps alternated so all see the same machine state:
   torch-ddp      torch.nn.parallel.DistributedDataParallel, gloo backend
   torch-ddp-gradcomm  torch.nn.parallel.DistributedDataParallel on the gradcomm backend
                  (torch.distributed's "gradcomm": the same DDP as torch-ddp, another backend)
+  torch-ddp-nccl torch's DDP on torch's own nccl backend (--device cuda)
+
+With --device cuda (torch 2.x on a GPU machine) the model and batches live on the GPU and a step
+ends with torch.cuda.synchronize(); run compute,torch-ddp-nccl,torch-ddp-gradcomm there (the
+gradcomm.torch front ends take CPU tensors). Ranks sharing one GPU get their own NCCL_HOSTID, so
+that both backends' NCCL communicators connect them over NCCL's socket transport alike.
 
     PYTHONPATH=build/python mpirun -np 2 /usr/bin/python3 bench/torch_ddp_bench.py
     scripts/hosts up 2 && scripts/hosts shape 1gbit && \\
@@ -53,6 +59,7 @@ parser.add_argument("--batch", type=int, default=32, help="per rank")
 parser.add_argument("--steps", type=int, default=12, help="timed steps per variant")
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--variants", default="compute,gradcomm-ddp,gradcomm-hvd,torch-ddp")
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
 parser.add_argument("--algorithm", default=None, help="gradcomm algorithm (default: auto)")
 parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="bucket cap of every variant (DDP's bucket_cap_mb; the optimizer's "
@@ -75,6 +82,14 @@ hvd.init()
 rank, size = hvd.rank(), hvd.size()
 world = MPI.COMM_WORLD
 variants = args.variants.split(",")
+cuda = args.device == "cuda"
+if cuda:
+    os.environ.setdefault("NCCL_HOSTID", f"gradcomm-ddp-bench-{rank}")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+device_ids = [device] if cuda else None
 
 
 def interface_address(name):
@@ -120,7 +135,7 @@ def sgd(params):
 
 runs = {}
 for name in variants:
-    model = make_model()
+    model = make_model().to(device)
     if name == "compute":
         runs[name] = (model, sgd(model.parameters()))
     elif name == "gradcomm-ddp":
@@ -173,20 +188,22 @@ for name in variants:
             init_gloo()
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
-    elif name == "torch-ddp-gradcomm":
+    elif name in ("torch-ddp-gradcomm", "torch-ddp-nccl"):
         if not dist.is_initialized():
             init_gloo()
-        group = dist.new_group(backend="gradcomm")
+        group = dist.new_group(backend=name[len("torch-ddp-"):])
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
-                                                        process_group=group)
+                                                        process_group=group,
+                                                        device_ids=device_ids)
         runs[name] = (ddp, sgd(ddp.parameters()))
     else:
         raise SystemExit(f"unknown variant {name}")
 
 g = torch.Generator().manual_seed(rank)
 shape = (args.batch, 1, 8, 8) if args.model == "cnn" else (args.batch, widths[0])
-x = torch.randn(*shape, generator=g)
+x = torch.randn(*shape, generator=g).to(device)
 y = torch.randint(0, 10 if args.model == "cnn" else widths[-1], (args.batch,), generator=g)
+y = y.to(device)
 loss_fn = torch.nn.CrossEntropyLoss()
 times = {name: [] for name in runs}
 
@@ -195,6 +212,8 @@ def train_step(model, opt):
     opt.zero_grad()
     loss_fn(model(x), y).backward()
     opt.step()
+    if cuda:
+        torch.cuda.synchronize()
 
 
 for step in range(args.warmup + args.steps):
@@ -244,6 +263,9 @@ if rank == 0:
             exposed = max(0.0, (med[name] - med["compute"]) / med[name])
             line += f"  exposed comm {100 * exposed:5.1f}%"
             entry["exposed"] = exposed
+        if "torch-ddp-nccl" in med and name == "torch-ddp-gradcomm":
+            line += f"  / torch-ddp-nccl {med[name] / med['torch-ddp-nccl']:.2f}"
+            entry["vs_torch_ddp_nccl"] = med[name] / med["torch-ddp-nccl"]
         if "torch-ddp" in med and (name.startswith("gradcomm") or name == "torch-ddp-gradcomm"):
             line += f"  / torch-ddp {med[name] / med['torch-ddp']:.2f}"
             entry["vs_torch_ddp"] = med[name] / med["torch-ddp"]
@@ -255,7 +277,7 @@ if rank == 0:
         print(line)
     # Every variant took the same steps from the same start on the same data: they end with
     # the same parameters, up to float rounding (the reduction orders differ).
-    finals = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    finals = {name: torch.cat([p.detach().reshape(-1).cpu() for p in m.parameters()])
               for name, (m, _) in runs.items() if name != "compute"}
     if args.save_params:
         os.makedirs(args.save_params, exist_ok=True)
