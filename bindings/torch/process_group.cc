@@ -426,6 +426,7 @@ void GradcommWork::complete() {
     c10::impl::VirtualGuardImpl impl(device_->type());
     done_event_ = std::make_unique<c10::Event>(device_->type());
     done_event_->record(impl.getStream(*device_));
+    enqueued_.store(true, std::memory_order_release);
   }
 #endif
   future_->markCompleted(c10::IValue(outputs_));
@@ -443,16 +444,14 @@ bool GradcommWork::wait(std::chrono::milliseconds timeout) {
     std::atomic<int>& waiters;
     ~Leave() { waiters.fetch_sub(1, std::memory_order_relaxed); }
   } leave{waiters_};
-  const bool done = c10d::Work::wait(timeout);
-  synchronize();
-  return done;
+  return c10d::Work::wait(timeout);  // which ends with synchronize()
 }
 
 bool GradcommWork::isCompleted() {
   if (!c10d::Work::isCompleted()) return false;
 #if GRADCOMM_TORCH_CUDA
   // A CUDA call is complete once the GPU has run it, as on torch's NCCL backend.
-  if (done_event_) return done_event_->query();
+  if (enqueued_.load(std::memory_order_acquire)) return done_event_->query();
 #endif
   return true;
 }
@@ -460,7 +459,9 @@ bool GradcommWork::isCompleted() {
 void GradcommWork::synchronize() {
 #if GRADCOMM_TORCH_CUDA
   // The caller's stream waits for the call's work on the group's stream; the host does not.
-  if (done_event_ && c10d::Work::isCompleted()) {
+  // Not c10d::Work::isCompleted(): c10d::Work::wait calls this holding the mutex that takes
+  // (a CUDA call's wait() deadlocked on it).
+  if (enqueued_.load(std::memory_order_acquire)) {
     done_event_->block(c10::impl::VirtualGuardImpl(device_->type()).getStream(*device_));
   }
 #endif

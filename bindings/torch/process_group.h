@@ -83,11 +83,13 @@ class GradcommWork : public c10d::Work {
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // Counted in waiters() while it blocks: the engine then waits as a blocking call would.
-  // Then synchronize().
+  // c10d::Work::wait ends with synchronize() (torch 1.13 and 2.x).
   bool wait(std::chrono::milliseconds timeout) override;
   // A CUDA call: true once its work has run on the GPU.
   bool isCompleted() override;
-  // A CUDA call: the caller's current stream waits for its work (no host wait).
+  // A CUDA call: the caller's current stream waits for its work (no host wait). c10d::Work::wait
+  // calls it holding the work's mutex, so it must not take that mutex (c10d::Work::isCompleted
+  // does): it reads enqueued_ instead.
   void synchronize() override;
   const std::atomic<int>* waiters() const { return &waiters_; }
 
@@ -95,8 +97,10 @@ class GradcommWork : public c10d::Work {
   std::atomic<int> waiters_{0};
   std::vector<at::Tensor> outputs_;
   std::optional<c10::Device> device_;
-  // Recorded on the group's stream once the call is enqueued (CUDA calls only).
+  // Recorded on the group's stream once the call is enqueued (CUDA calls only); enqueued_ says
+  // (release) that it has been.
   std::unique_ptr<c10::Event> done_event_;
+  std::atomic<bool> enqueued_{false};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

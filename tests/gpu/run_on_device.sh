@@ -81,10 +81,11 @@ build_torch_modules() {
   "$torch_py" -c 'import pytest' 2>/dev/null || export PYTHONPATH=$bundle/pylib${PYTHONPATH:+:$PYTHONPATH}
   local pybind_dir
   pybind_dir=$("$torch_py" -m pybind11 --cmakedir 2>/dev/null)
-  if ! { cmake -S . -B "$torch_build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMM_WITH_NCCL=OFF \
+  if ! timeout -k 5 "${TORCH_BUILD_LIMIT:-240}" bash -c "$(declare -p torch_build torch_py pybind_dir); "'
+       cmake -S . -B "$torch_build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMM_WITH_NCCL=OFF \
            -DGRADCOMM_BUILD_TESTS=OFF -DGRADCOMM_BUILD_BENCH=OFF -DGRADCOMM_PYTHON="$torch_py" \
            -DGRADCOMM_TORCH_PYTHONS="$torch_py" ${pybind_dir:+-Dpybind11_DIR="$pybind_dir"} &&
-         ninja -C "$torch_build"; } >"$out/torch_build.txt" 2>&1; then
+         ninja -C "$torch_build"' >"$out/torch_build.txt" 2>&1; then
     tail -30 "$out/torch_build.txt"
     echo "FAIL: the torch backend could not be built here (torch_build.txt)"
     status=1
@@ -96,17 +97,20 @@ build_torch_modules() {
 torch_mpirun() {  # torch_mpirun NP TIMEOUT ARGS...: the machine's torch under mpirun
   local np=$1 limit=$2
   shift 2
-  timeout "$limit" mpirun -n "$np" --bind-to none \
+  timeout -k 10 "$limit" mpirun -n "$np" --bind-to none \
     -x PYTHONPATH="$torch_build/python${PYTHONPATH:+:$PYTHONPATH}" -x GRADCOMM_NCCL_MODULE \
     -x LD_LIBRARY_PATH -x GRADCOMM_TIMEOUT=30 -x PYTHONUNBUFFERED=1 "$torch_py" "$@"
 }
 # The torch backend on CUDA tensors: test_torch_cuda.py at 1-3 ranks.
 torch_cuda_tests() {
-  echo "== torch backend on CUDA tensors ($torch_py)"
+  echo "== torch backend on CUDA tensors ($torch_py) $(date +%T)"
   build_torch_modules || return
-  for np in 1 2 3; do
-    echo "== test_torch_cuda np$np"
-    torch_mpirun "$np" 150 -m pytest -q -p no:cacheprovider tests/gpu/test_torch_cuda.py 2>&1 |
+  echo "== built $(date +%T)"
+  for np in ${TORCH_TEST_RANKS:-1 2 3}; do
+    echo "== test_torch_cuda np$np $(date +%T)"
+    # A test stuck past 40 s prints every thread's Python stack.
+    torch_mpirun "$np" "${TORCH_TEST_LIMIT:-150}" -m pytest -q -p no:cacheprovider \
+      -o faulthandler_timeout=40 ${PYTEST_ARGS:-} tests/gpu/test_torch_cuda.py 2>&1 |
       tee "$out/torch_cuda_np$np.txt" | tail -15
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   done
@@ -138,7 +142,7 @@ cpu_ranks_bench() {
     for np_reg in 8: 16: 16:--registered; do
       np=${np_reg%%:*} reg=${np_reg#*:}
       echo "== gradcomm-bench np$np, one core each ${reg:-(private buffers)}"
-      timeout 150 mpirun -n "$np" --bind-to core --map-by core "$bundle/bin/gradcomm-bench" \
+      timeout -k 10 150 mpirun -n "$np" --bind-to core --map-by core "$bundle/bin/gradcomm-bench" \
         -a auto,shm -b 8 -e 64M -f 4 -n 10 -w 3 --explore 1 $reg --csv 2>&1 |
         tee "$out/cpu_np${np}${reg:+_registered}.csv" | grep -v '^#' | cut -c1-160
     done
@@ -154,10 +158,10 @@ hosts_diagnosis() {
     scripts/hosts up 2 && scripts/hosts status
     scripts/hosts exec 0 sh -c 'hostname; ip -4 -o addr; getent hosts 10.213.7.2 gch1'
     scripts/hosts exec 1 hostname
-    timeout 60 scripts/mpirun-hosts 2x1 --display-allocation --display-map \
+    timeout -k 10 60 scripts/mpirun-hosts 2x1 --display-allocation --display-map \
       --mca plm_base_verbose 5 --mca ras_base_verbose 5 --mca rmaps_base_verbose 5 -- \
       sh -c 'echo "rank $OMPI_COMM_WORLD_RANK on $(hostname)"'
-    timeout 60 scripts/mpirun-hosts 2x1 --mca orte_keep_fqdn_hostnames 1 -- hostname
+    timeout -k 10 60 scripts/mpirun-hosts 2x1 --mca orte_keep_fqdn_hostnames 1 -- hostname
     scripts/hosts down
   } >"$out/hosts.txt" 2>&1
   grep -E "rank [0-9] on|^gc|ERROR|rror" "$out/hosts.txt" | head -20
@@ -166,18 +170,18 @@ gpu_tests() {
   local np
   for np in 1 2 4; do
     echo "== test_gpu np$np"
-    timeout 150 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 |
+    timeout -k 10 150 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 |
       tee "$out/test_gpu_np$np.txt" | tail -25
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   done
   for np in 1 2 4; do
     echo "== test_gpu_c np$np"
-    timeout 90 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu_c" 2>&1 |
+    timeout -k 10 90 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu_c" 2>&1 |
       tee "$out/test_gpu_c_np$np.txt" | tail -8
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   done
   echo "== test_gpu_host np2"
-  timeout 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -3
+  timeout -k 10 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -3
 }
 overlap() {
   command -v ip >/dev/null || export PATH=$PATH:$bundle/netroot/bin:$bundle/netroot/sbin
@@ -186,11 +190,11 @@ overlap() {
     # The link first: host names, shaping, and what a 32 MiB all-reduce gets across it.
     scripts/hosts up 2 && scripts/hosts shape 1gbit && scripts/hosts status 2>&1 | tee "$out/link.txt"
     scripts/mpirun-hosts 2x1 -- hostname 2>&1 | tee -a "$out/link.txt"
-    timeout 120 scripts/mpirun-hosts 2x1 -- "$bundle/bin/gradcomm-bench" -a ring -b 32M -e 32M \
+    timeout -k 10 120 scripts/mpirun-hosts 2x1 -- "$bundle/bin/gradcomm-bench" -a ring -b 32M -e 32M \
       -n 3 -w 1 --no-baseline 2>&1 | grep -v '^#' | tee -a "$out/link.txt"
     build=$(mktemp -d) && mkdir -p "$build/trainer" && ln -s "$bundle/bin/gradcomm-train" "$build/trainer/"
     PAIRS=${PAIRS:-3} SETTINGS=${SETTINGS:-"hosts:halving_doubling:4194304"} \
-      timeout 400 bench/overlap_report.sh "$build" 2>&1 | tee "$out/overlap.txt"
+      timeout -k 10 400 bench/overlap_report.sh "$build" 2>&1 | tee "$out/overlap.txt"
     exit "${PIPESTATUS[0]}"
   ) || status=1
 }
@@ -198,12 +202,12 @@ engine_bench() {  # the engine on spare cores, which is quick
   local np poll
   for np in 2 4; do
     echo "== gradcomm-nonblocking-bench np$np"
-    timeout 120 mpirun -n "$np" --bind-to core "$bundle/bin/gradcomm-nonblocking-bench" 2>&1 |
+    timeout -k 10 120 mpirun -n "$np" --bind-to core "$bundle/bin/gradcomm-nonblocking-bench" 2>&1 |
       tee "$out/nonblocking_np$np.txt"
   done
   for poll in 50 0; do  # the engine's wake, with and without its poll
     echo "== gradcomm-nonblocking-bench np2, GRADCOMM_ENGINE_POLL_US=$poll"
-    GRADCOMM_ENGINE_POLL_US=$poll timeout 120 mpirun -n 2 --bind-to core \
+    GRADCOMM_ENGINE_POLL_US=$poll timeout -k 10 120 mpirun -n 2 --bind-to core \
       -x GRADCOMM_ENGINE_POLL_US "$bundle/bin/gradcomm-nonblocking-bench" 2>&1 |
       tee "$out/nonblocking_np2_poll$poll.txt"
   done
@@ -214,14 +218,14 @@ bench() {  # bench NP NAME [env ...]
   local np=$1 name=$2
   shift 2
   echo "== gradcomm-bench --device gpu np$np $*"
-  timeout 240 env "$@" mpirun -n "$np" --bind-to none bash -c \
+  timeout -k 10 240 env "$@" mpirun -n "$np" --bind-to none bash -c \
     'NCCL_HOSTID=gradcomm-bench-$OMPI_COMM_WORLD_RANK exec "$0" "$@"' \
     "$bundle/bin/gradcomm-bench" --device gpu -b 8 -e 256M -f 8 -n 10 -w 3 2>&1 |
     tee "$out/bench_gpu_$name.txt"
 }
 benches() {
   echo "== pack bench"
-  (cd "$bundle" && timeout 120 bin/gradcomm-gpu-pack-bench workloads/resnet50.json \
+  (cd "$bundle" && timeout -k 10 120 bin/gradcomm-gpu-pack-bench workloads/resnet50.json \
      workloads/bert_base.json workloads/mobilenet_v2.json workloads/vgg16.json) 2>&1 |
     tee "$out/pack_bench.txt"
   bench 1 np1
