@@ -63,7 +63,7 @@ def test_errors():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = dict(model.state_dict())
     state["zz.sparse"] = torch.ones(3).to_sparse()
-    with pytest.raises(gradcomm.Error, match="zz.sparse is not a dense CPU tensor"):
+    with pytest.raises(gradcomm.Error, match="zz.sparse is not a dense CPU or CUDA tensor"):
         gt.broadcast_parameters(state)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,9 +1,17 @@
-"""What gradcomm.torch's front ends share: tensor checks, coalesced broadcasts, a check that
-every rank holds the same model, and the gradient reducer that autograd hooks feed (the
-compiled packing::Reducer: buckets all-reduced on the progress engine while backward runs)."""
+"""What gradcomm.torch's front ends share: tensor checks, host staging of CUDA tensors,
+coalesced broadcasts, a check that every rank holds the same model, and the gradient reducer
+that autograd hooks feed (the compiled packing::Reducer: buckets all-reduced on the progress
+engine while backward runs).
+
+CUDA tensors go through the same host paths as CPU tensors, by way of pinned host copies (as
+Horovod's MPI operations do where the MPI cannot read GPU memory): the copy in waits for the work
+queued on the tensor's device's current stream, and the result is copied back on that stream, so
+that work queued after it there sees the result. torch.distributed's "gradcomm" backend is the
+path that reduces CUDA tensors on the GPU (NCCL)."""
 
 import collections
 import hashlib
+import os
 
 import numpy as np
 import torch
@@ -21,14 +29,43 @@ DTYPES = {
 }
 
 
+# Devices whose tensors the front ends take (CUDA through host copies, above).
+DEVICES = ("cpu", "cuda")
+
+# For tests (GRADCOMM_TORCH_STAGE_ALL=1): every tensor, CPU ones too, then goes through a host
+# copy as CUDA tensors do, so that the staging is exercised where no GPU is.
+_stage_every_tensor = os.environ.get("GRADCOMM_TORCH_STAGE_ALL") == "1"
+
+
+def staged(tensor, read=True):
+    """The memory gradcomm's host path uses for `tensor`: the tensor itself on the CPU, else a
+    host copy (pinned), filled from it when `read` (the copy waits for the work queued on the
+    device's current stream)."""
+    if tensor.device.type == "cpu" and not _stage_every_tensor:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    if read:
+        host.copy_(tensor)
+    return host
+
+
+def unstage(tensor, host):
+    """Copies `host` (what staged() gave) back into `tensor`, on the device's current stream
+    (the host does not wait; work queued after it there sees the result). Returns `tensor`."""
+    if host is not tensor:
+        with torch.no_grad():
+            tensor.copy_(host, non_blocking=True)
+    return tensor
+
+
 def check_tensor(tensor, call, what="tensor", writes=False):
     """The gradcomm dtype name of a tensor gradcomm can reduce in place; InvalidArgument
     naming the call and the problem otherwise."""
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgument(f"{call}: {what} is a {type(tensor).__name__}, not a torch.Tensor")
-    if tensor.device.type != "cpu":
+    if tensor.device.type not in DEVICES:
         raise InvalidArgument(f"{call}: {what} is on {tensor.device}; gradcomm.torch takes CPU "
-                              "tensors (the nccl path is separate)")
+                              "and CUDA tensors")
     if tensor.layout != torch.strided:
         raise InvalidArgument(f"{call}: {what} has layout {tensor.layout}; gradcomm takes dense "
                               "(strided) tensors (call .to_dense())")
@@ -45,10 +82,10 @@ def check_tensor(tensor, call, what="tensor", writes=False):
 
 
 def check_parameter(p, call, name):
-    """Parameters a reducer takes: dense CPU tensors of a gradcomm dtype."""
-    if p.device.type != "cpu":
+    """Parameters a reducer takes: dense CPU or CUDA tensors of a gradcomm dtype."""
+    if p.device.type not in DEVICES:
         raise InvalidArgument(f"{call}: parameter {name} is on {p.device}; gradcomm.torch trains "
-                              "CPU models")
+                              "CPU and CUDA models")
     if p.layout != torch.strided:
         raise InvalidArgument(f"{call}: parameter {name} has layout {p.layout}; only dense "
                               "parameters are supported")
@@ -107,7 +144,8 @@ class GradientReducer:
     """The compiled Reducer over a list of parameters' gradients. mark(i, grad) hands it
     parameter i's gradient tensor (kept alive until finish()); finish() waits for every bucket
     and writes the averaged gradients back into those tensors. Every parameter must be marked
-    before finish() (the front ends mark the ones backward did not reach themselves)."""
+    before finish() (the front ends mark the ones backward did not reach themselves). A CUDA
+    gradient is reduced from a pinned host copy of it, made once per parameter and reused."""
 
     def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
                  bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",
@@ -125,7 +163,8 @@ class GradientReducer:
             [DTYPES[p.dtype] for p in params], op, algorithm, int(bucket_cap_bytes),
             int(first_bucket_bytes), compression, [], [list(g) for g in (groups or [])],
             True, overlap, divide_before_sum)
-        self._pending = {}  # index -> the tensor whose memory was marked
+        self._pending = {}  # index -> (gradient, the memory marked for it: itself or its copy)
+        self._hosts = {}    # index -> the host copy of a CUDA gradient (made once)
         self._flat = None
         self._views = {}
 
@@ -139,8 +178,15 @@ class GradientReducer:
                 f"layout {grad.layout}{'' if grad.is_contiguous() else ', not contiguous'}; the "
                 f"reducer was built for {self._dtypes[index]}, {self._counts[index]} elements "
                 f"(was the model converted after it was wrapped? parameter now {p.dtype})")
-        self._reducer.mark_ready(index, grad.data_ptr())
-        self._pending[index] = grad  # alive until finish(): the reducer writes the result there
+        host = grad
+        if grad.device.type != "cpu" or _stage_every_tensor:
+            host = self._hosts.get(index)
+            if host is None:
+                host = self._hosts[index] = staged(grad, read=False)
+            host.copy_(grad)  # waits for the gradient's stream
+        self._reducer.mark_ready(index, host.data_ptr())
+        # Alive until finish(): the reducer writes the result there.
+        self._pending[index] = (grad, host)
 
     def is_marked(self, index):
         return index in self._pending
@@ -153,8 +199,18 @@ class GradientReducer:
     def finish(self):
         try:
             self._reducer.finish()
+            copied = [(g, h) for g, h in self._pending.values() if h is not g]
         finally:
             self._pending.clear()
+        devices = set()
+        for grad, host in copied:
+            unstage(grad, host)
+            if grad.is_cuda:
+                devices.add(grad.device)
+        # Before a host copy is filled again (next backward, perhaps from another thread's
+        # stream), its copy back must have run.
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
 
     def iterations(self):
         return self._reducer.iterations()

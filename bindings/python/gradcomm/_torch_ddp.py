@@ -56,6 +56,28 @@ def _torch_builtin_hooks():
             default_hooks.bf16_compress_hook: "bfloat16"}
 
 
+def _as_device(d):
+    """A device from an index (a CUDA device, as torch's DDP takes it) or a device or string;
+    "cuda" alone is the current CUDA device."""
+    d = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _moved(obj, device):
+    """`obj` with every tensor in it (through tuples, lists and dicts) on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_moved(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    return obj
+
+
 def _tensors_in(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -69,11 +91,12 @@ def _tensors_in(obj):
 
 class DistributedDataParallel(torch.nn.Module):
     """torch.nn.parallel.DistributedDataParallel's call shape and behaviour over gradcomm
-    (CPU modules). Supported: bucket_cap_mb, broadcast_buffers, find_unused_parameters,
-    gradient_as_bucket_view, no_sync(), register_comm_hook with the built-in allreduce, fp16 and
-    bf16 compression hooks, join() for uneven inputs. Not supported, with an error that says so:
-    device_ids / output_device (GPU modules), process_group (pass comm=), static_graph, custom
-    comm hooks. gradcomm's own keywords: comm (a gradcomm.Communicator; default the world),
+    (CPU modules, and CUDA modules whose gradients go through pinned host copies). Supported:
+    device_ids (the module's one device; inputs are moved there), bucket_cap_mb,
+    broadcast_buffers, find_unused_parameters, gradient_as_bucket_view (CPU modules), no_sync(),
+    register_comm_hook with the built-in allreduce, fp16 and bf16 compression hooks, join() for
+    uneven inputs. Not supported, with an error that says so: a module across several devices,
+    process_group (pass comm=), static_graph, custom comm hooks. gradcomm's own keywords: comm (a gradcomm.Communicator; default the world),
     algorithm, first_bucket_mb (1), overlap (False: the same buckets reduced after backward,
     the baseline overlap is measured against)."""
 
@@ -82,9 +105,28 @@ class DistributedDataParallel(torch.nn.Module):
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False, *,
                  comm=None, algorithm=None, first_bucket_mb=1.0, overlap=True):
         super().__init__()
-        if device_ids or output_device is not None:
-            raise InvalidArgument(f"{_CALL}: device_ids / output_device place a GPU module; "
-                                  "gradcomm.torch trains CPU modules (leave them unset)")
+        # As torch's DDP for a module on one device: device_ids names that device (inputs are
+        # moved there), or is left unset (inputs stay where they are).
+        devices = {p.device for p in module.parameters()}
+        self.device = None
+        if device_ids:
+            if len(device_ids) != 1 or len(devices) != 1:
+                raise InvalidArgument(f"{_CALL}: device_ids must name the one device of a module "
+                                      f"on one device (got {device_ids}, parameters on "
+                                      f"{sorted(map(str, devices))})")
+            self.device = _as_device(device_ids[0])
+            if self.device not in devices:
+                raise InvalidArgument(f"{_CALL}: device_ids {device_ids} is not the device of the "
+                                      f"module's parameters ({next(iter(devices))})")
+        if output_device is not None and (self.device is None or
+                                          _as_device(output_device) != self.device):
+            raise InvalidArgument(f"{_CALL}: output_device must be the module's device "
+                                  "(device_ids[0]); gradcomm does not split a module's output "
+                                  "across devices")
+        if gradient_as_bucket_view and any(d.type != "cpu" for d in devices):
+            raise InvalidArgument(f"{_CALL}: gradient_as_bucket_view needs the buckets on the "
+                                  "parameters' device; gradcomm's buckets are host memory, and "
+                                  "CUDA gradients go through host copies (leave it False)")
         if process_group is not None:
             raise NotImplementedError(f"{_CALL}: process_group is torch.distributed's; pass "
                                       "comm=gradcomm.Communicator(mpi4py_comm) instead")
@@ -158,6 +200,8 @@ class DistributedDataParallel(torch.nn.Module):
             buffer_root = self._join.forward_round(syncing, sync_buffers)
         if sync_buffers:
             broadcast_coalesced(self._buffers_list, buffer_root, self._comm)
+        if self.device is not None:
+            inputs, kwargs = _moved(inputs, self.device), _moved(kwargs, self.device)
         output = self.module(*inputs, **kwargs)
         self._sync_buffers_next = syncing
         if syncing:

@@ -1,4 +1,4 @@
-"""gradcomm for PyTorch (CPU tensors), in Horovod's shape: a script written for
+"""gradcomm for PyTorch (CPU and CUDA tensors), in Horovod's shape: a script written for
 ``horovod.torch`` runs on gradcomm by changing its import line::
 
     import gradcomm.torch as hvd          # was: import horovod.torch as hvd
@@ -16,9 +16,11 @@
 and torch's DDP by changing one line: ``gradcomm.torch.DistributedDataParallel(model)``.
 
 Tensors are reduced in place through their data pointers (no copies for contiguous CPU tensors),
-of dtype float32, float64, float16, bfloat16, int32 or int64. What Horovod has and gradcomm
-cannot honour (Adasum, process sets, elastic training, alltoall, reducescatter, GPU tensors)
-raises NotImplementedError or InvalidArgument naming it; nothing silently does
+of dtype float32, float64, float16, bfloat16, int32 or int64. CUDA tensors go through pinned host
+copies (as Horovod's MPI operations where the MPI cannot read GPU memory): the copy waits for
+the work queued on the device's current stream, and the result comes back on that stream.
+What Horovod has and gradcomm cannot honour (Adasum, process sets, elastic training,
+reducescatter) raises NotImplementedError or InvalidArgument naming it; nothing silently does
 something else. docs/coming-from-horovod.md lists the differences.
 """
 
@@ -39,7 +41,8 @@ from . import init as _init
 from . import is_initialized, local_rank, local_size, rank, size  # noqa: F401
 from . import shutdown as _shutdown
 from . import _gradcomm
-from ._torch_common import DTYPES, GradientReducer, JoinControl, check_tensor, grad_accumulator
+from ._torch_common import (DEVICES, DTYPES, GradientReducer, JoinControl, check_tensor,
+                            grad_accumulator, staged, unstage)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -195,8 +198,8 @@ def gloo_enabled():
 
 
 def nccl_built():
-    """False: gradcomm.torch reduces CPU tensors (gradcomm's NCCL module serves its C++ and C
-    APIs, not torch tensors)."""
+    """False: gradcomm.torch reduces CUDA tensors through host copies, not NCCL (the
+    torch.distributed "gradcomm" backend is the NCCL path for CUDA tensors)."""
     return False
 
 
@@ -209,7 +212,9 @@ def ccl_built():
 
 
 def cuda_built():
-    return False
+    """Whether CUDA tensors can be passed: this torch's CUDA build (they go through host
+    copies)."""
+    return torch.backends.cuda.is_built()
 
 
 def rocm_built():
@@ -555,9 +560,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     algorithm = _algorithm_checked(algorithm, call)
     c = _comm(comm)
     handle = next(_next_handle)
-    state = _submit_allreduce(c, tensor, _op_name("allreduce", name, c), opname,
+    host = staged(tensor)
+    state = _submit_allreduce(c, host, _op_name("allreduce", name, c), opname,
                               prescale_factor, postscale_factor, algorithm, None)
-    return _register(handle, [state], lambda: tensor, (tensor,))
+    return _register(handle, [state], lambda: unstage(tensor, host), (tensor, host))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -638,17 +644,32 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     dtypes = [check_tensor(t, call, f"tensor {i}", writes=True) for i, t in enumerate(tensors)]
     c = _comm(comm)
     # In-place results written into one another's memory would be garbage: refused before
-    # anything is submitted, by the check grouped_allreduce makes in C++.
-    _gradcomm._validate_tensors([(t.data_ptr(), t.numel(), d) for t, d in zip(tensors, dtypes)],
-                                call, c.rank())
+    # anything is submitted, by the check grouped_allreduce makes in C++ (CUDA tensors' ranges
+    # are compared as the addresses they are; nothing is read there).
+    _check_disjoint(tensors, dtypes, call, c)
     opname = _resolve_op(op, average, call)
     algorithm = _algorithm_checked(algorithm, call)
     handle = next(_next_handle)
     base, n = _op_name("grouped_allreduce", name, c), len(tensors)
-    states = [_submit_allreduce(c, t, f"{base}_{i + 1}of{n}", opname, prescale_factor,
+    hosts = [staged(t) for t in tensors]
+    states = [_submit_allreduce(c, h, f"{base}_{i + 1}of{n}", opname, prescale_factor,
                                 postscale_factor, algorithm, fusion_threshold)
-              for i, t in enumerate(tensors)]
-    return _register(handle, states, lambda: tensors, tensors)
+              for i, h in enumerate(hosts)]
+    return _register(handle, states, lambda: [unstage(t, h) for t, h in zip(tensors, hosts)],
+                     tensors + hosts)
+
+
+def _check_disjoint(tensors, dtypes, call, c):
+    """InvalidArgument unless the tensors' memory ranges are disjoint (grouped in-place calls)."""
+    on_cpu = [(t.data_ptr(), t.numel(), d) for t, d in zip(tensors, dtypes)
+              if t.device.type == "cpu"]
+    _gradcomm._validate_tensors(on_cpu, call, c.rank())
+    ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i, t.device)
+                    for i, t in enumerate(tensors) if t.device.type != "cpu" and t.numel() > 0)
+    for (_, end, i, d), (start, _, j, e) in zip(ranges, ranges[1:]):
+        if d == e and start < end:
+            raise InvalidArgument(f"{call}: tensors {min(i, j)} and {max(i, j)} overlap in "
+                                  f"memory on {d}; in-place results would overwrite each other")
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -731,9 +752,9 @@ def _check_bytes_tensor(tensor, call, writes=False, rows=False):
     """Checks a tensor that travels as bytes; returns its dtype's name."""
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgument(f"{call}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-        raise InvalidArgument(f"{call}: expected a dense CPU tensor, got one on {tensor.device} "
-                              f"with layout {tensor.layout}")
+    if tensor.device.type not in DEVICES or tensor.layout != torch.strided:
+        raise InvalidArgument(f"{call}: expected a dense CPU or CUDA tensor, got one on "
+                              f"{tensor.device} with layout {tensor.layout}")
     if tensor.dtype not in _BYTE_DTYPES:
         raise InvalidArgument(f"{call}: unsupported dtype {tensor.dtype} (supported: "
                               f"{', '.join(_dtype_name(d) for d in _BYTE_DTYPES)})")
@@ -773,10 +794,13 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     c = _comm(comm)
     handle = next(_next_handle)
     signature = f"broadcast {dtype} {list(tensor.shape)}, root {int(root_rank)}"
+    is_root = c.rank() == int(root_rank)
+    host = staged(tensor, read=is_root)
     state = _negotiator(c).submit(_op_name("broadcast", name, c), "broadcast", signature,
-                                  tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                  host.data_ptr(), tensor.numel() * tensor.element_size(),
                                   root=int(root_rank))
-    return _register(handle, [state], lambda: tensor, (tensor,))
+    return _register(handle, [state], lambda: tensor if is_root else unstage(tensor, host),
+                     (tensor, host))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
@@ -824,14 +848,22 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, *, c
 def _allgather_start(tensor, name, c, call):
     """Submits an allgather; returns (handle, state)."""
     dtype = _check_bytes_tensor(tensor, call, rows=True)
-    src = tensor.detach()
+    src = staged(tensor.detach())
     handle = next(_next_handle)
     state = _negotiator(c).submit(_op_name("allgather", name, c), "allgather",
                                   _rows_signature("allgather", dtype, src), src.data_ptr(),
                                   src.numel() * src.element_size())
     trailing = tuple(src.shape[1:])
-    _register(handle, [state], lambda: _result_tensor(state, src.dtype, trailing), (src,))
+    _register(handle, [state],
+              lambda: _on_device(_result_tensor(state, src.dtype, trailing), tensor), (src,))
     return handle, state
+
+
+def _on_device(result, like):
+    """`result` (host memory) on `like`'s device: itself on the CPU, a copy on a GPU."""
+    if like.device.type == "cpu":
+        return result
+    return result.to(like.device)
 
 
 def _rows_of(state, tensor):
@@ -894,7 +926,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != rows:
             raise InvalidArgument(f"{call}: splits {split_list} must be {n} non-negative row "
                                   f"counts summing to the first dimension ({rows})")
-    src = tensor.detach()
+    src = staged(tensor.detach())
     row_bytes = src.element_size() * math.prod(src.shape[1:])
     handle = next(_next_handle)
     state = _negotiator(c).submit(_op_name("alltoall", name, c), "alltoall",
@@ -906,7 +938,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
     def finish():
         received = torch.tensor([b // row_bytes for b in state.counts()], dtype=split_dtype)
-        return _result_tensor(state, src.dtype, trailing), received
+        return _on_device(_result_tensor(state, src.dtype, trailing), tensor), received
     return _register(handle, [state], finish, (src,))
 
 
@@ -1025,8 +1057,8 @@ def broadcast_parameters(params, root_rank=0, *, comm=None, root=None):
     # Every tensor is checked before the first is submitted: a bad one fails on every rank (they
     # all hold the same list) before any broadcast.
     for n, t in named:
-        if t.device.type != "cpu" or t.layout != torch.strided:
-            raise InvalidArgument(f"broadcast_parameters: {n} is not a dense CPU tensor")
+        if t.device.type not in DEVICES or t.layout != torch.strided:
+            raise InvalidArgument(f"broadcast_parameters: {n} is not a dense CPU or CUDA tensor")
         _check_bytes_tensor(t.detach(), f"broadcast_parameters ({n})")
     c = _comm(comm)
     if not 0 <= int(root_rank) < c.size():
