@@ -101,7 +101,8 @@ torch_mpirun() {  # torch_mpirun NP TIMEOUT ARGS...: the machine's torch under m
     -x PYTHONPATH="$torch_build/python${PYTHONPATH:+:$PYTHONPATH}" -x GRADCOMM_NCCL_MODULE \
     -x LD_LIBRARY_PATH -x GRADCOMM_TIMEOUT=30 -x PYTHONUNBUFFERED=1 "$torch_py" "$@"
 }
-# The torch backend on CUDA tensors: test_torch_cuda.py at 1-3 ranks.
+# The torch backend and gradcomm.torch's front ends on CUDA tensors (test_torch_cuda.py,
+# test_torch_cuda_frontends.py) at 1-3 ranks.
 torch_cuda_tests() {
   echo "== torch backend on CUDA tensors ($torch_py) $(date +%T)"
   build_torch_modules || return
@@ -110,7 +111,8 @@ torch_cuda_tests() {
     echo "== test_torch_cuda np$np $(date +%T)"
     # A test stuck past 40 s prints every thread's Python stack.
     torch_mpirun "$np" "${TORCH_TEST_LIMIT:-150}" -m pytest -q -p no:cacheprovider \
-      -o faulthandler_timeout=40 ${PYTEST_ARGS:-} tests/gpu/test_torch_cuda.py 2>&1 |
+      -o faulthandler_timeout=40 ${PYTEST_ARGS:-} tests/gpu/test_torch_cuda.py \
+      tests/gpu/test_torch_cuda_frontends.py 2>&1 |
       tee "$out/torch_cuda_np$np.txt" | tail -15
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   done

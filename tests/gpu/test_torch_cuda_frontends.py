@@ -1,0 +1,182 @@
+"""gradcomm.torch's own front ends (the Horovod-style API and the DDP wrapper) on CUDA tensors,
+under mpirun on a GPU machine (tests/gpu/run_on_device.sh torch). Skipped where torch sees no
+GPU. CUDA tensors go through pinned host copies: these tests check the results on every rank
+against references computed on the CPU, that results land on the tensor's device, that the copy
+in waits for the caller's current stream, and that training matches the same training on CPU
+tensors (Horovod API) and torch's own DDP (DDP wrapper).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from mpi4py import MPI  # noqa: E402
+
+os.environ.setdefault("NCCL_HOSTID", f"gradcomm-frontends-{MPI.COMM_WORLD.Get_rank()}")
+
+import torch.distributed as dist  # noqa: E402
+
+import gradcomm  # noqa: E402
+import gradcomm.torch as hvd  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_backend"))
+import reference  # noqa: E402
+from reference import values  # noqa: E402
+
+torch.set_num_threads(1)
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+DEV = torch.device("cuda", RANK % torch.cuda.device_count())
+torch.cuda.set_device(DEV)
+COUNTS = [0, 1, 7, 1009]
+
+
+def check(actual, want, dtype, op=None):
+    assert actual.is_cuda and actual.device == DEV, actual.device
+    reference.check(actual, want, dtype, op, RANK)
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64],
+                         ids=str)
+def test_allreduce(dtype, count):
+    R = dist.ReduceOp
+    ranks = list(range(SIZE))
+    t = values(RANK, dtype, count).to(DEV)
+    check(hvd.allreduce(t, op=hvd.Sum), reference.expected(R.SUM, dtype, count, ranks), dtype)
+    if dtype.is_floating_point:
+        check(hvd.allreduce(t, op=hvd.Average), reference.expected(R.AVG, dtype, count, ranks),
+              dtype, R.AVG)
+    check(hvd.allreduce(t, op=hvd.Max), reference.expected(R.MAX, dtype, count, ranks), dtype)
+    hvd.allreduce_(t, op=hvd.Sum)  # in place
+    check(t, reference.expected(R.SUM, dtype, count, ranks), dtype)
+
+
+def test_async_grouped_and_scaled():
+    R = dist.ReduceOp
+    ranks = list(range(SIZE))
+    a = values(RANK, torch.float32, 1009).to(DEV)
+    h = hvd.allreduce_async_(a, op=hvd.Sum, name="a")
+    while not hvd.poll(h):
+        pass
+    check(hvd.synchronize(h), reference.expected(R.SUM, torch.float32, 1009, ranks),
+          torch.float32)
+    a, b = values(RANK, torch.float32, 1009).to(DEV), values(RANK, torch.float32, 7).to(DEV)
+    out = hvd.grouped_allreduce([a, b], op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    check(out[0], reference.expected(R.SUM, torch.float32, 1009, ranks), torch.float32)
+    check(out[1], reference.expected(R.SUM, torch.float32, 7, ranks), torch.float32)
+
+
+def test_broadcast_allgather_alltoall():
+    d = torch.float32
+    t = values(RANK, d, 1009).to(DEV)
+    hvd.broadcast_(t, root_rank=SIZE - 1)
+    check(t, values(SIZE - 1, d, 1009), d)
+    rows = torch.full((RANK + 1, 3), float(RANK), device=DEV)  # uneven first dimensions
+    got = hvd.allgather(rows)
+    check(got, torch.cat([torch.full((r + 1, 3), float(r)) for r in range(SIZE)]), d)
+    splits = [1 + (RANK + j) % 2 for j in range(SIZE)]  # rows this rank sends to rank j
+    send = torch.cat([torch.full((s, 2), 100.0 * RANK + j) for j, s in enumerate(splits)]).to(DEV)
+    out, received = hvd.alltoall(send, splits=splits)
+    want = torch.cat([torch.full((1 + (r + RANK) % 2, 2), 100.0 * r + RANK) for r in range(SIZE)])
+    check(out, want, d)
+    assert received.tolist() == [1 + (r + RANK) % 2 for r in range(SIZE)]
+
+
+def test_the_copy_in_waits_for_the_callers_stream():
+    side = torch.cuda.Stream(device=DEV)
+    t = torch.zeros(1 << 16, device=DEV)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # GPU time queued before the write
+        t.fill_(RANK + 1.0)
+        out = hvd.allreduce(t, op=hvd.Sum)
+        copy = out.clone()  # on `side`, after the result came back on it
+    side.synchronize()
+    assert torch.all(copy == float(sum(range(1, SIZE + 1)))).item()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.a = torch.nn.Linear(20, 64)
+        self.b = torch.nn.Linear(64, 5)
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def batch(i, device):
+    g = torch.Generator().manual_seed(1000 * i + RANK)
+    x, y = torch.randn(12, 20, generator=g), torch.randint(0, 5, (12,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def params(model):
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+
+def train_hvd(device, steps=4):
+    model = Net().to(device)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for i in range(steps):
+        x, y = batch(i, device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return params(model)
+
+
+def test_distributed_optimizer_on_cuda_matches_cpu():
+    on_gpu, on_cpu = train_hvd(DEV), train_hvd(torch.device("cpu"))
+    mine = on_gpu.numpy().tobytes()
+    assert MPI.COMM_WORLD.allreduce(int(MPI.COMM_WORLD.bcast(mine, root=0) != mine)) == 0
+    assert torch.allclose(on_gpu, on_cpu, rtol=1e-4, atol=1e-5), (on_gpu - on_cpu).abs().max()
+
+
+def train_ddp(wrap, steps=4):
+    model = Net().to(DEV)
+    ddp = wrap(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for i in range(steps):
+        x, y = batch(i, "cpu")  # the wrappers move inputs to device_ids[0]
+        opt.zero_grad()
+        if i == 1:
+            with ddp.no_sync():  # accumulated locally, all-reduced with the next step's
+                torch.nn.functional.cross_entropy(ddp(x), y.to(DEV)).backward()
+        torch.nn.functional.cross_entropy(ddp(x), y.to(DEV)).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return params(model)
+
+
+def test_ddp_wrapper_on_cuda_matches_torch_ddp():
+    if not dist.is_initialized():
+        dist.init_process_group("gradcomm")
+    try:
+        group = dist.new_group(backend="nccl")
+    except Exception:  # noqa: BLE001  (no nccl in this torch: gloo takes CUDA tensors too)
+        group = dist.new_group(backend="gloo")
+    ours = train_ddp(lambda m: hvd.DistributedDataParallel(m, device_ids=[DEV],
+                                                           find_unused_parameters=True))
+    theirs = train_ddp(lambda m: torch.nn.parallel.DistributedDataParallel(
+        m, device_ids=[DEV], process_group=group, find_unused_parameters=True))
+    mine = ours.numpy().tobytes()
+    assert MPI.COMM_WORLD.allreduce(int(MPI.COMM_WORLD.bcast(mine, root=0) != mine)) == 0
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()
+
+
+def test_what_cuda_modules_cannot_do_is_refused():
+    with pytest.raises(gradcomm.Error, match="gradient_as_bucket_view"):
+        hvd.DistributedDataParallel(Net().to(DEV), gradient_as_bucket_view=True)
+    with pytest.raises(gradcomm.Error, match="output_device"):
+        hvd.DistributedDataParallel(Net().to(DEV), output_device=DEV)
