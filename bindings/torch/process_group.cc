@@ -456,6 +456,19 @@ bool GradcommWork::isCompleted() {
   return true;
 }
 
+#if GRADCOMM_TORCH_BLOCK_CURRENT_STREAM
+void GradcommWork::blockCurrentStream() {
+  if (!device_) {
+    c10d::Work::blockCurrentStream();
+    return;
+  }
+  // torch's default blocks the stream until the future completes, which for a CUDA call is once
+  // it is enqueued, not once the GPU has run it: wait for the enqueue, then order the stream
+  // after the call's event (wait() ends with synchronize()).
+  c10d::Work::wait();
+}
+#endif
+
 void GradcommWork::synchronize() {
 #if GRADCOMM_TORCH_CUDA
   // The caller's stream waits for the call's work on the group's stream; the host does not.
@@ -535,7 +548,10 @@ std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
     }
     auto it = streams_.find(device->index());
     if (it == streams_.end()) {
-      it = streams_.emplace(device->index(), impl.getStreamFromGlobalPool(*device, false)).first;
+      // From the high-priority pool (as NCCL's own advice for communication): the low-priority
+      // one is where torch.cuda.Stream() and ProcessGroupNCCL draw theirs, and a stream shared
+      // with unrelated work would make the watch in DeviceCall::run wait for that work too.
+      it = streams_.emplace(device->index(), impl.getStreamFromGlobalPool(*device, true)).first;
     }
     placed = std::make_shared<DeviceCall>(*device, it->second, call, rank_,
                                           comm_->config().timeout_seconds);
@@ -555,7 +571,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
   auto work = c10::make_intrusive<GradcommWork>(
       type, title, std::move(outputs),
       device ? std::optional<c10::Device>(device->device()) : std::nullopt);
-  if (!async) {
+  // A call made on the engine's own thread comes from a future's callback (a comm hook's then(),
+  // which runs where the work completes): queued, it would wait behind the callback that waits
+  // for it (PowerSGD's hook waits on the all-reduce it issues). It runs here and now instead;
+  // every rank's engine reaches that callback at the same point of the same sequence of calls,
+  // so the ranks still agree on the order.
+  if (!async || comm_->engine().on_engine_thread()) {
     comm_->settle();  // the group's earlier calls first
     bool completed = false;
     try {

@@ -64,6 +64,13 @@ using BackendBase = c10d::ProcessGroup;
 #define GRADCOMM_TORCH_CUDA 0
 #endif
 
+// c10d::Work::blockCurrentStream, where this torch has it (with the stream-blocking kernel it uses).
+#if GRADCOMM_TORCH_CUDA && __has_include(<torch/csrc/distributed/c10d/cuda/StreamBlock.hpp>)
+#define GRADCOMM_TORCH_BLOCK_CURRENT_STREAM 1
+#else
+#define GRADCOMM_TORCH_BLOCK_CURRENT_STREAM 0
+#endif
+
 class DeviceCall;
 
 // A call in flight: completed (or failed) by the progress engine; its future holds the outputs.
@@ -91,7 +98,13 @@ class GradcommWork : public c10d::Work {
   // calls it holding the work's mutex, so it must not take that mutex (c10d::Work::isCompleted
   // does): it reads enqueued_ instead.
   void synchronize() override;
-  const std::atomic<int>* waiters() const { return &waiters_; }
+#if GRADCOMM_TORCH_BLOCK_CURRENT_STREAM
+  // work.block_current_stream(): the caller's current stream waits for the call on the GPU.
+  void blockCurrentStream() override;
+#endif
+  const std::atomic<int>* waiters() const {
+    return &waiters_;
+  }
 
  private:
   std::atomic<int> waiters_{0};
