@@ -15,6 +15,8 @@ namespace gradcomm {
 namespace {
 
 thread_local bool t_progress_thread = false;
+// The engine whose run_exclusive this thread is inside, if any.
+thread_local const ProgressEngine* t_exclusive_of = nullptr;
 
 // Every live engine, for drain_all_engines.
 std::mutex& registry_mutex() {
@@ -102,8 +104,23 @@ void ProgressEngine::submit(std::shared_ptr<detail::RequestState> state) {
   if (idle) wake_.notify_one();
 }
 
+void ProgressEngine::run_exclusive(const std::function<void()>& fn) {
+  if (on_engine_thread() || t_exclusive_of == this) {
+    fn();
+    return;
+  }
+  drain();
+  // A request submitted by another thread since drain() may run first; none starts after this.
+  std::lock_guard<std::mutex> hold(exclusive_);
+  struct Inside {
+    explicit Inside(const ProgressEngine* e) { t_exclusive_of = e; }
+    ~Inside() { t_exclusive_of = nullptr; }
+  } inside(this);
+  fn();
+}
+
 void ProgressEngine::drain() {
-  if (on_engine_thread()) return;
+  if (on_engine_thread() || t_exclusive_of == this) return;
   for (std::size_t n = pending_.load(std::memory_order_acquire); n > 0;
        n = pending_.load(std::memory_order_acquire)) {
     pending_.wait(n, std::memory_order_acquire);
@@ -146,6 +163,7 @@ void ProgressEngine::loop() {
           "\"call\":\"" + state->call + "\",\"request\":" + std::to_string(state->id));
     }
     try {
+      std::lock_guard<std::mutex> hold(exclusive_);
       state->work();
     } catch (...) {
       state->error = std::current_exception();

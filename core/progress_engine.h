@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string_view>
@@ -43,10 +44,17 @@ class ProgressEngine {
   // whose work makes a nested call) it returns at once.
   void drain();
   bool on_engine_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // Runs `fn` on the calling thread after everything submitted before it has run, with no
+  // request starting until it returns: a blocking call of a communicator that other threads
+  // may submit to meanwhile (the torch.distributed backend, whose calls come from autograd's
+  // threads as well as the application's). drain() on this thread returns at once inside it.
+  // On the engine's own thread `fn` runs at once. `fn` must not wait for a submitted request.
+  void run_exclusive(const std::function<void()>& fn);
 
  private:
   void loop();
 
+  std::mutex exclusive_;  // held by the engine while a request runs, and by run_exclusive
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<detail::RequestState>> queue_;

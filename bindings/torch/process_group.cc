@@ -577,24 +577,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
   // every rank's engine reaches that callback at the same point of the same sequence of calls,
   // so the ranks still agree on the order.
   if (!async || comm_->engine().on_engine_thread()) {
-    comm_->settle();  // the group's earlier calls first
-    bool completed = false;
-    try {
-      at::NoGradGuard no_grad;  // the copies in and out of the tensors are no graph's ops
-      auto complete = [&] {
-        completed = true;  // a callback that throws from here must not fail a completed work
-        work->complete();
-      };
-      if (device) {
-        device->run(body, complete, /*monitor=*/false);  // the caller's host does not wait
-      } else {
-        body();
-        complete();
+    // After the group's earlier calls, and with none starting meanwhile: autograd's threads may
+    // submit while this runs.
+    comm_->engine().run_exclusive([&] {
+      bool completed = false;
+      try {
+        at::NoGradGuard no_grad;  // the copies in and out of the tensors are no graph's ops
+        auto complete = [&] {
+          completed = true;  // a callback that throws from here must not fail a completed work
+          work->complete();
+        };
+        if (device) {
+          device->run(body, complete, /*monitor=*/false);  // the caller's host does not wait
+        } else {
+          body();
+          complete();
+        }
+      } catch (...) {
+        // wait() rethrows it, as for a call on the engine
+        if (!completed) work->fail(std::current_exception());
       }
-    } catch (...) {
-      // wait() rethrows it, as for a call on the engine
-      if (!completed) work->fail(std::current_exception());
-    }
+    });
     return work;
   }
   auto state = std::make_shared<detail::RequestState>();

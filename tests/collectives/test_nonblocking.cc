@@ -11,8 +11,10 @@
 #include <gmock/gmock.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -23,6 +25,7 @@
 #include "collectives/broadcast.h"
 #include "collectives/registry.h"
 #include "core/error.h"
+#include "core/progress_engine.h"
 #include "packing/grouped_allreduce.h"
 #include "packing/reducer.h"
 #include "tests/mpi_test.h"
@@ -234,6 +237,37 @@ TEST_F(NonBlocking, BlockingCallsQueueBehindRequests) {
             {.algorithm = "ring"});
   r.wait();  // finished before the blocking call began
   EXPECT_EQ(v.back(), static_cast<double>(n) * n);
+}
+
+// A blocking call that other threads may submit around (the torch backend's): run_exclusive
+// starts after the requests before it, and no request starts while it runs, not even one
+// submitted meanwhile; drain() inside it returns at once instead of waiting for that request.
+TEST_F(NonBlocking, RunExclusiveHoldsOffRequestsSubmittedMeanwhile) {
+  Communicator& comm = world();
+  std::vector<double> v(1009, 1.0);
+  Request before = iallreduce(comm, v.data(), v.data(), v.size(), DataType::float64, ReduceOp::sum,
+                              {.algorithm = "ring"});
+  ProgressEngine& engine = comm.engine();
+  std::atomic<bool> ran{false};
+  auto meanwhile = std::make_shared<detail::RequestState>();
+  meanwhile->call = "test";
+  meanwhile->work = [&] { ran.store(true); };
+  engine.run_exclusive([&] {
+    EXPECT_FALSE(engine.busy());  // the request before it has run
+    EXPECT_EQ(v.back(), static_cast<double>(comm.size()));
+    std::thread other([&] { engine.submit(meanwhile); });
+    other.join();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    engine.drain();  // at once
+    EXPECT_FALSE(ran.load());
+    // A blocking call inside it runs (its settle() returns at once too).
+    allreduce(comm, v.data(), v.data(), v.size(), DataType::float64, ReduceOp::sum,
+              {.algorithm = "ring"});
+  });
+  engine.drain();
+  EXPECT_TRUE(ran.load());
+  before.wait();
+  EXPECT_EQ(v.back(), static_cast<double>(comm.size()) * comm.size());
 }
 
 TEST_F(NonBlocking, GroupedAndBroadcastEqualTheirBlockingForms) {
