@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 import gradcomm
 import gradcomm.torch  # noqa: F401  (registers the backend)
+from torch_device import bench_device
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--sizes", default="1K,16K,256K,1M,4M,16M,64M", help="bytes per call")
@@ -50,12 +51,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
 cuda = args.device == "cuda"
-if cuda:
-    os.environ.setdefault("NCCL_HOSTID", f"gradcomm-bench-{rank}")
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-else:
-    device = torch.device("cpu")
+device = bench_device(args.device, rank)
 default_variants = "nccl,gradcomm" if cuda else "gloo,gradcomm,gradcomm-native"
 variants = (args.variants or default_variants).split(",")
 dist.init_process_group("gradcomm")
@@ -136,4 +132,7 @@ if rank == 0 and args.json:
     with open(args.json, "a") as f:
         f.write(json.dumps({"torch": torch.__version__, "device": args.device,
                             "results": results}) + "\n")
+# The groups go while this thread still holds the tensors their workers last used: a gloo worker
+# that dropped the last reference to one at interpreter exit would need the GIL then (an abort).
+groups.clear()
 dist.destroy_process_group()

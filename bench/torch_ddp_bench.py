@@ -50,6 +50,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import gradcomm.torch as hvd
+from torch_device import bench_device
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
@@ -83,12 +84,7 @@ rank, size = hvd.rank(), hvd.size()
 world = MPI.COMM_WORLD
 variants = args.variants.split(",")
 cuda = args.device == "cuda"
-if cuda:
-    os.environ.setdefault("NCCL_HOSTID", f"gradcomm-ddp-bench-{rank}")
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-else:
-    device = torch.device("cpu")
+device = bench_device(args.device, rank)
 device_ids = [device] if cuda else None
 
 

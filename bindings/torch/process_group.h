@@ -64,7 +64,8 @@ using BackendBase = c10d::ProcessGroup;
 #define GRADCOMM_TORCH_CUDA 0
 #endif
 
-// c10d::Work::blockCurrentStream, where this torch has it (with the stream-blocking kernel it uses).
+// c10d::Work::blockCurrentStream, where this torch has it (with the stream-blocking kernel it
+// uses).
 #if GRADCOMM_TORCH_CUDA && __has_include(<torch/csrc/distributed/c10d/cuda/StreamBlock.hpp>)
 #define GRADCOMM_TORCH_BLOCK_CURRENT_STREAM 1
 #else
