@@ -472,8 +472,8 @@ void GradcommWork::blockCurrentStream() {
 void GradcommWork::synchronize() {
 #if GRADCOMM_TORCH_CUDA
   // The caller's stream waits for the call's work on the group's stream; the host does not.
-  // Not c10d::Work::isCompleted(): c10d::Work::wait calls this holding the mutex that takes
-  // (a CUDA call's wait() deadlocked on it).
+  // Not c10d::Work::isCompleted(): c10d::Work::wait calls this holding the mutex that one takes
+  // (every CUDA call's wait() deadlocked on it).
   if (enqueued_.load(std::memory_order_acquire)) {
     done_event_->block(c10::impl::VirtualGuardImpl(device_->type()).getStream(*device_));
   }
