@@ -10,8 +10,10 @@
 
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -247,19 +249,110 @@ constexpr bool kHasNativeHandle = requires(const S& s) {
   s.native_handle();
 };
 
+#if GRADCOMM_TORCH_CUDA
+// Watches a group's CUDA calls from their enqueue until the GPU has run them, on a thread of its
+// own, so that the engine goes on to the group's next call at once (torch's NCCL backend enqueues
+// without waiting either). Past GRADCOMM_TIMEOUT it aborts the job naming the call, as gradcomm's
+// watchdog aborts a stalled call and torch's NCCL watchdog a stalled kernel: the call's work may
+// have completed for its caller long before, so there is nobody to throw to.
+class GpuWatch {
+ public:
+  explicit GpuWatch(int rank) : rank_(rank), thread_([this] { loop(); }) {}
+  // Waits until the GPU has run every call watched (each within its timeout).
+  ~GpuWatch() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  GpuWatch(const GpuWatch&) = delete;
+  GpuWatch& operator=(const GpuWatch&) = delete;
+
+  // The call just enqueued on `stream` (of `device`); `timeout_seconds` 0: no limit.
+  void watch(const c10::Stream& stream, c10::Device device, const std::string& call,
+             int timeout_seconds) {
+    Entry entry{c10::Event(device.type()), call, device, std::chrono::steady_clock::now(),
+                timeout_seconds};
+    entry.done.record(stream);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      entries_.push_back(std::move(entry));
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  struct Entry {
+    c10::Event done;
+    std::string call;
+    c10::Device device;
+    std::chrono::steady_clock::time_point enqueued;
+    int timeout_seconds;
+  };
+
+  void loop() {
+    int polls = 0;
+    for (;;) {
+      Entry* front = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return stopping_ || !entries_.empty(); });
+        if (entries_.empty()) return;  // stopping, and the GPU has run everything watched
+        front = &entries_.front();     // a deque's push_back leaves references to it valid
+      }
+      // In enqueue order: a group's calls on one device run in that order on its stream.
+      c10::DeviceGuard guard(front->device);
+      if (front->done.query()) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        entries_.pop_front();
+        polls = 0;
+        continue;
+      }
+      if (front->timeout_seconds > 0 && std::chrono::steady_clock::now() - front->enqueued >
+                                            std::chrono::seconds(front->timeout_seconds)) {
+        const std::string message = error_message(
+            "torch.distributed " + front->call + " (gradcomm)", rank_,
+            "its work on " + front->device.str() + " did not finish within GRADCOMM_TIMEOUT=" +
+                std::to_string(front->timeout_seconds) +
+                " s of its enqueue (a peer may have stopped inside NCCL, or the GPU hangs): "
+                "aborting the job");
+        std::fprintf(stderr, "%s\n", message.c_str());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      if (++polls < 1000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  const int rank_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Entry> entries_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: started once the members it uses exist
+};
+#endif
+
 class DeviceCall {
  public:
 #if GRADCOMM_TORCH_CUDA
   // `call` and `rank` name the call in a timeout's message; `timeout_seconds` is the group's
   // GRADCOMM_TIMEOUT (0: no limit).
   DeviceCall(c10::Device device, c10::Stream stream, std::string call, int rank,
-             int timeout_seconds)
+             int timeout_seconds, GpuWatch* watch)
       : device_(device),
         stream_(stream),
         ready_(device.type()),
         call_(std::move(call)),
         rank_(rank),
-        timeout_seconds_(timeout_seconds) {}
+        timeout_seconds_(timeout_seconds),
+        watch_(watch) {}
 
   c10::Device device() const {
     return device_;
@@ -283,12 +376,11 @@ class DeviceCall {
   }
 
   // On the engine (or the caller's thread for a call torch waits for at once): `body` and then
-  // `then` (which completes the work) with the group's stream current. With `monitor` (on the
-  // engine), it then stays with the call until the GPU has finished it, so that a peer that
-  // stops inside NCCL, or a hung GPU, ends the job within GRADCOMM_TIMEOUT (torch's NCCL
-  // watchdog does the same) instead of leaving the caller's stream waiting forever; the group's
-  // next call is enqueued after that.
-  void run(const std::function<void()>& body, const std::function<void()>& then, bool monitor) {
+  // `then` (which completes the work) with the group's stream current. The group's GpuWatch then
+  // watches the call until the GPU has run it, so that a peer that stops inside NCCL, or a hung
+  // GPU, ends the job within GRADCOMM_TIMEOUT instead of leaving the caller's stream waiting
+  // forever; neither the caller nor the engine waits for the GPU.
+  void run(const std::function<void()>& body, const std::function<void()>& then) {
     c10::DeviceGuard device_guard(device_);
     ready_.block(stream_);
     c10::StreamGuard stream_guard(stream_);
@@ -308,7 +400,7 @@ class DeviceCall {
     // back are in flight: torch's host allocator keeps such memory until its copy is done.
     staged_.clear();
     then();
-    if (monitor) wait_for_stream("its work on the GPU");
+    watch_->watch(stream_, device_, call_, timeout_seconds_);
   }
 
   // The cudaStream_t of the group's stream (nullptr where this torch cannot give it).
@@ -322,8 +414,8 @@ class DeviceCall {
 
  private:
   // Polls (never an unbounded synchronize) until the group's stream has passed what is enqueued
-  // on it now. Past GRADCOMM_TIMEOUT the job is aborted, as gradcomm's watchdog aborts a stalled
-  // call: the work may already have completed for its caller, so there is nobody to throw to.
+  // on it now (the copies to the host, before the body reads them). Past GRADCOMM_TIMEOUT the job
+  // is aborted, as GpuWatch aborts.
   void wait_for_stream(const char* what) {
     c10::Event done(device_.type());
     done.record(stream_);
@@ -358,6 +450,7 @@ class DeviceCall {
   std::string call_;
   int rank_;
   int timeout_seconds_;
+  GpuWatch* watch_;
   std::vector<Staged> staged_;
 #else
   c10::Device device() const {
@@ -366,7 +459,7 @@ class DeviceCall {
   at::Tensor place(const at::Tensor& t, bool, bool) {
     return t;
   }
-  void run(const std::function<void()>& body, const std::function<void()>& then, bool) {
+  void run(const std::function<void()>& body, const std::function<void()>& then) {
     body();
     then();
   }
@@ -508,6 +601,9 @@ ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size)
 
 ProcessGroupGradcomm::~ProcessGroupGradcomm() {
   comm_.reset();  // waits for the calls in flight
+#if GRADCOMM_TORCH_CUDA
+  gpu_watch_.reset();  // and for the GPU to have run them
+#endif
   if (p2p_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&p2p_);
 }
 
@@ -553,8 +649,9 @@ std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
       // with unrelated work would make the watch in DeviceCall::run wait for that work too.
       it = streams_.emplace(device->index(), impl.getStreamFromGlobalPool(*device, true)).first;
     }
+    if (!gpu_watch_) gpu_watch_ = std::make_unique<GpuWatch>(rank_);
     placed = std::make_shared<DeviceCall>(*device, it->second, call, rank_,
-                                          comm_->config().timeout_seconds);
+                                          comm_->config().timeout_seconds, gpu_watch_.get());
   }
   placed->enter(tensors);
   return placed;
@@ -588,7 +685,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
           work->complete();
         };
         if (device) {
-          device->run(body, complete, /*monitor=*/false);  // the caller's host does not wait
+          device->run(body, complete);  // the caller's host does not wait for the GPU
         } else {
           body();
           complete();
@@ -611,14 +708,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
       if (device) {
         // The future's callbacks (DDP's, a comm hook's) run here, with the group's stream
         // current, as they would on torch's NCCL backend.
-        device->run(
-            body,
-            [&] {
-              body = nullptr;
-              completed = true;  // a callback that throws from here must not fail the work
-              work->complete();
-            },
-            /*monitor=*/true);
+        device->run(body, [&] {
+          body = nullptr;
+          completed = true;  // a callback that throws from here must not fail the work
+          work->complete();
+        });
       } else {
         body();
       }

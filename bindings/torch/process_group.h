@@ -73,6 +73,7 @@ using BackendBase = c10d::ProcessGroup;
 #endif
 
 class DeviceCall;
+class GpuWatch;
 
 // A call in flight: completed (or failed) by the progress engine; its future holds the outputs.
 // A call on CUDA tensors (`device` set) completes once its work is enqueued on the group's stream
@@ -211,6 +212,9 @@ class ProcessGroupGradcomm : public BackendBase {
   std::mutex streams_mutex_;
   std::map<c10::DeviceIndex, c10::Stream> streams_;
   std::optional<std::string> gpu_unavailable_;
+#if GRADCOMM_TORCH_CUDA
+  std::unique_ptr<GpuWatch> gpu_watch_;  // made by the first CUDA call
+#endif
 };
 
 // The group torch asks for: the world (empty `global_ranks`) or the ranks of a new_group, in
