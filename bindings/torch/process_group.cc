@@ -8,10 +8,12 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -303,31 +305,49 @@ class GpuWatch {
         front = &entries_.front();     // a deque's push_back leaves references to it valid
       }
       // In enqueue order: a group's calls on one device run in that order on its stream.
-      c10::DeviceGuard guard(front->device);
-      if (front->done.query()) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        entries_.pop_front();
+      bool done = false;
+      try {
+        c10::DeviceGuard guard(front->device);
+        done = front->done.query();
+        if (done) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          entries_.pop_front();  // its event goes with the device current
+        }
+      } catch (const std::exception& e) {  // a CUDA error (a device assert, a fault)
+        abort_job(*front, std::string("CUDA failed while its work ran: ") + e.what());
+      }
+      if (done) {
         polls = 0;
         continue;
       }
       if (front->timeout_seconds > 0 && std::chrono::steady_clock::now() - front->enqueued >
                                             std::chrono::seconds(front->timeout_seconds)) {
-        const std::string message = error_message(
-            "torch.distributed " + front->call + " (gradcomm)", rank_,
-            "its work on " + front->device.str() + " did not finish within GRADCOMM_TIMEOUT=" +
-                std::to_string(front->timeout_seconds) +
-                " s of its enqueue (a peer may have stopped inside NCCL, or the GPU hangs): "
-                "aborting the job");
-        std::fprintf(stderr, "%s\n", message.c_str());
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 1);
+        abort_job(*front, "its work on " + front->device.str() +
+                              " did not finish within GRADCOMM_TIMEOUT=" +
+                              std::to_string(front->timeout_seconds) +
+                              " s of its enqueue (a peer may have stopped inside NCCL, or the "
+                              "GPU hangs)");
       }
-      if (++polls < 1000) {
+      // Yields first, then sleeps growing to 1 ms: the timeout counts in seconds, and each poll
+      // takes the CUDA driver's lock that the application's launches want too.
+      polls = std::min(polls + 1, 2000);
+      if (polls < 1000) {
         std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      } else {  // 50, 100, ... 800, then 1000 us
+        const int doublings = std::min((polls - 1000) / 100, 5);
+        std::this_thread::sleep_for(std::chrono::microseconds(std::min(50 << doublings, 1000)));
       }
     }
+  }
+
+  // Nobody waits on the call to throw to (its caller may have gone on): the job ends, saying why.
+  [[noreturn]] void abort_job(const Entry& entry, const std::string& why) {
+    const std::string message = error_message("torch.distributed " + entry.call + " (gradcomm)",
+                                              rank_, why + ": aborting the job");
+    std::fprintf(stderr, "%s\n", message.c_str());
+    std::fflush(stderr);
+    if (mpi_ready()) MPI_Abort(MPI_COMM_WORLD, 1);
+    std::abort();  // MPI already finalized (the program's exit)
   }
 
   const int rank_;
@@ -600,10 +620,13 @@ ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size)
 }
 
 ProcessGroupGradcomm::~ProcessGroupGradcomm() {
-  comm_.reset();  // waits for the calls in flight
 #if GRADCOMM_TORCH_CUDA
-  gpu_watch_.reset();  // and for the GPU to have run them
+  // The calls in flight (which hand the watch their events), then the GPU's work on them: the
+  // NCCL communicators go with comm_, and must not be finalized under queued kernels.
+  if (comm_) comm_->engine().drain();
+  gpu_watch_.reset();
 #endif
+  comm_.reset();  // waits for the calls in flight
   if (p2p_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&p2p_);
 }
 
