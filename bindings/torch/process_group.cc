@@ -252,6 +252,17 @@ constexpr bool kHasNativeHandle = requires(const S& s) {
 };
 
 #if GRADCOMM_TORCH_CUDA
+// Ends the job over a CUDA call that stalled or failed on the GPU: nobody waits on the call to
+// throw to (its caller may have gone on), so the job ends, saying why.
+[[noreturn]] void abort_job(const std::string& call, int rank, const std::string& why) {
+  const std::string message =
+      error_message("torch.distributed " + call + " (gradcomm)", rank, why + ": aborting the job");
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  if (mpi_ready()) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();  // MPI already finalized (the program's exit)
+}
+
 // Watches a group's CUDA calls from their enqueue until the GPU has run them, on a thread of its
 // own, so that the engine goes on to the group's next call at once (torch's NCCL backend enqueues
 // without waiting either). Past GRADCOMM_TIMEOUT it aborts the job naming the call, as gradcomm's
@@ -314,7 +325,7 @@ class GpuWatch {
           entries_.pop_front();  // its event goes with the device current
         }
       } catch (const std::exception& e) {  // a CUDA error (a device assert, a fault)
-        abort_job(*front, std::string("CUDA failed while its work ran: ") + e.what());
+        abort_job(front->call, rank_, std::string("CUDA failed while its work ran: ") + e.what());
       }
       if (done) {
         polls = 0;
@@ -322,11 +333,12 @@ class GpuWatch {
       }
       if (front->timeout_seconds > 0 && std::chrono::steady_clock::now() - front->enqueued >
                                             std::chrono::seconds(front->timeout_seconds)) {
-        abort_job(*front, "its work on " + front->device.str() +
-                              " did not finish within GRADCOMM_TIMEOUT=" +
-                              std::to_string(front->timeout_seconds) +
-                              " s of its enqueue (a peer may have stopped inside NCCL, or the "
-                              "GPU hangs)");
+        abort_job(front->call, rank_,
+                  "its work on " + front->device.str() +
+                      " did not finish within GRADCOMM_TIMEOUT=" +
+                      std::to_string(front->timeout_seconds) +
+                      " s of its enqueue (a peer may have stopped inside NCCL, or the "
+                      "GPU hangs)");
       }
       // Yields first, then sleeps growing to 1 ms: the timeout counts in seconds, and each poll
       // takes the CUDA driver's lock that the application's launches want too.
@@ -338,16 +350,6 @@ class GpuWatch {
         std::this_thread::sleep_for(std::chrono::microseconds(std::min(50 << doublings, 1000)));
       }
     }
-  }
-
-  // Nobody waits on the call to throw to (its caller may have gone on): the job ends, saying why.
-  [[noreturn]] void abort_job(const Entry& entry, const std::string& why) {
-    const std::string message = error_message("torch.distributed " + entry.call + " (gradcomm)",
-                                              rank_, why + ": aborting the job");
-    std::fprintf(stderr, "%s\n", message.c_str());
-    std::fflush(stderr);
-    if (mpi_ready()) MPI_Abort(MPI_COMM_WORLD, 1);
-    std::abort();  // MPI already finalized (the program's exit)
   }
 
   const int rank_;
@@ -443,14 +445,10 @@ class DeviceCall {
     for (int polls = 0; !done.query(); ++polls) {
       if (timeout_seconds_ > 0 &&
           std::chrono::steady_clock::now() - start > std::chrono::seconds(timeout_seconds_)) {
-        const std::string message = error_message(
-            "torch.distributed " + call_ + " (gradcomm)", rank_,
-            std::string(what) + " did not finish within GRADCOMM_TIMEOUT=" +
-                std::to_string(timeout_seconds_) + " s on " + device_.str() +
-                " (a peer may have stopped inside NCCL, or the GPU hangs): aborting the job");
-        std::fprintf(stderr, "%s\n", message.c_str());
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 1);
+        abort_job(call_, rank_,
+                  std::string(what) + " did not finish within GRADCOMM_TIMEOUT=" +
+                      std::to_string(timeout_seconds_) + " s on " + device_.str() +
+                      " (a peer may have stopped inside NCCL, or the GPU hangs)");
       }
       if (polls < 1000) {
         std::this_thread::yield();

@@ -169,18 +169,16 @@ hosts_diagnosis() {
   grep -E "rank [0-9] on|^gc|ERROR|rror" "$out/hosts.txt" | head -20
 }
 gpu_tests() {
-  local np
-  for np in 1 2 4; do
-    echo "== test_gpu np$np"
-    timeout -k 10 150 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu" 2>&1 |
-      tee "$out/test_gpu_np$np.txt" | tail -25
-    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-  done
-  for np in 1 2 4; do
-    echo "== test_gpu_c np$np"
-    timeout -k 10 90 mpirun -n "$np" --bind-to none "$bundle/bin/test_gpu_c" 2>&1 |
-      tee "$out/test_gpu_c_np$np.txt" | tail -8
-    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  local spec test limit lines np
+  # name, time limit, lines of output shown
+  for spec in "test_gpu 150 25" "test_gpu_c 90 8"; do
+    read -r test limit lines <<<"$spec"
+    for np in 1 2 4; do
+      echo "== $test np$np"
+      timeout -k 10 "$limit" mpirun -n "$np" --bind-to none "$bundle/bin/$test" 2>&1 |
+        tee "$out/${test}_np$np.txt" | tail -"$lines"
+      [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
   done
   echo "== test_gpu_host np2"
   timeout -k 10 120 mpirun -n 2 --bind-to none "$bundle/bin/test_gpu_host" 2>&1 | tail -3

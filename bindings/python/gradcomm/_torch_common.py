@@ -37,11 +37,16 @@ DEVICES = ("cpu", "cuda")
 _stage_every_tensor = os.environ.get("GRADCOMM_TORCH_STAGE_ALL") == "1"
 
 
+def needs_host_copy(tensor):
+    """Whether gradcomm's host path reads and writes `tensor` through a host copy of it."""
+    return tensor.device.type != "cpu" or _stage_every_tensor
+
+
 def staged(tensor, read=True):
     """The memory gradcomm's host path uses for `tensor`: the tensor itself on the CPU, else a
     host copy (pinned), filled from it when `read` (the copy waits for the work queued on the
     device's current stream)."""
-    if tensor.device.type == "cpu" and not _stage_every_tensor:
+    if not needs_host_copy(tensor):
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
     if read:
@@ -179,7 +184,7 @@ class GradientReducer:
                 f"reducer was built for {self._dtypes[index]}, {self._counts[index]} elements "
                 f"(was the model converted after it was wrapped? parameter now {p.dtype})")
         host = grad
-        if grad.device.type != "cpu" or _stage_every_tensor:
+        if needs_host_copy(grad):
             host = self._hosts.get(index)
             if host is None:
                 host = self._hosts[index] = staged(grad, read=False)

@@ -96,9 +96,10 @@ class DistributedDataParallel(torch.nn.Module):
     broadcast_buffers, find_unused_parameters, gradient_as_bucket_view (CPU modules), no_sync(),
     register_comm_hook with the built-in allreduce, fp16 and bf16 compression hooks, join() for
     uneven inputs. Not supported, with an error that says so: a module across several devices,
-    process_group (pass comm=), static_graph, custom comm hooks. gradcomm's own keywords: comm (a gradcomm.Communicator; default the world),
-    algorithm, first_bucket_mb (1), overlap (False: the same buckets reduced after backward,
-    the baseline overlap is measured against)."""
+    process_group (pass comm=), static_graph, custom comm hooks. gradcomm's own keywords: comm
+    (a gradcomm.Communicator; default the world), algorithm, first_bucket_mb (1), overlap
+    (False: the same buckets reduced after backward, the baseline overlap is measured
+    against)."""
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
