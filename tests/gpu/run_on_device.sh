@@ -123,13 +123,13 @@ torch_cuda_bench() {
   local np model
   for np in 1 2; do
     echo "== dist.all_reduce on CUDA tensors, nccl against gradcomm, np$np"
-    torch_mpirun "$np" 150 bench/torch_allreduce_bench.py --device cuda \
+    torch_mpirun "$np" "${TORCH_BENCH_LIMIT:-150}" bench/torch_allreduce_bench.py --device cuda \
       --sizes 4K,64K,1M,16M,64M --rounds 5 --iters 5 --json "$out/torch_cuda_bench.json" 2>&1 |
       tee "$out/torch_cuda_allreduce_np$np.txt"
   done
   for model in mlp cnn; do
     echo "== torch's DDP step on CUDA, $model, np2"
-    torch_mpirun 2 150 bench/torch_ddp_bench.py --device cuda --model "$model" --steps 10 \
+    torch_mpirun 2 "${TORCH_BENCH_LIMIT:-150}" bench/torch_ddp_bench.py --device cuda --model "$model" --steps 10 \
       --variants compute,torch-ddp-nccl,torch-ddp-gradcomm --json "$out/torch_cuda_bench.json" 2>&1 |
       tee "$out/torch_cuda_ddp_$model.txt"
   done
@@ -158,8 +158,14 @@ hosts_diagnosis() {
     grep -v '^#' /etc/openmpi/openmpi-mca-params.conf 2>/dev/null | grep .
     env | grep -E '^(OMPI|PMIX|ORTE|PRTE|SLURM|HYDRA)' | sort
     scripts/hosts up 2 && scripts/hosts status
-    scripts/hosts exec 0 sh -c 'hostname; ip -4 -o addr; getent hosts 10.213.7.2 gch1'
-    scripts/hosts exec 1 hostname
+    # Are the hosts' namespaces distinct here? Each host's net and UTS namespace, its addresses.
+    echo "outside: net $(readlink /proc/self/ns/net) uts $(readlink /proc/self/ns/uts); ip: $(command -v ip)"
+    ip -V; systemd-detect-virt 2>/dev/null; ls -la /run/netns /var/run/netns 2>&1 | head
+    for i in 0 1; do
+      scripts/hosts exec "$i" sh -c 'echo "host: $(hostname) net $(readlink /proc/self/ns/net) uts $(readlink /proc/self/ns/uts)"; ip -4 -o addr'
+    done
+    scripts/hosts exec 0 sh -c 'getent hosts 10.213.7.2 gch1; ping -c1 -W1 10.213.7.2 | tail -2'
+    scripts/hosts exec 0 /bin/sh -c "exec $PWD/scripts/hosts agent 10.213.7.2 hostname"
     timeout -k 10 60 scripts/mpirun-hosts 2x1 --display-allocation --display-map \
       --mca plm_base_verbose 5 --mca ras_base_verbose 5 --mca rmaps_base_verbose 5 -- \
       sh -c 'echo "rank $OMPI_COMM_WORLD_RANK on $(hostname)"'
