@@ -20,7 +20,10 @@
 #     On the H100 machines of 2026-11-24 scripts/mpirun-hosts placed both ranks on the first
 #     emulated host (link.txt: `hostname` printed gch0 twice; a 32 MiB ring took 15 ms, far
 #     above 1 Gbit/s), so the overlap figures there say nothing about the link: read link.txt
-#     first. The cause (that machine's Open MPI 4.1.6 mapping?) was not found.
+#     first. The cause: that machine sets OMPI_MCA_plm=isolated, which starts every rank on
+#     mpirun's own host; scripts/mpirun-hosts now names the rsh launcher itself.
+#     hosts-torch: torch's DDP (CPU tensors) across 2 emulated hosts at 1 Gbit/s, gloo against
+#     gradcomm (bench/torch_ddp_bench.py).
 #
 # Ranks that share one GPU are time-sliced between their CUDA contexts unless CUDA MPS runs; the
 # script starts the MPS daemon when the machine has it, so the ranks' kernels run side by side.
@@ -174,6 +177,25 @@ hosts_diagnosis() {
   } >"$out/hosts.txt" 2>&1
   grep -E "rank [0-9] on|^gc|ERROR|rror" "$out/hosts.txt" | head -20
 }
+# torch's DDP on CPU tensors across 2 emulated hosts at 1 Gbit/s: gloo against gradcomm's
+# backend and gradcomm.torch's DDP wrapper, alternated (bench/torch_ddp_bench.py).
+hosts_torch() {
+  build_torch_modules || return
+  command -v ip >/dev/null || export PATH=$PATH:$bundle/netroot/bin:$bundle/netroot/sbin
+  (
+    export OMPI_MCA_btl=self,tcp
+    scripts/hosts up 2 && scripts/hosts shape 1gbit || exit 1
+    for model in mlp cnn; do
+      echo "== torch's DDP across 2 emulated hosts at 1 Gbit/s, $model"
+      PYTHONPATH=$torch_build/python GLOO_SOCKET_IFNAME=eth0 GRADCOMM_TIMEOUT=60 \
+        timeout -k 10 "${TORCH_BENCH_LIMIT:-150}" scripts/mpirun-hosts 2x1 -- "$torch_py" \
+        bench/torch_ddp_bench.py --model "$model" --steps "${HOSTS_TORCH_STEPS:-8}" \
+        --variants compute,torch-ddp,torch-ddp-gradcomm,gradcomm-ddp \
+        --json "$out/hosts_torch.json" 2>&1 | tee "$out/hosts_torch_$model.txt"
+    done
+    scripts/hosts down
+  ) || status=1
+}
 gpu_tests() {
   local spec test limit lines np
   # name, time limit, lines of output shown
@@ -248,6 +270,7 @@ for what in "${@:-all}"; do
     torch-bench) torch_cuda_bench ;;
     cpu-ranks) cpu_ranks_bench ;;
     hosts) hosts_diagnosis ;;
+    hosts-torch) hosts_torch ;;
     overlap) overlap ;;
     *) echo "run_on_device.sh: unknown mode '$what'" >&2; exit 2 ;;
   esac
