@@ -6,6 +6,8 @@ call (no torch in between), in one run, rounds alternated, results checked:
   gradcomm-native gradcomm's C++ all-reduce through its Python module (the same communicator
                   kind, no c10d, no progress engine)
   nccl            dist.all_reduce on torch's own nccl backend (--device cuda)
+  gradcomm-nonblocking  the gradcomm backend with GRADCOMM_NCCL_BLOCKING=0 (--device cuda): its
+                  NCCL communicator non-blocking, as gradcomm made them before 2026-11-28
 
     PYTHONPATH=build/python mpirun -np 2 /usr/bin/python3 bench/torch_allreduce_bench.py
 
@@ -56,6 +58,10 @@ default_variants = "nccl,gradcomm" if cuda else "gloo,gradcomm,gradcomm-native"
 variants = (args.variants or default_variants).split(",")
 dist.init_process_group("gradcomm")
 groups = {"gradcomm": dist.group.WORLD}
+if "gradcomm-nonblocking" in variants:  # a group's settings are read when it is made
+    os.environ["GRADCOMM_NCCL_BLOCKING"] = "0"
+    groups["gradcomm-nonblocking"] = dist.new_group(backend="gradcomm")
+    del os.environ["GRADCOMM_NCCL_BLOCKING"]
 for name in ("gloo", "nccl"):
     if name in variants:
         groups[name] = dist.new_group(backend=name)
@@ -122,6 +128,10 @@ for size_bytes in [parse(s) for s in args.sizes.split(",")]:
         if "nccl" in row and "gradcomm" in row:
             row["gradcomm_over_nccl"] = row["gradcomm"]["median_us"] / row["nccl"]["median_us"]
             line += f"  gradcomm/nccl {row['gradcomm_over_nccl']:.2f}"
+        if "nccl" in row and "gradcomm-nonblocking" in row:
+            row["nonblocking_over_nccl"] = (row["gradcomm-nonblocking"]["median_us"] /
+                                            row["nccl"]["median_us"])
+            line += f"  nonblocking/nccl {row['nonblocking_over_nccl']:.2f}"
         if "gradcomm-native" in row and "gradcomm" in row:
             row["gradcomm_over_native"] = (row["gradcomm"]["median_us"] /
                                            row["gradcomm-native"]["median_us"])

@@ -178,7 +178,7 @@ NcclState& nccl_state(Communicator& comm, gpu::Runtime& runtime, int device,
   if (comm.rank() == 0) id = runtime.unique_id();
   check_mpi(MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_BYTE, 0, comm.mpi_comm()),
             std::string(call) + ": MPI_Bcast of the ncclUniqueId", comm.rank());
-  state.comm = runtime.comm_init(comm.size(), id, comm.rank());
+  state.comm = runtime.comm_init(comm.size(), id, comm.rank(), comm.config().nccl_blocking);
   state.device = device;
   g_created.fetch_add(1, std::memory_order_relaxed);
   wait_ready(state, comm, call, "ncclCommInitRankConfig");

@@ -166,6 +166,11 @@ Config Config::from_environment() {
       bad_variable("GRADCOMM_GPU_INTER_NODE", v, "nccl or mpi");
     config.gpu_inter_node = value;
   }
+  if (const char* v = get("GRADCOMM_NCCL_BLOCKING")) {
+    const std::string value = v;
+    if (value != "0" && value != "1") bad_variable("GRADCOMM_NCCL_BLOCKING", v, "0 or 1");
+    config.nccl_blocking = value == "1";
+  }
   if (const char* v = get("GRADCOMM_MPI_MIN_BYTES")) {
     config.mpi_min_bytes =
         static_cast<std::size_t>(parse_integer("GRADCOMM_MPI_MIN_BYTES", v, 0, 1LL << 40));

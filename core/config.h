@@ -88,6 +88,13 @@ struct Config {
   // communicator of the ranks holding the same shard) or "mpi" (shards staged through pinned
   // host memory and reduced by gradcomm's host algorithms).
   std::string gpu_inter_node = "nccl";
+  // GRADCOMM_NCCL_BLOCKING: 1 (the default, as torch's NCCL backend) makes NCCL communicators
+  // blocking: each NCCL call returns once its work is enqueued, and a peer missing from a
+  // communicator's creation or first connection holds the call until the stall watchdog ends
+  // the job. 0 makes them non-blocking: creation and calls are polled, and such a peer makes the
+  // call throw CommError after GRADCOMM_TIMEOUT; NCCL 2.19 and later then start a thread for
+  // every call (tens of microseconds each).
+  bool nccl_blocking = true;
   // libgradcomm_mpi.so only (docs/mpi-preload.md). GRADCOMM_MPI_MIN_BYTES: the smallest
   // MPI_Allreduce it runs through gradcomm (below it Open MPI's own call is as fast on one host).
   // GRADCOMM_MPI_LOG: 1 prints, per rank at MPI_Finalize, what it took and passed through, and why.

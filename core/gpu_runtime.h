@@ -17,7 +17,7 @@
 namespace gradcomm::gpu {
 
 // Bumped whenever the Runtime class changes: a module built for another version is refused.
-inline constexpr int kRuntimeAbiVersion = 1;
+inline constexpr int kRuntimeAbiVersion = 2;
 
 enum class MemoryKind {
   host,     // not CUDA memory, or pinned host memory: the CPU reads it, NCCL does not take it
@@ -60,13 +60,17 @@ class Runtime {
   virtual void set_device(int device) = 0;
 
   virtual UniqueId unique_id() = 0;  // ncclGetUniqueId
-  // ncclCommInitRank on the current device.
-  virtual GpuComm comm_init(int nranks, const UniqueId& id, int rank) = 0;
+  // ncclCommInitRankConfig on the current device, with NCCL's config.blocking = `blocking`
+  // (GRADCOMM_NCCL_BLOCKING). Blocking, NCCL's calls return once they are done on the host (the
+  // GPU work enqueued), as torch's NCCL backend uses them. Non-blocking, creation and enqueueing
+  // may return before NCCL is done, and the caller polls comm_state with its own timeout, so a
+  // missing peer never holds the calling thread; NCCL 2.19 and later then start a thread for
+  // every call's launch.
+  virtual GpuComm comm_init(int nranks, const UniqueId& id, int rank, bool blocking) = 0;
   virtual void comm_destroy(GpuComm comm) = 0;  // never throws
   virtual void comm_abort(GpuComm comm) = 0;    // never throws
-  // Communicators are non-blocking (NCCL's config.blocking = 0): creation and enqueueing may
-  // return before NCCL is done, and the caller polls this (ncclCommGetAsyncError) with its own
-  // timeout, so a missing peer can never hang a call. `error` gets NCCL's message on failure.
+  // ncclCommGetAsyncError: in progress (a non-blocking communicator's call not yet done), ready,
+  // or failed (`error` gets NCCL's message).
   virtual CommState comm_state(GpuComm comm, std::string* error) = 0;
 
   // Enqueue on `stream`; counts are elements.

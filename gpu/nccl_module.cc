@@ -154,11 +154,11 @@ class CudaNcclRuntime final : public Runtime {
     return out;
   }
 
-  GpuComm comm_init(int nranks, const UniqueId& id, int rank) override {
+  GpuComm comm_init(int nranks, const UniqueId& id, int rank, bool blocking) override {
     ncclUniqueId nccl_id;
     std::memcpy(&nccl_id, id.data(), sizeof nccl_id);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
+    config.blocking = blocking ? 1 : 0;
     ncclComm_t comm = nullptr;
     const ncclResult_t rc = ncclCommInitRankConfig(&comm, nranks, nccl_id, rank, &config);
     if (rc != ncclSuccess && rc != ncclInProgress) {
@@ -169,8 +169,9 @@ class CudaNcclRuntime final : public Runtime {
   }
   void comm_destroy(GpuComm comm) override {
     if (!comm) return;
-    // ncclCommFinalize flushes outstanding work; a non-blocking communicator is then polled
-    // (bounded: 10 s) before ncclCommDestroy. Errors here have nobody left to report to.
+    // ncclCommFinalize flushes outstanding work (a blocking communicator returns once it has); a
+    // non-blocking one is then polled (bounded: 10 s) before ncclCommDestroy. Errors here have
+    // nobody left to report to.
     ncclCommFinalize(as_comm(comm));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     ncclResult_t state = ncclInProgress;

@@ -267,7 +267,9 @@ constexpr bool kHasNativeHandle = requires(const S& s) {
 // own, so that the engine goes on to the group's next call at once (torch's NCCL backend enqueues
 // without waiting either). Past GRADCOMM_TIMEOUT it aborts the job naming the call, as gradcomm's
 // watchdog aborts a stalled call and torch's NCCL watchdog a stalled kernel: the call's work may
-// have completed for its caller long before, so there is nobody to throw to.
+// have completed for its caller long before, so there is nobody to throw to. It polls every
+// millisecond while calls are in flight (timeouts count in seconds, and a poll takes the CUDA
+// driver's lock that the application's launches want too), and is never woken for a new call.
 class GpuWatch {
  public:
   explicit GpuWatch(int rank) : rank_(rank), thread_([this] { loop(); }) {}
@@ -283,22 +285,18 @@ class GpuWatch {
   GpuWatch(const GpuWatch&) = delete;
   GpuWatch& operator=(const GpuWatch&) = delete;
 
-  // The call just enqueued on `stream` (of `device`); `timeout_seconds` 0: no limit.
-  void watch(const c10::Stream& stream, c10::Device device, const std::string& call,
+  // The call whose work `done` was recorded after on its stream (of `device`);
+  // `timeout_seconds` 0: no limit.
+  void watch(std::shared_ptr<c10::Event> done, c10::Device device, const std::string& call,
              int timeout_seconds) {
-    Entry entry{c10::Event(device.type()), call, device, std::chrono::steady_clock::now(),
-                timeout_seconds};
-    entry.done.record(stream);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      entries_.push_back(std::move(entry));
-    }
-    wake_.notify_one();
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.push_back(
+        {std::move(done), call, device, std::chrono::steady_clock::now(), timeout_seconds});
   }
 
  private:
   struct Entry {
-    c10::Event done;
+    std::shared_ptr<c10::Event> done;  // shared with the call's work
     std::string call;
     c10::Device device;
     std::chrono::steady_clock::time_point enqueued;
@@ -306,33 +304,26 @@ class GpuWatch {
   };
 
   void loop() {
-    int polls = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      Entry* front = nullptr;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [this] { return stopping_ || !entries_.empty(); });
-        if (entries_.empty()) return;  // stopping, and the GPU has run everything watched
-        front = &entries_.front();     // a deque's push_back leaves references to it valid
+      if (entries_.empty()) {
+        if (stopping_) return;                                 // the GPU has run everything watched
+        wake_.wait_for(lock, std::chrono::milliseconds(100));  // woken early only to stop
+        continue;
       }
       // In enqueue order: a group's calls on one device run in that order on its stream.
+      Entry* front = &entries_.front();  // a deque's push_back leaves references to it valid
+      lock.unlock();
       bool done = false;
       try {
         c10::DeviceGuard guard(front->device);
-        done = front->done.query();
-        if (done) {
-          std::lock_guard<std::mutex> lock(mutex_);
-          entries_.pop_front();  // its event goes with the device current
-        }
+        done = front->done->query();
       } catch (const std::exception& e) {  // a CUDA error (a device assert, a fault)
         abort_job(front->call, rank_, std::string("CUDA failed while its work ran: ") + e.what());
       }
-      if (done) {
-        polls = 0;
-        continue;
-      }
-      if (front->timeout_seconds > 0 && std::chrono::steady_clock::now() - front->enqueued >
-                                            std::chrono::seconds(front->timeout_seconds)) {
+      if (!done && front->timeout_seconds > 0 &&
+          std::chrono::steady_clock::now() - front->enqueued >
+              std::chrono::seconds(front->timeout_seconds)) {
         abort_job(front->call, rank_,
                   "its work on " + front->device.str() +
                       " did not finish within GRADCOMM_TIMEOUT=" +
@@ -340,14 +331,13 @@ class GpuWatch {
                       " s of its enqueue (a peer may have stopped inside NCCL, or the "
                       "GPU hangs)");
       }
-      // Yields first, then sleeps growing to 1 ms: the timeout counts in seconds, and each poll
-      // takes the CUDA driver's lock that the application's launches want too.
-      polls = std::min(polls + 1, 2000);
-      if (polls < 1000) {
-        std::this_thread::yield();
-      } else {  // 50, 100, ... 800, then 1000 us
-        const int doublings = std::min((polls - 1000) / 100, 5);
-        std::this_thread::sleep_for(std::chrono::microseconds(std::min(50 << doublings, 1000)));
+      lock.lock();
+      if (done) {
+        // The work may still hold the event; where it does not, it goes with the device current.
+        c10::DeviceGuard guard(front->device);
+        entries_.pop_front();
+      } else {
+        wake_.wait_for(lock, std::chrono::milliseconds(1));
       }
     }
   }
@@ -398,11 +388,12 @@ class DeviceCall {
   }
 
   // On the engine (or the caller's thread for a call torch waits for at once): `body` and then
-  // `then` (which completes the work) with the group's stream current. The group's GpuWatch then
-  // watches the call until the GPU has run it, so that a peer that stops inside NCCL, or a hung
-  // GPU, ends the job within GRADCOMM_TIMEOUT instead of leaving the caller's stream waiting
-  // forever; neither the caller nor the engine waits for the GPU.
-  void run(const std::function<void()>& body, const std::function<void()>& then) {
+  // `then` (which completes the work and gives its event) with the group's stream current. The
+  // group's GpuWatch then watches the call until the GPU has run it, so that a peer that stops
+  // inside NCCL, or a hung GPU, ends the job within GRADCOMM_TIMEOUT instead of leaving the
+  // caller's stream waiting forever; neither the caller nor the engine waits for the GPU.
+  void run(const std::function<void()>& body,
+           const std::function<std::shared_ptr<c10::Event>()>& then) {
     c10::DeviceGuard device_guard(device_);
     ready_.block(stream_);
     c10::StreamGuard stream_guard(stream_);
@@ -421,8 +412,8 @@ class DeviceCall {
     // Released before the waiter wakes (see submit). The pinned copies may go while the copies
     // back are in flight: torch's host allocator keeps such memory until its copy is done.
     staged_.clear();
-    then();
-    watch_->watch(stream_, device_, call_, timeout_seconds_);
+    if (std::shared_ptr<c10::Event> done = then())
+      watch_->watch(std::move(done), device_, call_, timeout_seconds_);
   }
 
   // The cudaStream_t of the group's stream (nullptr where this torch cannot give it).
@@ -477,7 +468,8 @@ class DeviceCall {
   at::Tensor place(const at::Tensor& t, bool, bool) {
     return t;
   }
-  void run(const std::function<void()>& body, const std::function<void()>& then) {
+  void run(const std::function<void()>& body,
+           const std::function<std::shared_ptr<c10::Event>()>& then) {
     body();
     then();
   }
@@ -535,7 +527,7 @@ void GradcommWork::complete() {
   if (device_) {
     // Called with the group's stream current (DeviceCall::run).
     c10::impl::VirtualGuardImpl impl(device_->type());
-    done_event_ = std::make_unique<c10::Event>(device_->type());
+    done_event_ = std::make_shared<c10::Event>(device_->type());
     done_event_->record(impl.getStream(*device_));
     enqueued_.store(true, std::memory_order_release);
   }
@@ -704,6 +696,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
         auto complete = [&] {
           completed = true;  // a callback that throws from here must not fail a completed work
           work->complete();
+          return work->done_event();
         };
         if (device) {
           device->run(body, complete);  // the caller's host does not wait for the GPU
@@ -733,6 +726,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
           body = nullptr;
           completed = true;  // a callback that throws from here must not fail the work
           work->complete();
+          return work->done_event();
         });
       } else {
         body();

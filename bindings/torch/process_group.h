@@ -107,6 +107,11 @@ class GradcommWork : public c10d::Work {
   const std::atomic<int>* waiters() const {
     return &waiters_;
   }
+  // A CUDA call's event on the group's stream, recorded by complete() (null before, and for a
+  // call on CPU tensors).
+  std::shared_ptr<c10::Event> done_event() const {
+    return done_event_;
+  }
 
  private:
   std::atomic<int> waiters_{0};
@@ -114,7 +119,7 @@ class GradcommWork : public c10d::Work {
   std::optional<c10::Device> device_;
   // Recorded on the group's stream once the call is enqueued (CUDA calls only); enqueued_ says
   // (release) that it has been.
-  std::unique_ptr<c10::Event> done_event_;
+  std::shared_ptr<c10::Event> done_event_;
   std::atomic<bool> enqueued_{false};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

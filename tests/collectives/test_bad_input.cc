@@ -142,6 +142,7 @@ TEST_F(BadNames, InvalidEnvironmentNamesTheVariable) {
       {"GRADCOMM_DEVICE", "-1", "GRADCOMM_DEVICE='-1' is invalid"},
       {"GRADCOMM_GPU_INTER_NODE", "tcp",
        "GRADCOMM_GPU_INTER_NODE='tcp' is invalid: expected nccl or mpi"},
+      {"GRADCOMM_NCCL_BLOCKING", "yes", "GRADCOMM_NCCL_BLOCKING='yes' is invalid: expected 0 or 1"},
       {"GRADCOMM_HIERARCHICAL_INTRA", "nvlink",
        "GRADCOMM_HIERARCHICAL_INTRA='nvlink' is invalid: expected one of auto, direct, ring, shm"},
       {"GRADCOMM_SHM_STORES", "cached", "GRADCOMM_SHM_STORES was removed"},

@@ -106,7 +106,8 @@ class FakeRuntime final : public gpu::Runtime {
     std::memcpy(id.data(), stamp, sizeof stamp);
     return id;
   }
-  gpu::GpuComm comm_init(int nranks, const gpu::UniqueId& id, int rank) override {
+  gpu::GpuComm comm_init(int nranks, const gpu::UniqueId& id, int rank, bool blocking) override {
+    last_blocking = blocking;
     auto* comm = new FakeComm;
     comm->id = id;
     comm->rank = rank;
@@ -194,6 +195,7 @@ class FakeRuntime final : public gpu::Runtime {
   void host_free_pinned(void* pointer) override { std::free(pointer); }
 
   int inits = 0, destroys = 0, aborts = 0, allreduces = 0, reduce_scatters = 0;
+  bool last_blocking = false;  // the last comm_init's config.blocking
   std::vector<gpu::UniqueId> ids;
   bool stall = false;
   std::string async_error;
@@ -328,6 +330,21 @@ TEST_F(GpuHostTest, UniqueIdIsBroadcastAndTheCommunicatorCachedAndFreedOnce) {
   const collectives::NcclCommCounts after = collectives::nccl_comm_counts();
   EXPECT_EQ(after.created - before.created, fake_.inits);
   EXPECT_EQ(after.destroyed - before.destroyed, fake_.inits);
+}
+
+// GRADCOMM_NCCL_BLOCKING reaches ncclCommInitRankConfig's config.blocking: blocking by default.
+TEST_F(GpuHostTest, NcclCommunicatorsAreBlockingUnlessConfiguredNot) {
+  for (const bool blocking : {true, false}) {
+    Config config = Config::from_environment();
+    if (!blocking) config.nccl_blocking = false;
+    Communicator comm(MPI_COMM_WORLD, config);
+    if (comm.size() == 1) GTEST_SKIP() << "one rank makes no NCCL communicator";
+    float* data = device_floats(5);
+    fill(data, 5, comm.rank(), 0);
+    allreduce(comm, data, data, 5, DataType::float32, ReduceOp::sum);
+    EXPECT_EQ(std::vector<float>(data, data + 5), expected_sum<float>(5, comm.size(), 0));
+    EXPECT_EQ(fake_.last_blocking, blocking);
+  }
 }
 
 TEST_F(GpuHostTest, NcclMatchesTheSerialSumOnEveryCount) {

@@ -127,7 +127,8 @@ torch_cuda_bench() {
   for np in 1 2; do
     echo "== dist.all_reduce on CUDA tensors, nccl against gradcomm, np$np"
     torch_mpirun "$np" "${TORCH_BENCH_LIMIT:-150}" bench/torch_allreduce_bench.py --device cuda \
-      --sizes 4K,64K,1M,16M,64M --rounds 5 --iters 5 --json "$out/torch_cuda_bench.json" 2>&1 |
+      --variants "${TORCH_BENCH_VARIANTS:-nccl,gradcomm}" --sizes 4K,64K,1M,16M,64M --rounds 7 \
+      --iters 7 --json "$out/torch_cuda_bench.json" 2>&1 |
       tee "$out/torch_cuda_allreduce_np$np.txt"
   done
   for model in mlp cnn; do
