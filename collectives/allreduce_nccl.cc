@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "collectives/allreduce.h"
+#include "collectives/check/consistency.h"
 #include "collectives/p2p.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
@@ -343,6 +344,81 @@ void gpu_hierarchical_allreduce(const AllreduceArgs& args, Communicator& comm) {
   wait_ready(group, comm, call, "ncclAllGather");
   runtime.copy_async(args.recv, work, bytes, stream);
   if (!args.asynchronous) wait_stream(runtime, stream, {&group, column}, comm, call);
+}
+
+namespace {
+
+// One all-gather or reduce-scatter on device buffers (see nccl_allgather).
+template <class Enqueue>
+void device_call(Communicator& comm, CallKind kind, const char* call, const void* send, void* recv,
+                 std::size_t count, DataType dtype, ReduceOp op, void* stream, bool asynchronous,
+                 Enqueue enqueue) {
+  comm.settle();
+  require_mpi_alive(call, comm.rank());
+  auto invalid = [&](const std::string& detail) {
+    throw InvalidArgument(error_message(call, comm.rank(), detail));
+  };
+  if (!is_valid(dtype)) invalid("invalid dtype " + std::to_string(static_cast<int>(dtype)));
+  if (kind == CallKind::reduce_scatter && !is_valid(op))
+    invalid("invalid op " + std::to_string(static_cast<int>(op)));
+  if (count > 0 && (send == nullptr || recv == nullptr))
+    invalid("a buffer is null with count " + std::to_string(count));
+  gpu::Runtime& runtime = require_runtime(comm, call);
+  int device = -1;
+  if (count > 0) {
+    const gpu::PointerInfo s = runtime.classify(send), r = runtime.classify(recv);
+    if (s.kind == gpu::MemoryKind::host || r.kind == gpu::MemoryKind::host)
+      invalid("takes GPU buffers, and a buffer is in host memory");
+    if (s.device != r.device) {
+      invalid("send is on GPU " + std::to_string(s.device) + " but recv on GPU " +
+              std::to_string(r.device) + ": both must be on one GPU");
+    }
+    device = s.device;
+  }
+  if (comm.config().deterministic) {
+    throw Unsupported(error_message(call, comm.rank(),
+                                    "GRADCOMM_DETERMINISTIC=1 has no GPU form: reduce host "
+                                    "buffers, or leave reproducible mode off"));
+  }
+  CallInfo info;
+  info.sequence = comm.next_sequence();
+  info.kind = kind;
+  info.count = count;
+  info.dtype = static_cast<int>(dtype);
+  if (kind == CallKind::reduce_scatter) info.op = static_cast<int>(op);
+  info.device = true;
+  CallScope scope(comm, info, call);
+  scope.check_now();  // before NCCL: ranks in different calls get an error, not a hang
+  if (count == 0) return scope.finish();
+  DeviceGuard guard(runtime, device);
+  if (comm.size() == 1) {  // one rank: its own data (avg over one rank divides by 1)
+    if (send != recv) runtime.copy_async(recv, send, count * element_size(dtype), stream);
+    if (!asynchronous) runtime.stream_synchronize(stream);
+  } else {
+    NcclState& state = nccl_state(comm, runtime, device, call);
+    enqueue(runtime, state.comm);
+    wait_ready(state, comm, call, call);
+    if (!asynchronous) wait_stream(runtime, stream, {&state}, comm, call);
+  }
+  scope.finish();
+}
+
+}  // namespace
+
+void nccl_allgather(Communicator& comm, const void* send, void* recv, std::size_t count,
+                    DataType dtype, void* stream, bool asynchronous) {
+  device_call(comm, CallKind::allgather, "allgather(nccl)", send, recv, count, dtype, ReduceOp::sum,
+              stream, asynchronous, [&](gpu::Runtime& runtime, gpu::GpuComm nccl) {
+                runtime.all_gather(send, recv, count, dtype, nccl, stream);
+              });
+}
+
+void nccl_reduce_scatter(Communicator& comm, const void* send, void* recv, std::size_t count,
+                         DataType dtype, ReduceOp op, void* stream, bool asynchronous) {
+  device_call(comm, CallKind::reduce_scatter, "reduce_scatter(nccl)", send, recv, count, dtype, op,
+              stream, asynchronous, [&](gpu::Runtime& runtime, gpu::GpuComm nccl) {
+                runtime.reduce_scatter(send, recv, count, dtype, op, comm.size(), nccl, stream);
+              });
 }
 
 }  // namespace gradcomm::collectives

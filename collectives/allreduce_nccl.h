@@ -30,6 +30,19 @@ class AllreduceNccl : public AllreduceAlgorithm {
 // truncating divisions would get wrong) run the flat `nccl` instead.
 void gpu_hierarchical_allreduce(const AllreduceArgs& args, Communicator& comm);
 
+// ncclAllGather and ncclReduceScatter on device buffers, for front ends that hold GPU tensors
+// (the torch backend's all-gathers and reduce-scatters, which FSDP issues). Each is one gradcomm
+// call: its arguments are checked (both buffers on one GPU), it is compared across ranks like
+// every call (kind, count, dtype, op) before NCCL is enqueued on `stream` (a cudaStream_t), and it
+// returns once the result is ready, or with `asynchronous` once it is enqueued. `count` is the
+// elements each rank contributes (all-gather) or receives (reduce-scatter); recv (all-gather) and
+// send (reduce-scatter) hold comm.size() times as many. InvalidArgument for host memory or
+// buffers on two devices, Unsupported in reproducible mode, as for allreduce.
+void nccl_allgather(Communicator& comm, const void* send, void* recv, std::size_t count,
+                    DataType dtype, void* stream, bool asynchronous);
+void nccl_reduce_scatter(Communicator& comm, const void* send, void* recv, std::size_t count,
+                         DataType dtype, ReduceOp op, void* stream, bool asynchronous);
+
 // Why the GPU path cannot run in this process; empty when it can.
 std::string nccl_unavailable_reason();
 

@@ -504,6 +504,25 @@ std::vector<at::Tensor> joined(std::vector<at::Tensor> list, const std::vector<a
 
 // gradcomm's all-reduce options for a call placed by `device`: enqueued on the group's stream,
 // returning once enqueued (the call's check across ranks is done by then).
+// A CUDA tensor's bytes as the words NCCL moves in an all-gather, which copies bits, so any dtype
+// of the same width serves: the widest of int64, int32 and float16 that divides them; none for an
+// odd number of bytes (staged through the host instead).
+std::optional<std::pair<DataType, std::size_t>> nccl_words(const at::Tensor& t) {
+  const std::size_t bytes = bytes_of(t);
+  if (bytes % 8 == 0) return std::make_pair(DataType::int64, bytes / 8);
+  if (bytes % 4 == 0) return std::make_pair(DataType::int32, bytes / 4);
+  if (bytes % 2 == 0) return std::make_pair(DataType::float16, bytes / 2);
+  return std::nullopt;
+}
+
+// The data a reduce-scatter by plan `r` hands NCCL for `t`: the tensor itself, or the real view
+// of a complex one; none where the plan converts the dtype (reduced through an all-reduce then).
+std::optional<at::Tensor> nccl_elements(const Reduction& r, const at::Tensor& t) {
+  if (r.via == Reduction::Via::native) return t;
+  if (r.via == Reduction::Via::complex_parts) return at::view_as_real(t);
+  return std::nullopt;
+}
+
 AllreduceOptions reduce_options(const std::shared_ptr<DeviceCall>& device) {
   AllreduceOptions options;
   if (device) {
@@ -855,11 +874,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
   }
   for (const at::Tensor& o : outputs[0])
     check_like(call, rank_, o, inputs[0], "output tensor");
-  auto device = device_call(call, joined(outputs[0], inputs));
+  Communicator& comm = *comm_;
+  const auto words = nccl_words(inputs[0]);
+  auto device = device_call(call, joined(outputs[0], inputs), inputs[0].is_cuda() && words);
+  if (device && words) {  // ncclAllGather into one buffer on the group's stream, copied out there
+    const AllreduceOptions options = reduce_options(device);
+    const at::Tensor in = inputs[0];
+    const std::vector<at::Tensor> outs = outputs[0];
+    const int64_t n = size_;
+    return submit(
+        c10d::OpType::ALLGATHER, "gradcomm:all_gather", outputs[0],
+        [&comm, in, outs, n, w = *words, options] {
+          at::Tensor flat = at::empty({n * in.numel()}, in.options());
+          collectives::nccl_allgather(comm, in.data_ptr(), flat.data_ptr(), w.second, w.first,
+                                      options.stream, true);
+          for (int64_t r = 0; r < n; ++r)
+            outs[r].view({-1}).copy_(flat.narrow(0, r * in.numel(), in.numel()));
+        },
+        async_op(opts), device);
+  }
   const at::Tensor in = on_host(device, inputs[0], true, false);
   const std::vector<at::Tensor> outs = on_host(device, outputs[0], false, true);
   at::Tensor flat = at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
-  Communicator& comm = *comm_;
   return submit(
       c10d::OpType::ALLGATHER, "gradcomm:all_gather", outputs[0],
       [&comm, in, flat, outs] {
@@ -883,9 +919,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
                 ": the output must hold group size (" + std::to_string(size_) +
                 ") times the input's elements, of its dtype");
   }
-  auto device = device_call(call, {input, output});
-  at::Tensor in = on_host(device, input, true, false), out = on_host(device, output, false, true);
   Communicator& comm = *comm_;
+  const auto words = nccl_words(input);
+  auto device = device_call(call, {input, output}, input.is_cuda() && words);
+  if (device && words) {  // ncclAllGather; FSDP's in-place form (input the rank's slice) included
+    const AllreduceOptions options = reduce_options(device);
+    at::Tensor in = input, out = output;
+    return submit(
+        c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
+        [&comm, in, out, w = *words, options] {
+          collectives::nccl_allgather(comm, in.data_ptr(), out.data_ptr(), w.second, w.first,
+                                      options.stream, true);
+        },
+        async_op(opts), device);
+  }
+  at::Tensor in = on_host(device, input, true, false), out = on_host(device, output, false, true);
   return submit(
       c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
       [&comm, in, out] { allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in)); },
@@ -1010,6 +1058,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
   const AllreduceOptions options = reduce_options(device);
   const int64_t me = rank_, n = size_;
   Communicator& comm = *comm_;
+  if (device && nccl_elements(r, out)) {  // the inputs side by side, then ncclReduceScatter
+    return submit(
+        c10d::OpType::REDUCE_SCATTER, "gradcomm:reduce_scatter", outputs,
+        [&comm, out, ins, r, n, options] {
+          at::Tensor flat = at::empty({n * out.numel()}, out.options());
+          for (int64_t k = 0; k < n; ++k)
+            flat.narrow(0, k * out.numel(), out.numel()).copy_(ins[k].view({-1}));
+          const at::Tensor from = *nccl_elements(r, flat), into = *nccl_elements(r, out);
+          collectives::nccl_reduce_scatter(comm, from.data_ptr(), into.data_ptr(),
+                                           static_cast<std::size_t>(into.numel()), r.dtype, r.op,
+                                           options.stream, true);
+        },
+        async_op(opts), device);
+  }
   return submit(
       c10d::OpType::REDUCE_SCATTER, "gradcomm:reduce_scatter", outputs,
       [&comm, out, ins, r, me, n, options] {
@@ -1042,6 +1104,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
   at::Tensor in = input, out = output;
   const int64_t me = rank_;
   Communicator& comm = *comm_;
+  if (device && nccl_elements(r, out)) {  // ncclReduceScatter (FSDP's gradient reduction)
+    return submit(
+        c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
+        [&comm, in, out, r, options] {
+          const at::Tensor from = *nccl_elements(r, in), into = *nccl_elements(r, out);
+          collectives::nccl_reduce_scatter(comm, from.data_ptr(), into.data_ptr(),
+                                           static_cast<std::size_t>(into.numel()), r.dtype, r.op,
+                                           options.stream, true);
+        },
+        async_op(opts), device);
+  }
   return submit(
       c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
       [&comm, in, out, r, me, options] {

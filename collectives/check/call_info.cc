@@ -44,6 +44,8 @@ std::string_view to_string(CallKind kind) {
       return "alltoall";
     case CallKind::barrier:
       return "barrier";
+    case CallKind::reduce_scatter:
+      return "reduce_scatter";
   }
   return "collective";
 }

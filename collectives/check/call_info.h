@@ -22,6 +22,7 @@ enum class CallKind : std::uint8_t {
   scatter = 7,
   alltoall = 8,
   barrier = 9,
+  reduce_scatter = 10,
 };
 std::string_view to_string(CallKind kind);
 

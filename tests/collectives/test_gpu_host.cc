@@ -347,6 +347,68 @@ TEST_F(GpuHostTest, NcclCommunicatorsAreBlockingUnlessConfiguredNot) {
   }
 }
 
+// The device all-gather and reduce-scatter (the torch backend's, FSDP's): serial references on
+// every count, in place included; bad buffers refused before any communication; ranks in
+// different calls get MismatchError on every rank instead of reaching NCCL.
+TEST_F(GpuHostTest, DeviceAllGatherAndReduceScatterMatchTheSerialReference) {
+  Communicator comm(MPI_COMM_WORLD);
+  const int n = comm.size(), me = comm.rank();
+  for (std::size_t count : {0ul, 1ul, 7ul, 1001ul}) {
+    std::vector<std::int32_t> want(count * n);
+    for (int r = 0; r < n; ++r)
+      fill(want.data() + r * count, count, r, 3);
+    auto* gathered = static_cast<std::int32_t*>(fake_.device_alloc(count * n * 4 + 4));
+    auto* mine = static_cast<std::int32_t*>(fake_.device_alloc(count * 4 + 4));
+    fill(mine, count, me, 3);
+    collectives::nccl_allgather(comm, mine, gathered, count, DataType::int32, nullptr, false);
+    EXPECT_EQ(std::vector<std::int32_t>(gathered, gathered + count * n), want) << count;
+    std::fill(gathered, gathered + count * n, 0);  // in place: the input is this rank's slice
+    fill(gathered + me * count, count, me, 3);
+    collectives::nccl_allgather(comm, gathered + me * count, gathered, count, DataType::int32,
+                                nullptr, false);
+    EXPECT_EQ(std::vector<std::int32_t>(gathered, gathered + count * n), want) << count;
+
+    float* full = device_floats(count * n + 1);
+    float* part = device_floats(count + 1);
+    fill(full, count * n, me, 5);
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
+      collectives::nccl_reduce_scatter(comm, full, part, count, DataType::float32, op, nullptr,
+                                       false);
+      for (std::size_t i = 0; i < count; ++i) {
+        float expect = op == ReduceOp::sum ? 0.0f : -1e30f;
+        for (int r = 0; r < n; ++r) {
+          float v = 0;
+          fill(&v, 1, r, static_cast<int>(5 + 3 * (me * count + i)));  // element me*count+i
+          expect = op == ReduceOp::sum ? expect + v : std::max(expect, v);
+        }
+        ASSERT_EQ(part[i], expect) << count << " " << i;
+      }
+    }
+  }
+  std::vector<float> host(4);
+  float* dev = device_floats(4 * n);
+  EXPECT_THROW(collectives::nccl_allgather(comm, host.data(), dev, 4, DataType::float32, nullptr,
+                                           false),
+               InvalidArgument);
+  EXPECT_THROW(collectives::nccl_reduce_scatter(comm, dev, host.data(), 4, DataType::float32,
+                                                ReduceOp::sum, nullptr, false),
+               InvalidArgument);
+  if (n > 1) {
+    const int before = fake_.reduce_scatters;
+    float* a = device_floats(4 * n);
+    if (me == 0) {
+      EXPECT_THROW(collectives::nccl_allgather(comm, a, a, 4, DataType::float32, nullptr, false),
+                   MismatchError);
+    } else {
+      EXPECT_THROW(collectives::nccl_reduce_scatter(comm, a, a, 4, DataType::float32,
+                                                    ReduceOp::sum, nullptr, false),
+                   MismatchError);
+    }
+    EXPECT_EQ(fake_.reduce_scatters, before);  // nothing reached NCCL
+    collectives::nccl_allgather(comm, a, a, 4, DataType::float32, nullptr, false);  // usable
+  }
+}
+
 TEST_F(GpuHostTest, NcclMatchesTheSerialSumOnEveryCount) {
   Communicator comm(MPI_COMM_WORLD);
   for (std::size_t count : {0ul, 1ul, 2ul, 3ul, 7ul, 13ul, 1000ul, 65537ul}) {

@@ -2,11 +2,12 @@
 machine (tests/gpu/run_on_device.sh torch). Skipped where torch sees no GPU.
 
 - every collective on CUDA tensors against a reference computed on the CPU on each rank (every
-  dtype and op of all_reduce; counts 0, 1, primes and large);
+  dtype and op of all_reduce; counts 0, 1, primes and large); all-gathers and reduce-scatters
+  on NCCL in every form torch has, FSDP's in-place all-gather included;
 - stream order: the collective waits for the caller's current stream, work.wait() makes that
   stream wait for the result, and neither blocks the host;
-- torch's DDP on CUDA over gradcomm against DDP over torch's own nccl backend (or gloo where nccl
-  cannot run): the same parameters;
+- torch's DDP, FSDP and FSDP2 on CUDA over gradcomm against DDP over torch's own nccl backend (or
+  gloo where nccl cannot run): the same parameters;
 - ranks that call different collectives get an error on every rank, and the group stays usable.
 
 Ranks share the machine's GPU: each gets its own NCCL_HOSTID (set before any NCCL call), so NCCL
@@ -87,6 +88,40 @@ def test_all_reduce_coalesced_and_reduce_scatter():
     out2 = torch.empty(n, device=DEV)
     dist.reduce_scatter(out2, list(src.chunk(SIZE)))
     check(out2, full[RANK * n:(RANK + 1) * n], torch.float32)
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 1009])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.uint8,
+                                   torch.float64, torch.complex64], ids=str)
+def test_all_gathers_and_reduce_scatters(dtype, count):
+    """All-gathers go through ncclAllGather (as words of the dtype's width; odd byte counts, such
+    as 7 uint8, through the host), reduce-scatters through ncclReduceScatter (complex as its
+    parts; int8 and uint8, which NCCL's gradcomm path widens, through an all-reduce): every form
+    torch has, FSDP's in-place all-gather included, against the CPU reference."""
+    mine = values(RANK, dtype, count).to(DEV)
+    gathered = torch.cat([values(r, dtype, count) for r in range(SIZE)])
+    out = torch.empty(SIZE * count, dtype=dtype, device=DEV)
+    dist.all_gather_into_tensor(out, mine)
+    check(out, gathered, dtype)
+    outs = [torch.empty(count, dtype=dtype, device=DEV) for _ in range(SIZE)]
+    dist.all_gather(outs, mine)
+    check(torch.cat(outs), gathered, dtype)
+    inplace = torch.zeros(SIZE * count, dtype=dtype, device=DEV)  # FSDP: input is my slice
+    shard = inplace.narrow(0, RANK * count, count)
+    shard.copy_(mine)
+    dist.all_gather_into_tensor(inplace, shard)
+    check(inplace, gathered, dtype)
+    ops = [R.SUM, R.AVG] if dtype.is_complex else [R.SUM, R.MAX]
+    for op in ops:
+        full = expected(op, dtype, SIZE * count)
+        src = values(RANK, dtype, SIZE * count).to(DEV)
+        got = torch.empty(count, dtype=dtype, device=DEV)
+        dist.reduce_scatter_tensor(got, src, op=op)
+        check(got, full[RANK * count:(RANK + 1) * count], dtype, op)
+        got2 = torch.empty(count, dtype=dtype, device=DEV)
+        dist.reduce_scatter(got2, list(src.chunk(SIZE)) if count else
+                            [torch.empty(0, dtype=dtype, device=DEV)] * SIZE, op=op)
+        check(got2, full[RANK * count:(RANK + 1) * count], dtype, op)
 
 
 @pytest.mark.parametrize("count", COUNTS)
@@ -224,12 +259,62 @@ def test_ddp_on_cuda_matches_the_reference_backend():
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()
 
 
+def fsdp_net():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 5)).to(DEV)
+
+
+def fsdp_train(model, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + RANK)).to(DEV)
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    torch.cuda.synchronize()
+
+
+def test_fsdp_on_cuda_matches_ddp():
+    """FSDP and FSDP2 on CUDA over gradcomm (their all-gathers and reduce-scatters on NCCL) end
+    where torch's DDP on CUDA over nccl ends."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    try:
+        reference_group = dist.new_group(backend="nccl")
+    except Exception:  # noqa: BLE001
+        reference_group = dist.new_group(backend="gloo")
+    ddp = torch.nn.parallel.DistributedDataParallel(fsdp_net(), device_ids=[DEV],
+                                                    process_group=reference_group)
+    fsdp_train(ddp)
+    want = torch.cat([p.detach().reshape(-1).cpu() for p in ddp.module.parameters()])
+    sharded = FSDP(fsdp_net(), device_id=DEV, use_orig_params=True)
+    fsdp_train(sharded)
+    with FSDP.summon_full_params(sharded):
+        got = torch.cat([p.detach().reshape(-1).cpu() for p in sharded.parameters()])
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    fully_shard = getattr(torch.distributed.fsdp, "fully_shard", None)
+    if fully_shard is None:
+        return
+    model = fsdp_net()
+    fully_shard(model)  # FSDP2 on the default (gradcomm) group's CUDA mesh
+    fsdp_train(model)
+    got = torch.cat([p.full_tensor().detach().reshape(-1).cpu() for p in model.parameters()])
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
 def test_ranks_that_disagree_fail_on_every_rank_and_the_group_stays_usable():
     if SIZE == 1:
         pytest.skip("needs 2 ranks")
     with pytest.raises(RuntimeError, match="disagree"):
         t = torch.ones(100 + (RANK == 1), device=DEV)
         dist.all_reduce(t)
+        torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="disagree"):  # an all-gather against a reduce-scatter
+        t = torch.ones(4 * SIZE, device=DEV)
+        if RANK == 0:
+            dist.all_gather_into_tensor(t, t.narrow(0, 0, 4))
+        else:
+            dist.reduce_scatter_tensor(t.narrow(0, 0, 4), t)
         torch.cuda.synchronize()
     t = torch.ones(10, device=DEV)
     dist.all_reduce(t)
