@@ -1,9 +1,12 @@
 #include "bindings/mpi/errors.h"
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -118,6 +121,16 @@ int code_of(const char* call, const std::exception_ptr& error, int* error_class,
   return error_code(*error_class, *message);
 }
 
+[[noreturn]] void abort_with(MPI_Comm comm, int error_class, const std::string& message) {
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  // MPICH's launcher (Hydra) can end the job on the abort before it has forwarded what the rank
+  // wrote: then nobody sees why (1 launch in 15-30 here). A moment's pause lets it read the pipe.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  PMPI_Abort(comm, error_class);
+  std::abort();  // PMPI_Abort does not return
+}
+
 int raise(MPI_Comm comm, const char* call, const std::exception_ptr& error) {
   int error_class = MPI_ERR_OTHER;
   std::string message;
@@ -125,9 +138,7 @@ int raise(MPI_Comm comm, const char* call, const std::exception_ptr& error) {
   MPI_Errhandler handler = MPI_ERRHANDLER_NULL;
   PMPI_Comm_get_errhandler(comm, &handler);
   if (handler == MPI_ERRORS_ARE_FATAL) {
-    std::fprintf(stderr, "%s\n", message.c_str());
-    std::fflush(stderr);
-    PMPI_Abort(comm, error_class);
+    abort_with(comm, error_class, message);
   } else if (handler != MPI_ERRORS_RETURN && handler != MPI_ERRHANDLER_NULL) {
     PMPI_Comm_call_errhandler(comm, code);
   }

@@ -13,6 +13,10 @@ namespace gradcomm::mpi_preload {
 int code_of(const char* call, const std::exception_ptr& error, int* error_class,
             std::string* message);
 
+// Prints `message` on stderr and aborts the job through PMPI_Abort(comm, error_class), after a
+// pause that lets the launcher forward the message.
+[[noreturn]] void abort_with(MPI_Comm comm, int error_class, const std::string& message);
+
 // Hands a failed call to `comm`'s error handler, in the calling thread: MPI_ERRORS_ARE_FATAL
 // prints gradcomm's message and aborts; MPI_ERRORS_RETURN returns the code (MPI_Error_string
 // gives the message); a user handler is called with it. Returns the code.

@@ -2,10 +2,11 @@
 // program (docs/mpi-preload.md).
 //
 // The library defines MPI_Allreduce, MPI_Iallreduce, MPI_Init, MPI_Init_thread, MPI_Finalize
-// and MPI_Request_free (for its own requests still in flight: pending_call.h). A call it takes runs on gradcomm's Communicator for the user's communicator (a
-// private duplicate, so tags never meet the application's), made on first use and cached on the
-// communicator with an attribute whose delete callback frees it (when the user frees the
-// communicator, or at MPI_Finalize). A call it does not take goes to PMPI_* unchanged.
+// and MPI_Request_free (for its own requests still in flight: pending_call.h). A call it takes runs
+// on gradcomm's Communicator for the user's communicator (a private duplicate, so tags never meet
+// the application's), made on first use and cached on the communicator with an attribute whose
+// delete callback frees it (when the user frees the communicator, or at MPI_Finalize). A call it
+// does not take goes to PMPI_* unchanged.
 //
 // gradcomm's own MPI calls must reach MPI, never these definitions: the library is linked with
 // -Wl,--wrap for each name defined here, which turns the references in gradcomm's objects into
@@ -42,10 +43,11 @@
 
 namespace {
 
-using gradcomm::mpi_preload::PendingCall;
-using gradcomm::mpi_preload::raise;
 using gradcomm::DataType;
 using gradcomm::ReduceOp;
+using gradcomm::mpi_preload::abort_with;
+using gradcomm::mpi_preload::PendingCall;
+using gradcomm::mpi_preload::raise;
 
 // --- Counters -----------------------------------------------------------------------------------
 
@@ -550,11 +552,7 @@ void print_log() {
 // After PMPI_Init*: read the settings; an invalid GRADCOMM_* variable ends the job here, naming it.
 void after_init() {
   setup(true);
-  if (!g_settings.error.empty()) {
-    std::fprintf(stderr, "%s\n", g_settings.error.c_str());
-    std::fflush(stderr);
-    PMPI_Abort(MPI_COMM_WORLD, 1);
-  }
+  if (!g_settings.error.empty()) abort_with(MPI_COMM_WORLD, 1, g_settings.error);
 }
 
 // Frees every communicator's state, newest first (each delete drains the communicator's
