@@ -251,6 +251,13 @@ constexpr bool kHasNativeHandle = requires(const S& s) {
   s.native_handle();
 };
 
+// A CUDA call's event recorded after its work on the group's stream, and what to do once the GPU
+// has run it.
+struct GpuDone {
+  std::shared_ptr<c10::Event> event;
+  std::function<void()> then;
+};
+
 #if GRADCOMM_TORCH_CUDA
 // Ends the job over a CUDA call that stalled or failed on the GPU: nobody waits on the call to
 // throw to (its caller may have gone on), so the job ends, saying why.
@@ -287,8 +294,7 @@ class GpuWatch {
 
   // The call whose work `done` was recorded after on its stream (of `device`);
   // `timeout_seconds` 0: no limit.
-  void watch(std::shared_ptr<c10::Event> done, c10::Device device, const std::string& call,
-             int timeout_seconds) {
+  void watch(GpuDone done, c10::Device device, const std::string& call, int timeout_seconds) {
     std::lock_guard<std::mutex> lock(mutex_);
     entries_.push_back(
         {std::move(done), call, device, std::chrono::steady_clock::now(), timeout_seconds});
@@ -296,7 +302,7 @@ class GpuWatch {
 
  private:
   struct Entry {
-    std::shared_ptr<c10::Event> done;  // shared with the call's work
+    GpuDone done;
     std::string call;
     c10::Device device;
     std::chrono::steady_clock::time_point enqueued;
@@ -317,7 +323,7 @@ class GpuWatch {
       bool done = false;
       try {
         c10::DeviceGuard guard(front->device);
-        done = front->done->query();
+        done = front->done.event->query();
       } catch (const std::exception& e) {  // a CUDA error (a device assert, a fault)
         abort_job(front->call, rank_, std::string("CUDA failed while its work ran: ") + e.what());
       }
@@ -331,6 +337,7 @@ class GpuWatch {
                       " s of its enqueue (a peer may have stopped inside NCCL, or the "
                       "GPU hangs)");
       }
+      if (done && front->done.then) front->done.then();
       lock.lock();
       if (done) {
         // The work may still hold the event; where it does not, it goes with the device current.
@@ -392,8 +399,7 @@ class DeviceCall {
   // group's GpuWatch then watches the call until the GPU has run it, so that a peer that stops
   // inside NCCL, or a hung GPU, ends the job within GRADCOMM_TIMEOUT instead of leaving the
   // caller's stream waiting forever; neither the caller nor the engine waits for the GPU.
-  void run(const std::function<void()>& body,
-           const std::function<std::shared_ptr<c10::Event>()>& then) {
+  void run(const std::function<void()>& body, const std::function<GpuDone()>& then) {
     c10::DeviceGuard device_guard(device_);
     ready_.block(stream_);
     c10::StreamGuard stream_guard(stream_);
@@ -412,7 +418,7 @@ class DeviceCall {
     // Released before the waiter wakes (see submit). The pinned copies may go while the copies
     // back are in flight: torch's host allocator keeps such memory until its copy is done.
     staged_.clear();
-    if (std::shared_ptr<c10::Event> done = then())
+    if (GpuDone done = then(); done.event)
       watch_->watch(std::move(done), device_, call_, timeout_seconds_);
   }
 
@@ -468,8 +474,7 @@ class DeviceCall {
   at::Tensor place(const at::Tensor& t, bool, bool) {
     return t;
   }
-  void run(const std::function<void()>& body,
-           const std::function<std::shared_ptr<c10::Event>()>& then) {
+  void run(const std::function<void()>& body, const std::function<GpuDone()>& then) {
     body();
     then();
   }
@@ -539,7 +544,25 @@ GradcommWork::GradcommWork(c10d::OpType type, const char* profiling_title,
     : c10d::Work(-1, type, profiling_title, c10::optional<std::vector<at::Tensor>>(outputs)),
       outputs_(std::move(outputs)),
       device_(device),
-      future_(make_future(device)) {}
+      future_(make_future(device))
+#if GRADCOMM_TORCH_FUTURE_RESULT
+      ,
+      result_future_(c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get()))
+#endif
+{
+}
+
+void GradcommWork::gpu_done() {
+#if GRADCOMM_TORCH_FUTURE_RESULT
+  result_future_->markCompleted(c10::IValue(static_cast<int64_t>(c10d::WorkResult::SUCCESS)));
+#endif
+}
+
+#if GRADCOMM_TORCH_FUTURE_RESULT
+c10::intrusive_ptr<c10::ivalue::Future> GradcommWork::getFutureResult() {
+  return result_future_;
+}
+#endif
 
 void GradcommWork::complete() {
 #if GRADCOMM_TORCH_CUDA
@@ -553,11 +576,22 @@ void GradcommWork::complete() {
 #endif
   future_->markCompleted(c10::IValue(outputs_));
   finish();
+  if (!device_) gpu_done();  // (a CUDA call's is marked once the GPU has run it)
 }
 
 void GradcommWork::fail(std::exception_ptr error) {
   future_->setError(error);
   finish(error);
+#if GRADCOMM_TORCH_FUTURE_RESULT
+  auto result = c10d::WorkResult::COMM_ERROR;
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    if (std::strstr(e.what(), "GRADCOMM_TIMEOUT") != nullptr) result = c10d::WorkResult::TIMEOUT;
+  } catch (...) {
+  }
+  result_future_->markCompleted(c10::IValue(static_cast<int64_t>(result)));
+#endif
 }
 
 bool GradcommWork::wait(std::chrono::milliseconds timeout) {
@@ -715,7 +749,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
         auto complete = [&] {
           completed = true;  // a callback that throws from here must not fail a completed work
           work->complete();
-          return work->done_event();
+          return GpuDone{work->done_event(), [work] { work->gpu_done(); }};
         };
         if (device) {
           device->run(body, complete);  // the caller's host does not wait for the GPU
@@ -745,7 +779,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
           body = nullptr;
           completed = true;  // a callback that throws from here must not fail the work
           work->complete();
-          return work->done_event();
+          return GpuDone{work->done_event(), [work] { work->gpu_done(); }};
         });
       } else {
         body();

@@ -72,6 +72,9 @@ using BackendBase = c10d::ProcessGroup;
 #define GRADCOMM_TORCH_BLOCK_CURRENT_STREAM 0
 #endif
 
+// c10d::Work::getFutureResult (torch 2.6 and later): a future of the call's c10d::WorkResult.
+#define GRADCOMM_TORCH_FUTURE_RESULT GRADCOMM_TORCH_AT_LEAST(2, 6)
+
 class DeviceCall;
 class GpuWatch;
 
@@ -112,6 +115,14 @@ class GradcommWork : public c10d::Work {
   std::shared_ptr<c10::Event> done_event() const {
     return done_event_;
   }
+  // A CUDA call: the group's GPU watch calls this once the GPU has run the call.
+  void gpu_done();
+#if GRADCOMM_TORCH_FUTURE_RESULT
+  // work.get_future_result(): completes with c10d::WorkResult SUCCESS once the call has finished
+  // (a CUDA call: once the GPU has run it), TIMEOUT when it failed past GRADCOMM_TIMEOUT and
+  // COMM_ERROR when it failed otherwise, as on torch's NCCL backend.
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
+#endif
 
  private:
   std::atomic<int> waiters_{0};
@@ -122,6 +133,9 @@ class GradcommWork : public c10d::Work {
   std::shared_ptr<c10::Event> done_event_;
   std::atomic<bool> enqueued_{false};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+#if GRADCOMM_TORCH_FUTURE_RESULT
+  c10::intrusive_ptr<c10::ivalue::Future> result_future_;
+#endif
 };
 
 class ProcessGroupGradcomm : public BackendBase {

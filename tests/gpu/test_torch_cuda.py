@@ -198,6 +198,16 @@ def test_stream_order_without_blocking_the_host():
     t.fill_(1.0)
     fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert torch.all(fut.wait() == 2.0 * SIZE).item()
+    # get_future_result() completes once the GPU has run the call.
+    if hasattr(torch._C._distributed_c10d.Work, "get_future_result"):
+        from torch._C._distributed_c10d import WorkResult
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            work = dist.all_reduce(t, async_op=True)
+            result = work.get_future_result()
+            assert not result.done(), "the result future completed before the GPU ran the call"
+            assert WorkResult(result.wait()) == WorkResult.SUCCESS
+            assert side.query(), "the result future completed before the stream got there"
     # is_completed() says whether the GPU has run it, as on torch's NCCL backend.
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)

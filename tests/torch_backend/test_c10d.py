@@ -220,6 +220,25 @@ def test_subgroups():
     dist.barrier()
 
 
+@pytest.mark.skipif(not hasattr(torch._C._distributed_c10d.Work, "get_future_result"),
+                    reason="work.get_future_result() is torch 2.6's")
+def test_future_result_says_how_the_call_ended():
+    """work.get_future_result(): SUCCESS once the call has finished, COMM_ERROR for ranks that
+    disagree (as on torch's NCCL backend)."""
+    from torch._C._distributed_c10d import WorkResult
+    t = torch.ones(1009)
+    work = dist.all_reduce(t, async_op=True)
+    assert WorkResult(work.get_future_result().wait()) == WorkResult.SUCCESS
+    work.wait()
+    assert torch.all(t == SIZE)
+    if SIZE == 1:
+        return
+    work = dist.all_reduce(torch.ones(10 + (RANK == 1)), async_op=True)
+    assert WorkResult(work.get_future_result().wait()) == WorkResult.COMM_ERROR
+    with pytest.raises(RuntimeError, match="disagree"):
+        work.wait()
+
+
 # --- failures ----------------------------------------------------------------------------------
 
 def test_ranks_calling_different_collectives_fail_on_every_rank():
