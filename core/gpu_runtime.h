@@ -88,6 +88,9 @@ class Runtime {
 
   // True when everything enqueued on `stream` has finished (cudaStreamQuery).
   virtual bool stream_done(Stream stream) = 0;
+  // True once the work before `event` (a cudaEvent_t the caller recorded) has run
+  // (cudaEventQuery).
+  virtual bool event_done(void* event) = 0;
   virtual void stream_synchronize(Stream stream) = 0;
   virtual Stream stream_create() = 0;
   virtual void stream_destroy(Stream stream) = 0;  // never throws

@@ -228,6 +228,12 @@ class CudaNcclRuntime final : public Runtime {
     check_cuda(rc, "cudaStreamQuery");
     return true;
   }
+  bool event_done(void* event) override {
+    const cudaError_t rc = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (rc == cudaErrorNotReady) return false;
+    check_cuda(rc, "cudaEventQuery");
+    return true;
+  }
   void stream_synchronize(Stream stream) override {
     check_cuda(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
   }

@@ -8,12 +8,15 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
+#include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
 #include "collectives/exchange.h"
 #include "core/error.h"
+#include "core/gpu_runtime.h"
 #include "core/half.h"
 #include "core/progress_engine.h"
 #include "packing/grouped_allreduce.h"
@@ -236,8 +239,53 @@ struct Negotiator::Offer {
   bool sized_by_root = false;
   std::string algorithm;
   std::uint64_t fusion_threshold = 0;
+  bool device = false;
   std::vector<std::uint64_t> splits;
   std::uint64_t cycle = 0;  // when it arrived
+};
+
+// The GPU all-reduces' stream and buffers (a fusion buffer, the stand-ins of a joined rank), on
+// one device, made at the first such all-reduce.
+struct Negotiator::DeviceBuffers {
+  DeviceBuffers(gpu::Runtime& r, int d) : runtime(r), device(d) {
+    const int previous = runtime.current_device();
+    runtime.set_device(device);
+    stream = runtime.stream_create();
+    runtime.set_device(previous);
+  }
+  ~DeviceBuffers() {
+    try {
+      const int previous = runtime.current_device();
+      runtime.set_device(device);
+      if (stream) runtime.stream_synchronize(stream);
+      if (fused) runtime.device_free(fused);
+      if (stand_in) runtime.device_free(stand_in);
+      runtime.stream_destroy(stream);
+      runtime.set_device(previous);
+    } catch (...) {  // nobody to report to at teardown
+    }
+  }
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+  // `buffer` holding at least `bytes` (grown, its contents dropped).
+  std::byte* at_least(void*& buffer, std::size_t& size, std::size_t bytes) {
+    if (bytes > size) {
+      if (buffer) runtime.device_free(buffer);
+      buffer = nullptr;
+      size = 0;
+      buffer = runtime.device_alloc(bytes);
+      size = bytes;
+    }
+    return static_cast<std::byte*>(buffer);
+  }
+
+  gpu::Runtime& runtime;
+  const int device;
+  gpu::Stream stream = nullptr;
+  void* fused = nullptr;
+  std::size_t fused_bytes = 0;
+  void* stand_in = nullptr;
+  std::size_t stand_in_bytes = 0;
 };
 
 struct Negotiator::Entry {
@@ -277,6 +325,12 @@ std::shared_ptr<NegotiatedState> Negotiator::submit(NegotiatedCall call) {
                                         "alltoall needs one split per rank (" +
                                             std::to_string(call.splits.size()) + " for " +
                                             std::to_string(size_) + " ranks)"));
+  }
+  if (call.device &&
+      (call.kind != NegotiatedKind::allreduce || call.prescale != 1.0 || call.postscale != 1.0)) {
+    throw InvalidArgument(error_message(name, rank_,
+                                        "GPU memory is negotiated for all-reduces only, unscaled "
+                                        "(the caller scales on its stream)"));
   }
   if (call.kind == NegotiatedKind::broadcast && (call.root < 0 || call.root >= size_)) {
     throw InvalidArgument(error_message(name, rank_,
@@ -405,6 +459,7 @@ bool Negotiator::cycle() {
     w.put(static_cast<std::uint8_t>(c.sized_by_root));
     w.put(c.algorithm);
     w.put(static_cast<std::uint64_t>(c.fusion_threshold));
+    w.put(static_cast<std::uint8_t>(c.device));
     w.put(static_cast<std::uint32_t>(c.splits.size()));
     for (std::uint64_t v : c.splits)
       w.put(v);
@@ -466,6 +521,7 @@ bool Negotiator::cycle() {
       o.sized_by_root = in.get<std::uint8_t>() != 0;
       o.algorithm = in.text();
       o.fusion_threshold = in.get<std::uint64_t>();
+      o.device = in.get<std::uint8_t>() != 0;
       o.splits.resize(in.get<std::uint32_t>());
       for (auto& v : o.splits)
         v = in.get<std::uint64_t>();
@@ -591,10 +647,14 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
       const bool same_count = o->count == first->count || o->kind == NegotiatedKind::allgather ||
                               o->kind == NegotiatedKind::alltoall || o->sized_by_root;
       if (o->kind != first->kind || o->signature != first->signature || !same_count ||
-          o->root != first->root || o->sized_by_root != first->sized_by_root) {
+          o->root != first->root || o->sized_by_root != first->sized_by_root ||
+          o->device != first->device) {
+        auto where = [](const Offer& offer) {
+          return offer.signature + (offer.device ? " (GPU memory)" : "");
+        };
         e->error = std::make_exception_ptr(
             MismatchError("'" + e->name + "': rank " + std::to_string(first_rank) + " submitted " +
-                          first->signature + ", rank " + std::to_string(r) + " " + o->signature +
+                          where(*first) + ", rank " + std::to_string(r) + " " + where(*o) +
                           "; ranks must agree on what one name means"));
       }
     }
@@ -631,12 +691,16 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
         const Offer* f = &first_offer(*ready[j]);
         if (f->kind == NegotiatedKind::allreduce && f->dtype == first->dtype &&
             f->op == first->op && f->algorithm == first->algorithm &&
-            f->fusion_threshold == first->fusion_threshold) {
+            f->fusion_threshold == first->fusion_threshold && f->device == first->device) {
           group.push_back(ready[j]);
           taken[j] = true;
         }
       }
-      run_allreduces(group);
+      if (first->device) {
+        run_device_allreduces(group);
+      } else {
+        run_allreduces(group);
+      }
       continue;
     }
     taken[i] = true;
@@ -704,6 +768,147 @@ void Negotiator::run_allreduces(const std::vector<Entry*>& group) {
   }
   for (auto& s : states)
     finish(*s, error);
+}
+
+// GPU all-reduces that became ready together: after each tensor's ready event, in buckets of at
+// most the fusion threshold (a larger tensor alone, in place), each bucket copied into a fusion
+// buffer on the negotiator's stream, reduced there through gradcomm's GPU path and copied back.
+// A joined rank stands in with the op's neutral values in device memory. Done once the stream has
+// passed the last copy back.
+void Negotiator::run_device_allreduces(const std::vector<Entry*>& group) {
+  struct Item {
+    std::shared_ptr<NegotiatedState> state;  // null: this rank stands in
+    const Offer* offer;
+    std::size_t bytes;
+  };
+  std::vector<Item> items;
+  for (Entry* e : group) {
+    const auto& mine = e->offers[static_cast<std::size_t>(rank_)];
+    std::shared_ptr<NegotiatedState> state;
+    if (mine) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      state = in_flight_.at(e->name);
+    }
+    const Offer* o = mine ? &*mine : &first_offer(*e);
+    items.push_back({std::move(state), o, o->count * element_size(o->dtype)});
+  }
+  const Offer& first = *items.front().offer;
+  std::exception_ptr error;
+  try {
+    ForegroundWhileWaited foreground(&waiters_);
+    const char* call = "negotiation (GPU all-reduce)";
+    std::string why;
+    gpu::Runtime* runtime = gpu::runtime(&why);
+    if (!runtime) throw Unsupported(error_message(call, rank_, "the GPU path cannot run: " + why));
+    int device = -1;
+    for (const Item& item : items) {
+      if (item.state && item.bytes > 0) {
+        device = runtime->classify(item.state->call.data).device;
+        break;
+      }
+    }
+    // Standing in for every tensor: the device of this negotiator's earlier GPU all-reduces.
+    if (device < 0) device = device_ ? device_->device : runtime->current_device();
+    if (!device_ || device_->device != device) {
+      device_.reset();
+      device_ = std::make_unique<DeviceBuffers>(*runtime, device);
+    }
+    DeviceBuffers& d = *device_;
+    const int previous = runtime->current_device();
+    struct Restore {
+      gpu::Runtime& runtime;
+      int device;
+      ~Restore() {
+        try {
+          runtime.set_device(device);
+        } catch (...) {
+        }
+      }
+    } restore{*runtime, previous};
+    runtime->set_device(device);
+    const int timeout = data_->config().timeout_seconds;
+    auto wait_for = [&](auto done, const std::string& what) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int polls = 0; !done(); ++polls) {
+        if (timeout > 0 &&
+            std::chrono::steady_clock::now() - start > std::chrono::seconds(timeout)) {
+          throw CommError(error_message(
+              call, rank_,
+              what + " did not finish within GRADCOMM_TIMEOUT=" + std::to_string(timeout) + " s"));
+        }
+        if (polls < 1000) {
+          std::this_thread::yield();
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+      }
+    };
+    for (const Item& item : items) {  // the work that writes each tensor
+      if (item.state && item.state->call.ready_event) {
+        wait_for([&] { return runtime->event_done(item.state->call.ready_event); },
+                 "the work before '" + item.state->call.name + "' on its stream");
+      }
+    }
+    // A joined rank's neutral values, filled on the host and copied to the device once.
+    std::size_t stand_in_bytes = 0;
+    for (const Item& item : items)
+      if (!item.state) stand_in_bytes += item.bytes;
+    std::vector<std::byte*> source(items.size(), nullptr);
+    if (stand_in_bytes > 0) {
+      if (scratch_.size() < stand_in_bytes) scratch_.resize(stand_in_bytes);
+      std::byte* on_device = d.at_least(d.stand_in, d.stand_in_bytes, stand_in_bytes);
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        if (items[i].state) continue;
+        fill_neutral(scratch_.data() + at, items[i].offer->count, first.dtype, first.op);
+        source[i] = on_device + at;
+        at += items[i].bytes;
+      }
+      runtime->copy_async(on_device, scratch_.data(), stand_in_bytes, d.stream);
+      runtime->stream_synchronize(d.stream);  // scratch_ is reused by the next group
+    }
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      if (items[i].state) source[i] = static_cast<std::byte*>(items[i].state->call.data);
+    }
+    AllreduceOptions options;
+    options.algorithm = first.algorithm;
+    options.stream = d.stream;
+    options.asynchronous = true;
+    const std::size_t threshold =
+        first.fusion_threshold ? first.fusion_threshold : data_->config().fusion_threshold;
+    const std::size_t es = element_size(first.dtype);
+    for (std::size_t i = 0; i < items.size();) {
+      std::size_t j = i, bytes = 0;
+      while (j < items.size() && (j == i || bytes + items[j].bytes <= threshold)) {
+        bytes += items[j].bytes;
+        ++j;
+      }
+      if (j == i + 1) {  // alone: reduced where it lies
+        allreduce(*data_, source[i], source[i], items[i].offer->count, first.dtype, first.op,
+                  options);
+      } else {
+        std::byte* fused = d.at_least(d.fused, d.fused_bytes, bytes);
+        std::size_t at = 0;
+        for (std::size_t k = i; k < j; ++k) {
+          runtime->copy_async(fused + at, source[k], items[k].bytes, d.stream);
+          at += items[k].bytes;
+        }
+        allreduce(*data_, fused, fused, bytes / es, first.dtype, first.op, options);
+        at = 0;
+        for (std::size_t k = i; k < j; ++k) {
+          if (items[k].state) runtime->copy_async(source[k], fused + at, items[k].bytes, d.stream);
+          at += items[k].bytes;
+        }
+      }
+      i = j;
+    }
+    wait_for([&] { return runtime->stream_done(d.stream); }, "the GPU all-reduce");
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (Item& item : items) {
+    if (item.state) finish(*item.state, error);
+  }
 }
 
 void Negotiator::run_one(Entry& e, NegotiatedState* mine) {

@@ -65,6 +65,13 @@ struct NegotiatedCall {
   double prescale = 1.0, postscale = 1.0;
   std::string algorithm;             // allreduce: empty for Config::algorithm
   std::size_t fusion_threshold = 0;  // allreduce: bucket bytes, 0 for Config::fusion_threshold
+  // allreduce: `data` is in GPU memory. Such calls are reduced through gradcomm's GPU path
+  // (NCCL) on a stream of the negotiator's, after `ready_event` (a cudaEvent_t the caller recorded
+  // after the work that writes `data`, or null) has completed; the state is done once the result
+  // is in `data`. Their scale factors must be 1 (the caller scales on its stream). Ranks must agree
+  // on it under one name, and it is part of the fusion key.
+  bool device = false;
+  void* ready_event = nullptr;
   // broadcast: the receivers do not know the size; the root's `count` decides, and the bytes
   // land in the result (the root's stay at `data`).
   bool sized_by_root = false;
@@ -117,6 +124,7 @@ class Negotiator {
   void run_ready(std::vector<Entry*>& ready);
   void run_one(Entry& entry, NegotiatedState* mine);
   void run_allreduces(const std::vector<Entry*>& group);
+  void run_device_allreduces(const std::vector<Entry*>& group);
   void fail_everything(const std::string& why);
   void finish(NegotiatedState& state, std::exception_ptr error);
   void note_wait(bool waiting_on_pending);
@@ -139,9 +147,11 @@ class Negotiator {
   std::map<std::string, std::unique_ptr<Entry>> table_;  // the same on every rank
   std::uint64_t offers_seen_ = 0;                        // orders the table's entries
   std::uint64_t cycles_ = 0;
-  int quiet_cycles_ = 0;             // consecutive cycles in which nothing happened
-  bool recording_ = false;           // a wait is on the watchdog's recorder
-  std::vector<std::byte> scratch_;   // joined ranks' stand-in buffers
+  int quiet_cycles_ = 0;            // consecutive cycles in which nothing happened
+  bool recording_ = false;          // a wait is on the watchdog's recorder
+  std::vector<std::byte> scratch_;  // joined ranks' stand-in buffers
+  struct DeviceBuffers;             // the GPU all-reduces' stream and buffers
+  std::unique_ptr<DeviceBuffers> device_;
   std::vector<std::byte> out_, in_;  // a cycle's offers: this rank's, every rank's
   std::vector<std::uint64_t> headers_;
   std::vector<int> sizes_, displs_;

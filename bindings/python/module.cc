@@ -19,6 +19,7 @@
 
 #include "bindings/python/negotiation.h"
 #include "collectives/allreduce.h"
+#include "collectives/allreduce_nccl.h"
 #include "collectives/broadcast.h"
 #include "collectives/exchange.h"
 #include "collectives/registry.h"
@@ -584,6 +585,8 @@ PYBIND11_MODULE(_gradcomm, m) {
   m.def(
       "init_mpi", [] { gradcomm::init(); }, "MPI_Init_thread unless MPI is initialized");
   m.def("algorithm_names", &collectives::algorithm_names);
+  m.def("_gpu_unavailable_reason", &collectives::nccl_unavailable_reason,
+        "why gradcomm's GPU path (NCCL) cannot run in this process; empty when it can");
 
   py::class_<PyCommunicator, std::shared_ptr<PyCommunicator>>(m, "Communicator")
       .def(py::init(&PyCommunicator::from_mpi4py), py::arg("mpi4py_comm"),

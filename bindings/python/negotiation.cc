@@ -67,7 +67,8 @@ class PyNegotiator {
                       const std::string& signature, std::uintptr_t data, std::uint64_t count,
                       std::optional<std::string> dtype, std::optional<std::string> op, int root,
                       bool sized_by_root, std::vector<std::uint64_t> splits, double prescale,
-                      double postscale, std::string algorithm, std::size_t fusion_threshold) {
+                      double postscale, std::string algorithm, std::size_t fusion_threshold,
+                      bool device, std::uintptr_t ready_event) {
     const int rank = negotiator_->rank();
     NegotiatedCall call;
     call.name = name;
@@ -92,6 +93,8 @@ class PyNegotiator {
     call.postscale = postscale;
     call.algorithm = std::move(algorithm);
     call.fusion_threshold = fusion_threshold;
+    call.device = device;
+    call.ready_event = reinterpret_cast<void*>(ready_event);
     return PyNegotiated(negotiator_, negotiator_->submit(std::move(call)));
   }
 
@@ -119,7 +122,8 @@ void bind_negotiation(py::module_& m) {
            py::arg("data") = 0, py::arg("count") = 0, py::arg("dtype") = py::none(),
            py::arg("op") = py::none(), py::arg("root") = -1, py::arg("sized_by_root") = false,
            py::arg("splits") = std::vector<std::uint64_t>{}, py::arg("prescale") = 1.0,
-           py::arg("postscale") = 1.0, py::arg("algorithm") = "", py::arg("fusion_threshold") = 0)
+           py::arg("postscale") = 1.0, py::arg("algorithm") = "", py::arg("fusion_threshold") = 0,
+           py::arg("device") = false, py::arg("ready_event") = 0)
       .def("close", &PyNegotiator::close);
   // packing::validate_tensors for a front end that submits a list's tensors one by one:
   // (address, count, dtype name) each; InvalidArgument naming `call`, `rank` and the tensor.

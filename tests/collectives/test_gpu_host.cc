@@ -21,6 +21,7 @@
 #include "core/gpu_runtime.h"
 #include "packing/gradient_packer.h"
 #include "packing/grouped_allreduce.h"
+#include "packing/negotiator.h"
 #include "tests/mpi_test.h"
 
 namespace gradcomm {
@@ -168,6 +169,7 @@ class FakeRuntime final : public gpu::Runtime {
   void group_start() override {}
   void group_end() override {}
   bool stream_done(gpu::Stream) override { return !stall; }
+  bool event_done(void*) override { return !stall; }
   void stream_synchronize(gpu::Stream) override {}
   gpu::Stream stream_create() override { return nullptr; }
   void stream_destroy(gpu::Stream) override {}
@@ -387,9 +389,9 @@ TEST_F(GpuHostTest, DeviceAllGatherAndReduceScatterMatchTheSerialReference) {
   }
   std::vector<float> host(4);
   float* dev = device_floats(4 * n);
-  EXPECT_THROW(collectives::nccl_allgather(comm, host.data(), dev, 4, DataType::float32, nullptr,
-                                           false),
-               InvalidArgument);
+  EXPECT_THROW(
+      collectives::nccl_allgather(comm, host.data(), dev, 4, DataType::float32, nullptr, false),
+      InvalidArgument);
   EXPECT_THROW(collectives::nccl_reduce_scatter(comm, dev, host.data(), 4, DataType::float32,
                                                 ReduceOp::sum, nullptr, false),
                InvalidArgument);
@@ -400,13 +402,74 @@ TEST_F(GpuHostTest, DeviceAllGatherAndReduceScatterMatchTheSerialReference) {
       EXPECT_THROW(collectives::nccl_allgather(comm, a, a, 4, DataType::float32, nullptr, false),
                    MismatchError);
     } else {
-      EXPECT_THROW(collectives::nccl_reduce_scatter(comm, a, a, 4, DataType::float32,
-                                                    ReduceOp::sum, nullptr, false),
+      EXPECT_THROW(collectives::nccl_reduce_scatter(comm, a, a, 4, DataType::float32, ReduceOp::sum,
+                                                    nullptr, false),
                    MismatchError);
     }
     EXPECT_EQ(fake_.reduce_scatters, before);  // nothing reached NCCL
     collectives::nccl_allgather(comm, a, a, 4, DataType::float32, nullptr, false);  // usable
   }
+}
+
+// The negotiator's GPU all-reduces (gradcomm.torch's Horovod API on CUDA tensors): ranks submit
+// the names in different orders; a 64-byte fusion threshold makes fused buckets and tensors
+// reduced alone; a joined rank stands in with neutral values; ranks that disagree on whether a
+// name's tensor is in GPU memory get MismatchError on every rank.
+TEST_F(GpuHostTest, NegotiatedDeviceAllreducesMatchTheSerialSum) {
+  Config config = Config::from_environment();
+  config.fusion_threshold = 64;
+  Communicator comm(MPI_COMM_WORLD, config);
+  const int n = comm.size(), me = comm.rank();
+  Negotiator negotiator(comm);
+  auto device_call = [&](const std::string& name, float* data, std::size_t count) {
+    NegotiatedCall call;
+    call.name = name;
+    call.kind = NegotiatedKind::allreduce;
+    call.signature = "allreduce float32 [" + std::to_string(count) + "] sum";
+    call.data = data;
+    call.count = count;
+    call.device = true;
+    return call;
+  };
+  const std::vector<std::size_t> counts{1, 7, 1001, 3, 0, 16, 2};
+  std::vector<float*> data(counts.size());
+  std::vector<std::shared_ptr<NegotiatedState>> states(counts.size());
+  for (std::size_t i = 0; i < counts.size(); ++i) {
+    const std::size_t k = me % 2 ? counts.size() - 1 - i : i;  // odd ranks in reverse
+    data[k] = device_floats(counts[k] + 1);
+    fill(data[k], counts[k], me, static_cast<int>(k));
+    states[k] = negotiator.submit(device_call("t" + std::to_string(k), data[k], counts[k]));
+  }
+  for (std::size_t k = 0; k < counts.size(); ++k) {
+    negotiator.wait(*states[k]);
+    EXPECT_EQ(std::vector<float>(data[k], data[k] + counts[k]),
+              expected_sum<float>(counts[k], n, static_cast<int>(k)))
+        << k;
+  }
+  if (n > 1) {
+    NegotiatedCall join;
+    join.name = "join";
+    join.kind = NegotiatedKind::join;
+    join.signature = "join";
+    if (me == n - 1) {
+      negotiator.wait(*negotiator.submit(join));
+    } else {
+      float* mine = device_floats(100);
+      fill(mine, 100, me, 9);
+      negotiator.wait(*negotiator.submit(device_call("after-join", mine, 100)));
+      EXPECT_EQ(std::vector<float>(mine, mine + 100), expected_sum<float>(100, n - 1, 9));
+      negotiator.wait(*negotiator.submit(join));
+    }
+    float* odd = device_floats(5);
+    NegotiatedCall call = device_call("host-or-device", odd, 5);
+    call.device = me == 0;
+    auto state = negotiator.submit(call);
+    EXPECT_THROW(negotiator.wait(*state), MismatchError);
+  }
+  NegotiatedCall scaled = device_call("scaled", device_floats(1), 1);
+  scaled.postscale = 0.5;
+  EXPECT_THROW(negotiator.submit(scaled), InvalidArgument);
+  negotiator.close();
 }
 
 TEST_F(GpuHostTest, NcclMatchesTheSerialSumOnEveryCount) {

@@ -1,9 +1,12 @@
 """gradcomm.torch's own front ends (the Horovod-style API and the DDP wrapper) on CUDA tensors,
 under mpirun on a GPU machine (tests/gpu/run_on_device.sh torch). Skipped where torch sees no
-GPU. CUDA tensors go through pinned host copies: these tests check the results on every rank
-against references computed on the CPU, that results land on the tensor's device, that the copy
-in waits for the caller's current stream, and that training matches the same training on CPU
-tensors (Horovod API) and torch's own DDP (DDP wrapper).
+GPU. The all-reduces reduce CUDA tensors on the GPU (NCCL through the negotiator), the other
+calls and the DDP wrapper's and DistributedOptimizer's buckets through pinned host copies: these
+tests check the results on every rank against references computed on the CPU (the scale factors
+bit for bit against the same calls on CPU tensors), that results land on the tensor's device,
+that the calls wait for the caller's current stream, that ranks may submit names in different
+orders, and that training matches the same training on CPU tensors (Horovod API) and torch's own
+DDP (DDP wrapper).
 """
 
 import os
@@ -70,6 +73,54 @@ def test_async_grouped_and_scaled():
     out = hvd.grouped_allreduce([a, b], op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
     check(out[0], reference.expected(R.SUM, torch.float32, 1009, ranks), torch.float32)
     check(out[1], reference.expected(R.SUM, torch.float32, 7, ranks), torch.float32)
+
+
+def test_allreduces_run_on_the_gpu():
+    from gradcomm._torch_common import gpu_reduces
+    assert gpu_reduces(torch.ones(1, device=DEV)), "gradcomm's GPU module did not load here"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.int32, torch.int64], ids=str)
+def test_scale_factors_match_the_host_path_bit_for_bit(dtype):
+    """Prescale and postscale run on the GPU in Horovod's arithmetic, as the host path runs them:
+    the same results bit for bit (factors exact in binary, so the sums' order cannot differ)."""
+    for op, pre, post in ((hvd.Sum, 0.5, 3.0), (hvd.Average, 2.0, 0.25), (hvd.Sum, 0.25, 1.0)):
+        cpu = values(RANK, dtype, 1009) * (RANK + 3)
+        want = hvd.allreduce(cpu, op=op, prescale_factor=pre, postscale_factor=post)
+        got = hvd.allreduce(cpu.to(DEV), op=op, prescale_factor=pre, postscale_factor=post)
+        assert got.is_cuda and torch.equal(got.cpu(), want), (dtype, op, pre, post)
+
+
+def test_names_in_any_order_and_fused_buckets():
+    """Ranks submit named GPU all-reduces in different orders; a small fusion threshold splits
+    a grouped call into several fused buckets and tensors reduced alone."""
+    R = dist.ReduceOp
+    ranks = list(range(SIZE))
+    counts = [1, 300, 7, 5000, 0, 64]
+    tensors = {k: values(RANK, torch.float32, n).to(DEV) * (k + 1) for k, n in enumerate(counts)}
+    order = list(tensors) if RANK % 2 == 0 else list(reversed(tensors))
+    handles = {k: hvd.allreduce_async_(tensors[k], op=hvd.Sum, name=f"order.{k}") for k in order}
+    for k, n in enumerate(counts):
+        check(hvd.synchronize(handles[k]),
+              reference.expected(R.SUM, torch.float32, n, ranks) * (k + 1), torch.float32)
+    group = [values(RANK, torch.float32, n).to(DEV) for n in counts]
+    out = hvd.grouped_allreduce(group, op=hvd.Sum, fusion_threshold=2048)
+    for t, n in zip(out, counts):
+        check(t, reference.expected(R.SUM, torch.float32, n, ranks), torch.float32)
+
+
+def test_gpu_allreduce_waits_for_the_callers_stream():
+    side = torch.cuda.Stream(device=DEV)
+    t = torch.zeros(1 << 16, device=DEV)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        t.fill_(RANK + 1.0)
+        h = hvd.allreduce_async_(t, op=hvd.Sum, name="after-sleep")
+        hvd.synchronize(h)
+        got = t.clone()
+    side.synchronize()
+    assert torch.all(got == float(sum(range(1, SIZE + 1)))).item()
 
 
 def test_broadcast_allgather_alltoall():

@@ -1,13 +1,13 @@
-"""What gradcomm.torch's front ends share: tensor checks, host staging of CUDA tensors,
-coalesced broadcasts, a check that every rank holds the same model, and the gradient reducer
-that autograd hooks feed (the compiled packing::Reducer: buckets all-reduced on the progress
-engine while backward runs).
+"""What gradcomm.torch's front ends share: tensor checks, host staging of CUDA tensors, scaling
+on the GPU, coalesced broadcasts, a check that every rank holds the same model, and the gradient
+reducer that autograd hooks feed (the compiled packing::Reducer: buckets all-reduced on the
+progress engine while backward runs).
 
-CUDA tensors go through the same host paths as CPU tensors, by way of pinned host copies (as
-Horovod's MPI operations do where the MPI cannot read GPU memory): the copy in waits for the work
-queued on the tensor's device's current stream, and the result is copied back on that stream, so
-that work queued after it there sees the result. torch.distributed's "gradcomm" backend is the
-path that reduces CUDA tensors on the GPU (NCCL)."""
+The Horovod-style all-reduces reduce CUDA tensors on the GPU (NCCL, through the negotiator's
+GPU path; gpu_reduces()). Other CUDA tensors go through the same host paths as CPU tensors, by
+way of pinned host copies (as Horovod's MPI operations do where the MPI cannot read GPU memory):
+the copy in waits for the work queued on the tensor's device's current stream, and the result is
+copied back on that stream, so that work queued after it there sees the result."""
 
 import collections
 import hashlib
@@ -35,6 +35,39 @@ DEVICES = ("cpu", "cuda")
 # For tests (GRADCOMM_TORCH_STAGE_ALL=1): every tensor, CPU ones too, then goes through a host
 # copy as CUDA tensors do, so that the staging is exercised where no GPU is.
 _stage_every_tensor = os.environ.get("GRADCOMM_TORCH_STAGE_ALL") == "1"
+
+
+_gpu_unavailable = None
+
+
+def gpu_reduces(tensor):
+    """Whether the Horovod-style all-reduces reduce `tensor` on the GPU (a CUDA tensor, where
+    gradcomm's GPU module runs; not under GRADCOMM_TORCH_STAGE_ALL)."""
+    global _gpu_unavailable
+    if not tensor.is_cuda or _stage_every_tensor:
+        return False
+    if _gpu_unavailable is None:
+        _gpu_unavailable = _gradcomm._gpu_unavailable_reason()
+    return not _gpu_unavailable
+
+
+def scale_on_device(tensor, factor):
+    """Multiplies `tensor` in place by `factor` on its device's current stream, in Horovod's
+    arithmetic (packing/negotiator.h): float32, float16 and bfloat16 in float32 with the factor
+    rounded to float, float64 in double, integers in double truncated toward zero and saturated."""
+    if factor == 1.0 or tensor.numel() == 0:
+        return
+    with torch.no_grad():
+        if tensor.dtype == torch.float64:
+            tensor.mul_(float(factor))
+        elif tensor.is_floating_point():
+            tensor.mul_(float(np.float32(factor)))  # computed in float32 by torch's kernels
+        else:
+            info = torch.iinfo(tensor.dtype)
+            wide = tensor.double().mul_(float(factor))
+            high, low = wide >= float(info.max), wide <= float(info.min)
+            exact = wide.trunc().masked_fill_(high | low, 0).to(tensor.dtype)
+            tensor.copy_(exact.masked_fill_(high, info.max).masked_fill_(low, info.min))
 
 
 def needs_host_copy(tensor):

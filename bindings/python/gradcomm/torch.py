@@ -42,7 +42,7 @@ from . import is_initialized, local_rank, local_size, rank, size  # noqa: F401
 from . import shutdown as _shutdown
 from . import _gradcomm
 from ._torch_common import (DEVICES, DTYPES, GradientReducer, JoinControl, check_tensor,
-                            grad_accumulator, staged, unstage)
+                            gpu_reduces, grad_accumulator, scale_on_device, staged, unstage)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -533,20 +533,40 @@ def _comm(comm):
 _WIRE_OPS = {"sum": "sum", "average": "sum", "min": "min", "max": "max", "product": "prod"}
 
 
-def _submit_allreduce(c, tensor, name, opname, prescale, postscale, algorithm, fusion_threshold):
-    """Submits an in-place all-reduce of `tensor` (checked, contiguous). As Horovod: Average is a
-    Sum whose postscale factor is divided by the rank count; the factors apply on the
-    negotiation thread, in Horovod's arithmetic."""
+def _submit_allreduce(c, tensor, name, opname, prescale, postscale, algorithm, fusion_threshold,
+                      ready_event=None):
+    """Submits an in-place all-reduce of `tensor` (checked, contiguous; a host tensor, or with
+    `ready_event` a CUDA tensor the GPU reduces, already prescaled on its stream, and
+    postscaled by the caller after). As Horovod: Average is a Sum whose postscale factor is
+    divided by the rank count; the factors apply on the negotiation thread, in Horovod's
+    arithmetic."""
     dtype = DTYPES[tensor.dtype]
-    post = postscale / c.size() if opname == "average" else postscale
+    post = _average_factor(c, opname, postscale)
     signature = (f"allreduce {dtype} {list(tensor.shape)} {opname}, factors "
                  f"({float(prescale)!r}, {float(postscale)!r})" +
                  (f", algorithm {algorithm}" if algorithm else ""))
     threshold = 0 if fusion_threshold is None else max(1, int(fusion_threshold))
+    device = ready_event is not None
     return _negotiator(c).submit(name, "allreduce", signature, tensor.data_ptr(), tensor.numel(),
-                                 dtype, _WIRE_OPS[opname], prescale=float(prescale),
-                                 postscale=float(post), algorithm=algorithm,
-                                 fusion_threshold=threshold)
+                                 dtype, _WIRE_OPS[opname],
+                                 prescale=1.0 if device else float(prescale),
+                                 postscale=1.0 if device else float(post), algorithm=algorithm,
+                                 fusion_threshold=threshold, device=device,
+                                 ready_event=ready_event.cuda_event if device else 0)
+
+
+def _average_factor(c, opname, postscale):
+    return postscale / c.size() if opname == "average" else postscale
+
+
+def _ready_after_prescale(tensors, prescale):
+    """Prescales the CUDA tensors the GPU reduces, on their device's current stream, and returns
+    an event recorded there after that (what the negotiator waits for before reading them)."""
+    for t in tensors:
+        scale_on_device(t, prescale)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(tensors[0].device))
+    return ready
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -560,10 +580,21 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     algorithm = _algorithm_checked(algorithm, call)
     c = _comm(comm)
     handle = next(_next_handle)
+    if gpu_reduces(tensor):  # NCCL on the GPU; the result scaled on the caller's stream after
+        ready = _ready_after_prescale([tensor], prescale_factor)
+        state = _submit_allreduce(c, tensor, _op_name("allreduce", name, c), opname,
+                                  prescale_factor, postscale_factor, algorithm, None, ready)
+        post = _average_factor(c, opname, postscale_factor)
+        return _register(handle, [state], lambda: _postscaled(tensor, post), (tensor, ready))
     host = staged(tensor)
     state = _submit_allreduce(c, host, _op_name("allreduce", name, c), opname,
                               prescale_factor, postscale_factor, algorithm, None)
     return _register(handle, [state], lambda: unstage(tensor, host), (tensor, host))
+
+
+def _postscaled(tensor, factor):
+    scale_on_device(tensor, factor)
+    return tensor
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -651,12 +682,20 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     algorithm = _algorithm_checked(algorithm, call)
     handle = next(_next_handle)
     base, n = _op_name("grouped_allreduce", name, c), len(tensors)
-    hosts = [staged(t) for t in tensors]
+    on_gpu = [gpu_reduces(t) for t in tensors]
+    ready = (_ready_after_prescale([t for t, g in zip(tensors, on_gpu) if g], prescale_factor)
+             if any(on_gpu) else None)
+    hosts = [t if g else staged(t) for t, g in zip(tensors, on_gpu)]
     states = [_submit_allreduce(c, h, f"{base}_{i + 1}of{n}", opname, prescale_factor,
-                                postscale_factor, algorithm, fusion_threshold)
+                                postscale_factor, algorithm, fusion_threshold,
+                                ready if on_gpu[i] else None)
               for i, h in enumerate(hosts)]
-    return _register(handle, states, lambda: [unstage(t, h) for t, h in zip(tensors, hosts)],
-                     tensors + hosts)
+    post = _average_factor(c, opname, postscale_factor)
+
+    def finish():
+        return [_postscaled(t, post) if g else unstage(t, h)
+                for t, h, g in zip(tensors, hosts, on_gpu)]
+    return _register(handle, states, finish, tensors + hosts + [ready])
 
 
 def _check_disjoint(tensors, dtypes, call, c):
