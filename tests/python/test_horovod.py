@@ -424,3 +424,22 @@ def test_join_switched_off(monkeypatch):
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
     with pytest.raises(NotImplementedError, match="GRADCOMM_JOIN=0"):
         hvd.join()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.int32, torch.int64], ids=str)
+def test_gpu_scaling_matches_the_negotiators_arithmetic(dtype):
+    """The CUDA path scales on the tensor's stream with torch's ops (scale_on_device), the host
+    path on the negotiation thread: run on CPU tensors here, both must give the same bits for
+    factors that round (0.3, 1/size) and integers that truncate and saturate."""
+    from gradcomm._torch_common import scale_on_device
+    big = torch.iinfo(dtype).max // 2 if not dtype.is_floating_point else 1e4
+    x = (torch.arange(1009) % 13 - 6).to(dtype) * (hvd.rank() + 3)
+    x[:2] = torch.tensor([big, -big]).to(dtype)  # integers saturate past their range (x 3.7)
+    for op, pre, post in ((hvd.Sum, 0.3, 3.7), (hvd.Average, 1.7, 1.0), (hvd.Sum, 1.0, 0.1)):
+        want = hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post)
+        mine = x.clone()
+        scale_on_device(mine, pre)
+        total = hvd.allreduce(mine, op=hvd.Sum)
+        scale_on_device(total, post / hvd.size() if op == hvd.Average else post)
+        assert torch.equal(total, want), (dtype, op, pre, post, (total != want).nonzero()[:4])

@@ -60,8 +60,10 @@ def scale_on_device(tensor, factor):
     with torch.no_grad():
         if tensor.dtype == torch.float64:
             tensor.mul_(float(factor))
-        elif tensor.is_floating_point():
-            tensor.mul_(float(np.float32(factor)))  # computed in float32 by torch's kernels
+        elif tensor.dtype == torch.float32:
+            tensor.mul_(float(np.float32(factor)))
+        elif tensor.is_floating_point():  # in float32 (some torch kernels round the factor to
+            tensor.copy_(tensor.float().mul_(float(np.float32(factor))))  # the tensor's dtype)
         else:
             info = torch.iinfo(tensor.dtype)
             wide = tensor.double().mul_(float(factor))
