@@ -37,7 +37,8 @@ void gpu_hierarchical_allreduce(const AllreduceArgs& args, Communicator& comm);
 // returns once the result is ready, or with `asynchronous` once it is enqueued. `count` is the
 // elements each rank contributes (all-gather) or receives (reduce-scatter); recv (all-gather) and
 // send (reduce-scatter) hold comm.size() times as many. InvalidArgument for host memory or
-// buffers on two devices, Unsupported in reproducible mode, as for allreduce.
+// buffers on two devices; the reduce-scatter Unsupported in reproducible mode, as allreduce (an
+// all-gather only copies).
 void nccl_allgather(Communicator& comm, const void* send, void* recv, std::size_t count,
                     DataType dtype, void* stream, bool asynchronous);
 void nccl_reduce_scatter(Communicator& comm, const void* send, void* recv, std::size_t count,

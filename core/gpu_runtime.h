@@ -91,6 +91,8 @@ class Runtime {
   // True once the work before `event` (a cudaEvent_t the caller recorded) has run
   // (cudaEventQuery).
   virtual bool event_done(void* event) = 0;
+  // Work enqueued on `stream` from now on waits for `event` (cudaStreamWaitEvent).
+  virtual void stream_wait_event(Stream stream, void* event) = 0;
   virtual void stream_synchronize(Stream stream) = 0;
   virtual Stream stream_create() = 0;
   virtual void stream_destroy(Stream stream) = 0;  // never throws

@@ -234,6 +234,10 @@ class CudaNcclRuntime final : public Runtime {
     check_cuda(rc, "cudaEventQuery");
     return true;
   }
+  void stream_wait_event(Stream stream, void* event) override {
+    check_cuda(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event), 0),
+               "cudaStreamWaitEvent");
+  }
   void stream_synchronize(Stream stream) override {
     check_cuda(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
   }

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -245,38 +247,38 @@ struct Negotiator::Offer {
 };
 
 // The GPU all-reduces' stream and buffers (a fusion buffer, the stand-ins of a joined rank), on
-// one device, made at the first such all-reduce.
+// one device, made at the first such all-reduce on the negotiation thread, which keeps that device
+// current from then on, and freed by that thread before it ends.
 struct Negotiator::DeviceBuffers {
   DeviceBuffers(gpu::Runtime& r, int d) : runtime(r), device(d) {
-    const int previous = runtime.current_device();
     runtime.set_device(device);
     stream = runtime.stream_create();
-    runtime.set_device(previous);
   }
+  // Bounded: a stream still busy after 10 s (a hung kernel) keeps its memory.
   ~DeviceBuffers() {
     try {
-      const int previous = runtime.current_device();
-      runtime.set_device(device);
-      if (stream) runtime.stream_synchronize(stream);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!runtime.stream_done(stream)) {
+        if (std::chrono::steady_clock::now() > deadline) return;
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
       if (fused) runtime.device_free(fused);
       if (stand_in) runtime.device_free(stand_in);
       runtime.stream_destroy(stream);
-      runtime.set_device(previous);
     } catch (...) {  // nobody to report to at teardown
     }
   }
   DeviceBuffers(const DeviceBuffers&) = delete;
   DeviceBuffers& operator=(const DeviceBuffers&) = delete;
-  // `buffer` holding at least `bytes` (grown, its contents dropped).
-  std::byte* at_least(void*& buffer, std::size_t& size, std::size_t bytes) {
-    if (bytes > size) {
-      if (buffer) runtime.device_free(buffer);
-      buffer = nullptr;
-      size = 0;
-      buffer = runtime.device_alloc(bytes);
-      size = bytes;
-    }
-    return static_cast<std::byte*>(buffer);
+  // Makes `buffer` hold at least `bytes`; called before a group's first collective, so that no
+  // allocation (which may fail on this rank alone) comes between the group's collectives.
+  void reserve(void*& buffer, std::size_t& size, std::size_t bytes) {
+    if (bytes <= size) return;
+    if (buffer) runtime.device_free(buffer);
+    buffer = nullptr;
+    size = 0;
+    buffer = runtime.device_alloc(bytes);
+    size = bytes;
   }
 
   gpu::Runtime& runtime;
@@ -326,12 +328,13 @@ std::shared_ptr<NegotiatedState> Negotiator::submit(NegotiatedCall call) {
                                             std::to_string(call.splits.size()) + " for " +
                                             std::to_string(size_) + " ranks)"));
   }
-  if (call.device &&
-      (call.kind != NegotiatedKind::allreduce || call.prescale != 1.0 || call.postscale != 1.0)) {
+  if (call.device && (call.kind != NegotiatedKind::allreduce || call.prescale != 1.0 ||
+                      call.postscale != 1.0 || call.gpu < 0)) {
     throw InvalidArgument(error_message(name, rank_,
                                         "GPU memory is negotiated for all-reduces only, unscaled "
-                                        "(the caller scales on its stream)"));
+                                        "(the caller scales on its stream), naming its device"));
   }
+  if (call.device) last_gpu_.store(call.gpu);
   if (call.kind == NegotiatedKind::broadcast && (call.root < 0 || call.root >= size_)) {
     throw InvalidArgument(error_message(name, rank_,
                                         "root " + std::to_string(call.root) + " is outside the " +
@@ -417,6 +420,7 @@ void Negotiator::loop() noexcept {
     table_.clear();
   }
   if (recording_ && data_->recorder()) data_->recorder()->end(false);
+  device_.reset();  // on this thread, whose current device is the buffers'
   // Whatever is left (submitted after the last cycle) cannot run.
   std::vector<std::shared_ptr<NegotiatedState>> left;
   {
@@ -770,97 +774,100 @@ void Negotiator::run_allreduces(const std::vector<Entry*>& group) {
     finish(*s, error);
 }
 
-// GPU all-reduces that became ready together: after each tensor's ready event, in buckets of at
-// most the fusion threshold (a larger tensor alone, in place), each bucket copied into a fusion
-// buffer on the negotiator's stream, reduced there through gradcomm's GPU path and copied back.
-// A joined rank stands in with the op's neutral values in device memory. Done once the stream has
-// passed the last copy back.
+// Ends the job: a GPU all-reduce failed on this rank in a way its peers cannot see (they are in,
+// or past, the group's collectives), or its work never finished on the GPU, which may still write
+// into the callers' tensors.
+[[noreturn]] void abort_gpu_group(int rank, const std::string& why) {
+  std::fprintf(
+      stderr, "%s\n",
+      error_message("negotiation (GPU all-reduce)", rank, why + ": aborting the job").c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+// GPU all-reduces that became ready together, on the negotiator's stream: after each tensor's
+// ready event (a wait on the GPU, not the host), in buckets of at most the fusion threshold (a
+// larger tensor alone, in place), each bucket copied into a fusion buffer, reduced through
+// gradcomm's GPU path and copied back. A joined rank stands in with the op's neutral values in
+// device memory. Done once the stream has passed the last copy back. The buffers are reserved
+// before the first collective; what fails on this rank alone after that ends the job.
 void Negotiator::run_device_allreduces(const std::vector<Entry*>& group) {
   struct Item {
     std::shared_ptr<NegotiatedState> state;  // null: this rank stands in
-    const Offer* offer;
-    std::size_t bytes;
+    std::size_t count, bytes;
   };
+  const Offer& agreed = first_offer(*group.front());  // the same on every rank
+  const std::size_t es = element_size(agreed.dtype);
   std::vector<Item> items;
+  int device = -1;
   for (Entry* e : group) {
     const auto& mine = e->offers[static_cast<std::size_t>(rank_)];
     std::shared_ptr<NegotiatedState> state;
     if (mine) {
       std::lock_guard<std::mutex> lock(mutex_);
       state = in_flight_.at(e->name);
+      if (device < 0) device = state->call.gpu;
     }
-    const Offer* o = mine ? &*mine : &first_offer(*e);
-    items.push_back({std::move(state), o, o->count * element_size(o->dtype)});
+    const std::size_t count = mine ? mine->count : first_offer(*e).count;
+    items.push_back({std::move(state), count, count * es});
   }
-  const Offer& first = *items.front().offer;
+  // Standing in for every tensor: the device of this rank's GPU all-reduces so far.
+  if (device < 0) device = device_ ? device_->device : last_gpu_.load();
   std::exception_ptr error;
+  std::size_t issued = 0, planned = 0;  // the group's collectives enqueued so far, and in all
+  const char* call = "negotiation (GPU all-reduce)";
   try {
     ForegroundWhileWaited foreground(&waiters_);
-    const char* call = "negotiation (GPU all-reduce)";
     std::string why;
     gpu::Runtime* runtime = gpu::runtime(&why);
     if (!runtime) throw Unsupported(error_message(call, rank_, "the GPU path cannot run: " + why));
-    int device = -1;
-    for (const Item& item : items) {
-      if (item.state && item.bytes > 0) {
-        device = runtime->classify(item.state->call.data).device;
-        break;
-      }
+    if (device < 0) {
+      throw InvalidArgument(error_message(call, rank_,
+                                          "this rank stands in for a GPU all-reduce before it "
+                                          "has made one: no device to run it on"));
     }
-    // Standing in for every tensor: the device of this negotiator's earlier GPU all-reduces.
-    if (device < 0) device = device_ ? device_->device : runtime->current_device();
     if (!device_ || device_->device != device) {
       device_.reset();
       device_ = std::make_unique<DeviceBuffers>(*runtime, device);
     }
     DeviceBuffers& d = *device_;
-    const int previous = runtime->current_device();
-    struct Restore {
-      gpu::Runtime& runtime;
-      int device;
-      ~Restore() {
-        try {
-          runtime.set_device(device);
-        } catch (...) {
-        }
+    // Buckets, and the memory they need, before any collective.
+    const std::size_t threshold =
+        agreed.fusion_threshold ? agreed.fusion_threshold : data_->config().fusion_threshold;
+    std::vector<std::pair<std::size_t, std::size_t>> buckets;  // [first, last) items
+    std::size_t fused_bytes = 0, stand_in_bytes = 0;
+    for (std::size_t i = 0; i < items.size();) {
+      std::size_t j = i, bytes = 0;
+      while (j < items.size() && (j == i || bytes + items[j].bytes <= threshold)) {
+        bytes += items[j].bytes;
+        ++j;
       }
-    } restore{*runtime, previous};
-    runtime->set_device(device);
-    const int timeout = data_->config().timeout_seconds;
-    auto wait_for = [&](auto done, const std::string& what) {
-      const auto start = std::chrono::steady_clock::now();
-      for (int polls = 0; !done(); ++polls) {
-        if (timeout > 0 &&
-            std::chrono::steady_clock::now() - start > std::chrono::seconds(timeout)) {
-          throw CommError(error_message(
-              call, rank_,
-              what + " did not finish within GRADCOMM_TIMEOUT=" + std::to_string(timeout) + " s"));
-        }
-        if (polls < 1000) {
-          std::this_thread::yield();
-        } else {
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-        }
-      }
-    };
-    for (const Item& item : items) {  // the work that writes each tensor
-      if (item.state && item.state->call.ready_event) {
-        wait_for([&] { return runtime->event_done(item.state->call.ready_event); },
-                 "the work before '" + item.state->call.name + "' on its stream");
-      }
+      if (j > i + 1) fused_bytes = std::max(fused_bytes, bytes);
+      buckets.emplace_back(i, j);
+      i = j;
     }
-    // A joined rank's neutral values, filled on the host and copied to the device once.
-    std::size_t stand_in_bytes = 0;
+    planned = buckets.size();
     for (const Item& item : items)
       if (!item.state) stand_in_bytes += item.bytes;
+    try {
+      d.reserve(d.fused, d.fused_bytes, fused_bytes);
+      d.reserve(d.stand_in, d.stand_in_bytes, stand_in_bytes);
+    } catch (const std::exception& e) {
+      abort_gpu_group(rank_, std::string("its buffers could not be allocated: ") + e.what());
+    }
+    for (const Item& item : items) {  // the work that writes each tensor, on the GPU
+      if (item.state && item.state->call.ready_event)
+        runtime->stream_wait_event(d.stream, item.state->call.ready_event);
+    }
     std::vector<std::byte*> source(items.size(), nullptr);
-    if (stand_in_bytes > 0) {
+    if (stand_in_bytes > 0) {  // neutral values, filled on the host and copied once
       if (scratch_.size() < stand_in_bytes) scratch_.resize(stand_in_bytes);
-      std::byte* on_device = d.at_least(d.stand_in, d.stand_in_bytes, stand_in_bytes);
+      auto* on_device = static_cast<std::byte*>(d.stand_in);
       std::size_t at = 0;
       for (std::size_t i = 0; i < items.size(); ++i) {
         if (items[i].state) continue;
-        fill_neutral(scratch_.data() + at, items[i].offer->count, first.dtype, first.op);
+        fill_neutral(scratch_.data() + at, items[i].count, agreed.dtype, agreed.op);
         source[i] = on_device + at;
         at += items[i].bytes;
       }
@@ -871,39 +878,54 @@ void Negotiator::run_device_allreduces(const std::vector<Entry*>& group) {
       if (items[i].state) source[i] = static_cast<std::byte*>(items[i].state->call.data);
     }
     AllreduceOptions options;
-    options.algorithm = first.algorithm;
+    options.algorithm = agreed.algorithm;
     options.stream = d.stream;
     options.asynchronous = true;
-    const std::size_t threshold =
-        first.fusion_threshold ? first.fusion_threshold : data_->config().fusion_threshold;
-    const std::size_t es = element_size(first.dtype);
-    for (std::size_t i = 0; i < items.size();) {
-      std::size_t j = i, bytes = 0;
-      while (j < items.size() && (j == i || bytes + items[j].bytes <= threshold)) {
-        bytes += items[j].bytes;
-        ++j;
-      }
+    auto* fused = static_cast<std::byte*>(d.fused);
+    for (const auto& [i, j] : buckets) {
       if (j == i + 1) {  // alone: reduced where it lies
-        allreduce(*data_, source[i], source[i], items[i].offer->count, first.dtype, first.op,
-                  options);
+        allreduce(*data_, source[i], source[i], items[i].count, agreed.dtype, agreed.op, options);
       } else {
-        std::byte* fused = d.at_least(d.fused, d.fused_bytes, bytes);
         std::size_t at = 0;
         for (std::size_t k = i; k < j; ++k) {
           runtime->copy_async(fused + at, source[k], items[k].bytes, d.stream);
           at += items[k].bytes;
         }
-        allreduce(*data_, fused, fused, bytes / es, first.dtype, first.op, options);
+        allreduce(*data_, fused, fused, at / es, agreed.dtype, agreed.op, options);
         at = 0;
         for (std::size_t k = i; k < j; ++k) {
           if (items[k].state) runtime->copy_async(source[k], fused + at, items[k].bytes, d.stream);
           at += items[k].bytes;
         }
       }
-      i = j;
+      ++issued;
     }
-    wait_for([&] { return runtime->stream_done(d.stream); }, "the GPU all-reduce");
+    // The result must be in the tensors before their states are done: past GRADCOMM_TIMEOUT the
+    // kernels may still write there, so nothing can be handed back.
+    const int timeout = data_->config().timeout_seconds;
+    const auto start = std::chrono::steady_clock::now();
+    for (int polls = 0; !runtime->stream_done(d.stream); ++polls) {
+      if (timeout > 0 && std::chrono::steady_clock::now() - start > std::chrono::seconds(timeout)) {
+        abort_gpu_group(rank_, "its work did not finish on the GPU within GRADCOMM_TIMEOUT=" +
+                                   std::to_string(timeout) + " s (a peer may have stopped)");
+      }
+      if (polls < 1000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
   } catch (...) {
+    // Before the first collective, or one every rank refused alike (its checks run before
+    // communication): an error for the callers. Between collectives, the peers are already in
+    // the next one: that this rank skips it would leave them waiting.
+    if (issued > 0 && issued < planned) {
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        abort_gpu_group(rank_, std::string("a collective failed on this rank: ") + e.what());
+      }
+    }
     error = std::current_exception();
   }
   for (Item& item : items) {

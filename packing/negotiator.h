@@ -72,6 +72,7 @@ struct NegotiatedCall {
   // on it under one name, and it is part of the fusion key.
   bool device = false;
   void* ready_event = nullptr;
+  int gpu = -1;  // device: the CUDA device `data` is on
   // broadcast: the receivers do not know the size; the root's `count` decides, and the bytes
   // land in the result (the root's stay at `data`).
   bool sized_by_root = false;
@@ -152,6 +153,7 @@ class Negotiator {
   std::vector<std::byte> scratch_;  // joined ranks' stand-in buffers
   struct DeviceBuffers;             // the GPU all-reduces' stream and buffers
   std::unique_ptr<DeviceBuffers> device_;
+  std::atomic<int> last_gpu_{-1};    // the device of this rank's last GPU all-reduce submitted
   std::vector<std::byte> out_, in_;  // a cycle's offers: this rank's, every rank's
   std::vector<std::uint64_t> headers_;
   std::vector<int> sizes_, displs_;

@@ -68,7 +68,7 @@ class PyNegotiator {
                       std::optional<std::string> dtype, std::optional<std::string> op, int root,
                       bool sized_by_root, std::vector<std::uint64_t> splits, double prescale,
                       double postscale, std::string algorithm, std::size_t fusion_threshold,
-                      bool device, std::uintptr_t ready_event) {
+                      bool device, std::uintptr_t ready_event, int gpu) {
     const int rank = negotiator_->rank();
     NegotiatedCall call;
     call.name = name;
@@ -95,6 +95,7 @@ class PyNegotiator {
     call.fusion_threshold = fusion_threshold;
     call.device = device;
     call.ready_event = reinterpret_cast<void*>(ready_event);
+    call.gpu = gpu;
     return PyNegotiated(negotiator_, negotiator_->submit(std::move(call)));
   }
 
@@ -123,7 +124,7 @@ void bind_negotiation(py::module_& m) {
            py::arg("op") = py::none(), py::arg("root") = -1, py::arg("sized_by_root") = false,
            py::arg("splits") = std::vector<std::uint64_t>{}, py::arg("prescale") = 1.0,
            py::arg("postscale") = 1.0, py::arg("algorithm") = "", py::arg("fusion_threshold") = 0,
-           py::arg("device") = false, py::arg("ready_event") = 0)
+           py::arg("device") = false, py::arg("ready_event") = 0, py::arg("gpu") = -1)
       .def("close", &PyNegotiator::close);
   // packing::validate_tensors for a front end that submits a list's tensors one by one:
   // (address, count, dtype name) each; InvalidArgument naming `call`, `rank` and the tensor.

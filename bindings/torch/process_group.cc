@@ -558,6 +558,17 @@ void GradcommWork::gpu_done() {
 #endif
 }
 
+std::function<void()> GradcommWork::gpu_done_callback() {
+#if GRADCOMM_TORCH_FUTURE_RESULT
+  // The result's future only: the work (its tensors) must not be released on the watch thread.
+  return [result = result_future_] {
+    result->markCompleted(c10::IValue(static_cast<int64_t>(c10d::WorkResult::SUCCESS)));
+  };
+#else
+  return {};
+#endif
+}
+
 #if GRADCOMM_TORCH_FUTURE_RESULT
 c10::intrusive_ptr<c10::ivalue::Future> GradcommWork::getFutureResult() {
   return result_future_;
@@ -673,6 +684,16 @@ ProcessGroupGradcomm::~ProcessGroupGradcomm() {
   if (p2p_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&p2p_);
 }
 
+bool ProcessGroupGradcomm::nccl_usable() {
+  if constexpr (!kHasNativeHandle<c10::Stream>) {
+    return false;
+  } else {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    if (!gpu_unavailable_) gpu_unavailable_ = collectives::nccl_unavailable_reason();
+    return gpu_unavailable_->empty();
+  }
+}
+
 std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
     const std::string& call, const std::vector<at::Tensor>& tensors, bool nccl) {
   std::optional<c10::Device> device;
@@ -749,7 +770,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
         auto complete = [&] {
           completed = true;  // a callback that throws from here must not fail a completed work
           work->complete();
-          return GpuDone{work->done_event(), [work] { work->gpu_done(); }};
+          return GpuDone{work->done_event(), work->gpu_done_callback()};
         };
         if (device) {
           device->run(body, complete);  // the caller's host does not wait for the GPU
@@ -779,7 +800,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
           body = nullptr;
           completed = true;  // a callback that throws from here must not fail the work
           work->complete();
-          return GpuDone{work->done_event(), [work] { work->gpu_done(); }};
+          return GpuDone{work->done_event(), work->gpu_done_callback()};
         });
       } else {
         body();
@@ -910,8 +931,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
     check_like(call, rank_, o, inputs[0], "output tensor");
   Communicator& comm = *comm_;
   const auto words = nccl_words(inputs[0]);
-  auto device = device_call(call, joined(outputs[0], inputs), inputs[0].is_cuda() && words);
-  if (device && words) {  // ncclAllGather into one buffer on the group's stream, copied out there
+  const bool on_nccl = inputs[0].is_cuda() && words && nccl_usable();
+  auto device = device_call(call, joined(outputs[0], inputs), on_nccl);
+  if (device && on_nccl) {  // ncclAllGather into one buffer on the group's stream, copied out
     const AllreduceOptions options = reduce_options(device);
     const at::Tensor in = inputs[0];
     const std::vector<at::Tensor> outs = outputs[0];
@@ -955,8 +977,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
   }
   Communicator& comm = *comm_;
   const auto words = nccl_words(input);
-  auto device = device_call(call, {input, output}, input.is_cuda() && words);
-  if (device && words) {  // ncclAllGather; FSDP's in-place form (input the rank's slice) included
+  const bool on_nccl = input.is_cuda() && words && nccl_usable();
+  auto device = device_call(call, {input, output}, on_nccl);
+  if (device && on_nccl) {  // ncclAllGather; FSDP's in-place form (input the rank's slice) included
     const AllreduceOptions options = reduce_options(device);
     at::Tensor in = input, out = output;
     return submit(

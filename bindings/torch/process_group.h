@@ -115,8 +115,11 @@ class GradcommWork : public c10d::Work {
   std::shared_ptr<c10::Event> done_event() const {
     return done_event_;
   }
-  // A CUDA call: the group's GPU watch calls this once the GPU has run the call.
+  // Marks get_future_result() SUCCESS (a call on CPU tensors, at complete()).
   void gpu_done();
+  // For a CUDA call: what the group's GPU watch runs once the GPU has run it (holding the result's
+  // future, not the work: the watch thread must not release the work's tensors).
+  std::function<void()> gpu_done_callback();
 #if GRADCOMM_TORCH_FUTURE_RESULT
   // work.get_future_result(): completes with c10d::WorkResult SUCCESS once the call has finished
   // (a CUDA call: once the GPU has run it), TIMEOUT when it failed past GRADCOMM_TIMEOUT and
@@ -223,6 +226,10 @@ class ProcessGroupGradcomm : public BackendBase {
   std::shared_ptr<DeviceCall> device_call(const std::string& call,
                                           const std::vector<at::Tensor>& tensors,
                                           bool nccl = false);
+  // Whether a call on CUDA tensors can run through gradcomm's GPU path here (this torch gives
+  // streams' handles, and the GPU module runs); otherwise the data-moving collectives stage
+  // through the host, as they did before they had a GPU form.
+  bool nccl_usable();
 
   std::unique_ptr<Communicator> comm_;
   MPI_Comm p2p_ = MPI_COMM_NULL;  // send and recv: a duplicate of their own, tags are torch's

@@ -170,6 +170,7 @@ class FakeRuntime final : public gpu::Runtime {
   void group_end() override {}
   bool stream_done(gpu::Stream) override { return !stall; }
   bool event_done(void*) override { return !stall; }
+  void stream_wait_event(gpu::Stream, void*) override {}
   void stream_synchronize(gpu::Stream) override {}
   gpu::Stream stream_create() override { return nullptr; }
   void stream_destroy(gpu::Stream) override {}
@@ -429,6 +430,7 @@ TEST_F(GpuHostTest, NegotiatedDeviceAllreducesMatchTheSerialSum) {
     call.data = data;
     call.count = count;
     call.device = true;
+    call.gpu = 0;
     return call;
   };
   const std::vector<std::size_t> counts{1, 7, 1001, 3, 0, 16, 2};
@@ -469,6 +471,9 @@ TEST_F(GpuHostTest, NegotiatedDeviceAllreducesMatchTheSerialSum) {
   NegotiatedCall scaled = device_call("scaled", device_floats(1), 1);
   scaled.postscale = 0.5;
   EXPECT_THROW(negotiator.submit(scaled), InvalidArgument);
+  NegotiatedCall nowhere = device_call("nowhere", device_floats(1), 1);
+  nowhere.gpu = -1;
+  EXPECT_THROW(negotiator.submit(nowhere), InvalidArgument);
   negotiator.close();
 }
 

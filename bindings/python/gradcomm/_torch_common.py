@@ -40,11 +40,22 @@ _stage_every_tensor = os.environ.get("GRADCOMM_TORCH_STAGE_ALL") == "1"
 _gpu_unavailable = None
 
 
-def gpu_reduces(tensor):
-    """Whether the Horovod-style all-reduces reduce `tensor` on the GPU (a CUDA tensor, where
-    gradcomm's GPU module runs; not under GRADCOMM_TORCH_STAGE_ALL)."""
+# Algorithms with a GPU form; under any other (named, or GRADCOMM_ALGORITHM) CUDA tensors are
+# staged through the host as before, as they are in reproducible mode, which has no GPU form.
+_GPU_ALGORITHMS = (None, "", "auto", "nccl", "hierarchical")
+
+
+def gpu_reduces(tensor, algorithm=None):
+    """Whether the Horovod-style all-reduces reduce `tensor` on the GPU with `algorithm`: a CUDA
+    tensor, where gradcomm's GPU module runs, with an algorithm that has a GPU form, outside
+    reproducible mode (GRADCOMM_DETERMINISTIC=1) and GRADCOMM_TORCH_STAGE_ALL."""
     global _gpu_unavailable
     if not tensor.is_cuda or _stage_every_tensor:
+        return False
+    if algorithm not in _GPU_ALGORITHMS or os.environ.get("GRADCOMM_DETERMINISTIC") == "1":
+        return False
+    if algorithm in (None, "", "auto") and os.environ.get("GRADCOMM_ALGORITHM") not in \
+            _GPU_ALGORITHMS:
         return False
     if _gpu_unavailable is None:
         _gpu_unavailable = _gradcomm._gpu_unavailable_reason()

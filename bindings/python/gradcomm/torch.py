@@ -552,7 +552,8 @@ def _submit_allreduce(c, tensor, name, opname, prescale, postscale, algorithm, f
                                  prescale=1.0 if device else float(prescale),
                                  postscale=1.0 if device else float(post), algorithm=algorithm,
                                  fusion_threshold=threshold, device=device,
-                                 ready_event=ready_event.cuda_event if device else 0)
+                                 ready_event=ready_event.cuda_event if device else 0,
+                                 gpu=tensor.device.index if device else -1)
 
 
 def _average_factor(c, opname, postscale):
@@ -580,7 +581,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     algorithm = _algorithm_checked(algorithm, call)
     c = _comm(comm)
     handle = next(_next_handle)
-    if gpu_reduces(tensor):  # NCCL on the GPU; the result scaled on the caller's stream after
+    if gpu_reduces(tensor, algorithm):  # NCCL on the GPU; scaled on the caller's stream
         ready = _ready_after_prescale([tensor], prescale_factor)
         state = _submit_allreduce(c, tensor, _op_name("allreduce", name, c), opname,
                                   prescale_factor, postscale_factor, algorithm, None, ready)
@@ -682,20 +683,30 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     algorithm = _algorithm_checked(algorithm, call)
     handle = next(_next_handle)
     base, n = _op_name("grouped_allreduce", name, c), len(tensors)
-    on_gpu = [gpu_reduces(t) for t in tensors]
+    on_gpu = [gpu_reduces(t, algorithm) for t in tensors]
+    if len({t.device for t, g in zip(tensors, on_gpu) if g}) > 1:
+        on_gpu = [False] * n  # one event covers one device's stream: staged, as before
     ready = (_ready_after_prescale([t for t, g in zip(tensors, on_gpu) if g], prescale_factor)
              if any(on_gpu) else None)
     hosts = [t if g else staged(t) for t, g in zip(tensors, on_gpu)]
-    states = [_submit_allreduce(c, h, f"{base}_{i + 1}of{n}", opname, prescale_factor,
-                                postscale_factor, algorithm, fusion_threshold,
-                                ready if on_gpu[i] else None)
-              for i, h in enumerate(hosts)]
+    keep = tensors + hosts + [ready]
     post = _average_factor(c, opname, postscale_factor)
+    states = []
+    try:
+        for i, h in enumerate(hosts):
+            states.append(_submit_allreduce(c, h, f"{base}_{i + 1}of{n}", opname,
+                                            prescale_factor, postscale_factor, algorithm,
+                                            fusion_threshold, ready if on_gpu[i] else None))
+    except Exception:
+        # The ones submitted run anyway (their peers may wait for them): keep their memory and
+        # event alive until they finish, under a handle nobody holds.
+        _register(next(_next_handle), states, lambda: None, keep)
+        raise
 
     def finish():
         return [_postscaled(t, post) if g else unstage(t, h)
                 for t, h, g in zip(tensors, hosts, on_gpu)]
-    return _register(handle, states, finish, tensors + hosts + [ready])
+    return _register(handle, states, finish, keep)
 
 
 def _check_disjoint(tensors, dtypes, call, c):
