@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+
+#include <unistd.h>
 #include <string>
 #include <vector>
 
@@ -197,7 +199,34 @@ void start_from_environment(int rank) {
   static std::once_flag once;
   std::call_once(once, [rank] {
     const char* path = std::getenv("GRADCOMM_TIMELINE");
-    if (path && *path) start(path, rank);
+    if (!path || !*path) return;
+    // A process can hold two copies of gradcomm (Python's module and the torch backend, each
+    // with its own static libraries), each with a timeline of its own: the second copy to start
+    // one writes trace.2.rank<r>.json instead of overwriting the first's file. The copies share
+    // the environment, where the first leaves "<pid>:<copies>" (a child process, whose pid
+    // differs, starts afresh).
+    const std::string mine = std::to_string(getpid());
+    int copy = 1;
+    if (const char* seen = std::getenv("GRADCOMM_TIMELINE_COPIES")) {
+      const std::string text = seen;
+      const auto colon = text.find(':');
+      if (colon != std::string::npos && text.substr(0, colon) == mine)
+        copy = std::atoi(text.c_str() + colon + 1) + 1;
+    }
+    // Built with append: GCC 12's -Wrestrict misfires on chains of operator+ here.
+    std::string value = mine;
+    value.append(":").append(std::to_string(copy));
+    setenv("GRADCOMM_TIMELINE_COPIES", value.c_str(), 1);
+    std::string file = path;
+    if (copy > 1) {
+      constexpr std::string_view kJson = ".json";
+      const bool json = file.size() > kJson.size() &&
+                        file.compare(file.size() - kJson.size(), kJson.size(), kJson) == 0;
+      if (json) file.resize(file.size() - kJson.size());
+      file.append(".").append(std::to_string(copy));
+      if (json) file.append(kJson);
+    }
+    start(file, rank);
   });
 }
 
