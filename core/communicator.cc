@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -98,6 +99,13 @@ void require_thread_multiple(std::string_view call, int rank) {
           ", but non-blocking calls run on a progress thread that calls MPI while the "
           "application's threads may too: initialize MPI with MPI_Init_thread(..., "
           "MPI_THREAD_MULTIPLE, ...), or let gradcomm::init() do it, or use the blocking calls"));
+}
+
+void abort_job(const std::string& message, int exit_code) {
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  if (mpi_ready()) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::abort();  // MPI finalized (the program's exit), or MPI_Abort returned
 }
 
 bool mpi_ready() {

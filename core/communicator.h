@@ -25,6 +25,10 @@ void init(int* argc = nullptr, char*** argv = nullptr);
 void finalize();
 // True when MPI is initialized and not yet finalized.
 bool mpi_ready();
+// Prints `message` on stderr and ends the job: MPI_Abort(MPI_COMM_WORLD, exit_code) while MPI
+// runs, std::abort() after it. For failures with nobody left to throw to (GPU work that a caller
+// has stopped waiting for, or that one rank's peers cannot see).
+[[noreturn]] void abort_job(const std::string& message, int exit_code = 1);
 // True once MPI_Finalize has begun, as seen by a Communicator created before (one atomic load:
 // every collective checks it, so that a call after MPI_Finalize is an error, not an MPI abort).
 bool mpi_finalized();

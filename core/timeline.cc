@@ -144,15 +144,21 @@ void append_args(std::string& d, std::string_view args) {
   d.append(",\"args\":{").append(args).push_back('}');
 }
 
-std::string file_for(const std::string& path, int rank) {
-  std::string tag = ".rank";
-  tag += std::to_string(rank);
+// `path` with "<tag><n>" before its ".json" (added where it has none). Built with append: GCC
+// 12's -Wrestrict misfires on chains of operator+ here.
+std::string tagged(const std::string& path, std::string_view tag, int n) {
   constexpr std::string_view kJson = ".json";
-  if (path.size() > kJson.size() &&
-      path.compare(path.size() - kJson.size(), kJson.size(), kJson) == 0) {
-    return path.substr(0, path.size() - kJson.size()) + tag + std::string(kJson);
+  std::string file = path;
+  if (file.size() > kJson.size() &&
+      file.compare(file.size() - kJson.size(), kJson.size(), kJson) == 0) {
+    file.resize(file.size() - kJson.size());
   }
-  return path + tag + ".json";
+  file.append(tag).append(std::to_string(n)).append(kJson);
+  return file;
+}
+
+std::string file_for(const std::string& path, int rank) {
+  return tagged(path, ".rank", rank);
 }
 
 }  // namespace
@@ -213,20 +219,10 @@ void start_from_environment(int rank) {
       if (colon != std::string::npos && text.substr(0, colon) == mine)
         copy = std::atoi(text.c_str() + colon + 1) + 1;
     }
-    // Built with append: GCC 12's -Wrestrict misfires on chains of operator+ here.
     std::string value = mine;
     value.append(":").append(std::to_string(copy));
     setenv("GRADCOMM_TIMELINE_COPIES", value.c_str(), 1);
-    std::string file = path;
-    if (copy > 1) {
-      constexpr std::string_view kJson = ".json";
-      const bool json = file.size() > kJson.size() &&
-                        file.compare(file.size() - kJson.size(), kJson.size(), kJson) == 0;
-      if (json) file.resize(file.size() - kJson.size());
-      file.append(".").append(std::to_string(copy));
-      if (json) file.append(kJson);
-    }
-    start(file, rank);
+    start(copy > 1 ? tagged(path, ".", copy) : std::string(path), rank);
   });
 }
 

@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -778,12 +776,7 @@ void Negotiator::run_allreduces(const std::vector<Entry*>& group) {
 // or past, the group's collectives), or its work never finished on the GPU, which may still write
 // into the callers' tensors.
 [[noreturn]] void abort_gpu_group(int rank, const std::string& why) {
-  std::fprintf(
-      stderr, "%s\n",
-      error_message("negotiation (GPU all-reduce)", rank, why + ": aborting the job").c_str());
-  std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, 1);
-  std::abort();
+  abort_job(error_message("negotiation (GPU all-reduce)", rank, why + ": aborting the job"));
 }
 
 // GPU all-reduces that became ready together, on the negotiator's stream: after each tensor's

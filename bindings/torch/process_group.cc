@@ -262,12 +262,8 @@ struct GpuDone {
 // Ends the job over a CUDA call that stalled or failed on the GPU: nobody waits on the call to
 // throw to (its caller may have gone on), so the job ends, saying why.
 [[noreturn]] void abort_job(const std::string& call, int rank, const std::string& why) {
-  const std::string message =
-      error_message("torch.distributed " + call + " (gradcomm)", rank, why + ": aborting the job");
-  std::fprintf(stderr, "%s\n", message.c_str());
-  std::fflush(stderr);
-  if (mpi_ready()) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::abort();  // MPI already finalized (the program's exit)
+  gradcomm::abort_job(
+      error_message("torch.distributed " + call + " (gradcomm)", rank, why + ": aborting the job"));
 }
 
 // Watches a group's CUDA calls from their enqueue until the GPU has run them, on a thread of its
