@@ -85,6 +85,34 @@ std::vector<ReducerBucket> plan_reducer_buckets(std::span<const TensorDesc> tens
   return buckets;
 }
 
+std::vector<std::size_t> checked_reducer_order(std::vector<std::size_t> order, std::size_t n,
+                                               const std::vector<std::vector<std::size_t>>& groups,
+                                               std::string_view call, int rank) {
+  if (order.empty()) {
+    order.resize(n);
+    std::iota(order.rbegin(), order.rend(), std::size_t{0});
+  }
+  check_order(order, n, call, rank);
+  std::vector<char> grouped(n, 0);
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const std::size_t index : groups[g]) {
+      if (index >= n) {
+        throw InvalidArgument(error_message(call, rank,
+                                            "groups[" + std::to_string(g) + "] names tensor " +
+                                                std::to_string(index) + " of " +
+                                                std::to_string(n)));
+      }
+      if (grouped[index]++) {
+        throw InvalidArgument(error_message(call, rank,
+                                            "tensor " + std::to_string(index) +
+                                                " is in more than one group (groups[" +
+                                                std::to_string(g) + "])"));
+      }
+    }
+  }
+  return order;
+}
+
 Reducer::Reducer(Communicator& comm, std::vector<TensorDesc> tensors, ReducerOptions options)
     : comm_(comm), tensors_(std::move(tensors)), options_(std::move(options)) {
   comm.settle();
@@ -102,25 +130,8 @@ Reducer::Reducer(Communicator& comm, std::vector<TensorDesc> tensors, ReducerOpt
   if (!options_.algorithm.empty() && !collectives::is_algorithm_name(options_.algorithm)) {
     invalid(collectives::unknown_algorithm(options_.algorithm, false));
   }
-  std::vector<std::size_t> order = options_.order;
-  if (order.empty()) {
-    order.resize(tensors_.size());
-    std::iota(order.rbegin(), order.rend(), std::size_t{0});
-  }
-  check_order(order, tensors_.size(), kCall, comm.rank());
-  std::vector<char> grouped(tensors_.size(), 0);
-  for (std::size_t g = 0; g < options_.groups.size(); ++g) {
-    for (const std::size_t index : options_.groups[g]) {
-      if (index >= tensors_.size()) {
-        invalid("groups[" + std::to_string(g) + "] names tensor " + std::to_string(index) + " of " +
-                std::to_string(tensors_.size()));
-      }
-      if (grouped[index]++) {
-        invalid("tensor " + std::to_string(index) + " is in more than one group (groups[" +
-                std::to_string(g) + "])");
-      }
-    }
-  }
+  const std::vector<std::size_t> order =
+      checked_reducer_order(options_.order, tensors_.size(), options_.groups, kCall, comm.rank());
   if (options_.overlap) require_thread_multiple(kCall, comm.rank());
   plan(order);
 }

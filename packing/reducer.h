@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/aligned_buffer.h"
@@ -57,6 +58,13 @@ struct ReducerBucket {
   std::size_t count = 0;               // elements
   std::size_t byte_offset = 0;         // of the bucket in the buffer (64-byte aligned)
 };
+
+// The launch order the planner takes for `n` tensors: `order` itself, or reverse index order when
+// it is empty. Throws InvalidArgument, naming `call` and `rank`, unless that is a permutation of
+// the indices and each index is in at most one of `groups`.
+std::vector<std::size_t> checked_reducer_order(std::vector<std::size_t> order, std::size_t n,
+                                               const std::vector<std::vector<std::size_t>>& groups,
+                                               std::string_view call, int rank);
 
 // The buckets for these tensors, in launch order: tensors are taken in `order`, each into the
 // open bucket of its dtype, which closes when it reaches its cap (first_bucket_bytes for a

@@ -454,6 +454,13 @@ class PyPacker {
   std::unique_ptr<packing::GradientPacker> packer_;
 };
 
+Compression parse_compression(const std::string& name, const std::string& call, int rank) {
+  if (name == "none") return Compression::none;
+  if (name == "float16") return Compression::float16;
+  if (name == "bfloat16") return Compression::bfloat16;
+  invalid(call, "unknown compression '" + name + "' (none, float16, bfloat16)", rank);
+}
+
 // packing::Reducer over raw tensors (gradcomm.torch's DistributedDataParallel and
 // DistributedOptimizer feed it from autograd hooks). Its bucket memory is exported through the
 // buffer protocol (bytes), so torch.frombuffer can view buckets (gradient_as_bucket_view).
@@ -476,15 +483,7 @@ class PyReducer {
     o.algorithm = algorithm.value_or("");
     o.bucket_cap_bytes = bucket_cap_bytes;
     o.first_bucket_bytes = first_bucket_bytes;
-    if (compression == "none") {
-      o.compression = Compression::none;
-    } else if (compression == "float16") {
-      o.compression = Compression::float16;
-    } else if (compression == "bfloat16") {
-      o.compression = Compression::bfloat16;
-    } else {
-      invalid(call, "unknown compression '" + compression + "' (none, float16, bfloat16)", rank);
-    }
+    o.compression = parse_compression(compression, call, rank);
     o.order = order;
     o.groups = groups;
     o.rebuild_buckets = rebuild_buckets;
@@ -647,6 +646,40 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("rebuilt", &PyReducer::rebuilt)
       .def_buffer(&PyReducer::buffer);
 
+  // packing::plan_reducer_buckets, for a reducer whose buckets live elsewhere (gradcomm.torch's
+  // CUDA gradients, reduced on the GPU): (dtype, wire dtype, tensor indices, element offsets,
+  // element count) per bucket, in launch order. An empty order is reverse index order.
+  m.def(
+      "_plan_reducer_buckets",
+      [](const std::vector<std::size_t>& counts, const std::vector<std::string>& dtypes,
+         std::size_t bucket_cap_bytes, std::size_t first_bucket_bytes,
+         const std::string& compression, const std::vector<std::size_t>& order,
+         const std::vector<std::vector<std::size_t>>& groups, const std::string& call, int rank) {
+        if (counts.size() != dtypes.size())
+          invalid(call, "counts and dtypes differ in length", rank);
+        if (bucket_cap_bytes == 0 || first_bucket_bytes == 0) {
+          invalid(call, "bucket_cap_bytes and first_bucket_bytes must be positive", rank);
+        }
+        packing::ReducerOptions o;
+        o.bucket_cap_bytes = bucket_cap_bytes;
+        o.first_bucket_bytes = first_bucket_bytes;
+        o.compression = parse_compression(compression, call, rank);
+        o.groups = groups;
+        std::vector<packing::TensorDesc> tensors;
+        for (std::size_t i = 0; i < counts.size(); ++i)
+          tensors.push_back({nullptr, counts[i], parse_dtype(dtypes[i], call, rank)});
+        const std::vector<std::size_t> checked =
+            packing::checked_reducer_order(order, counts.size(), groups, call, rank);
+        py::list out;
+        for (const packing::ReducerBucket& b : packing::plan_reducer_buckets(tensors, checked, o)) {
+          out.append(py::make_tuple(std::string(to_string(b.dtype)), std::string(to_string(b.wire)),
+                                    b.tensors, b.offsets, b.count));
+        }
+        return out;
+      },
+      py::arg("counts"), py::arg("dtypes"), py::arg("bucket_cap_bytes"),
+      py::arg("first_bucket_bytes"), py::arg("compression"), py::arg("order"), py::arg("groups"),
+      py::arg("call"), py::arg("rank"));
   m.def(
       "_timeline_start", [](const std::string& path, int rank) { timeline::start(path, rank); },
       py::arg("path"), py::arg("rank"));

@@ -292,6 +292,19 @@ def test_distributed_optimizer_rules():
                                  compression=object())
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that differ")
+def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_rank():
+    # Different buckets (fusion thresholds) on different ranks: refused where the optimizer is
+    # made, on every rank (by either reducer: GRADCOMM_TORCH_NEGOTIATED_REDUCER=1 runs the one
+    # CUDA gradients use), and the ranks go on together.
+    model = Net()
+    with pytest.raises(hvd.InvalidArgument, match="differ"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 fusion_threshold=256 if RANK == 0 else 1 << 20)
+    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
+
+
 def test_broadcast_parameters_and_optimizer_state():
     torch.manual_seed(100 + RANK)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))

@@ -4,6 +4,8 @@ accumulation, unused parameters, gradient_as_bucket_view, compression hooks, buf
 with uneven inputs, and the errors. Every rank checks its own replica, and that replicas are
 bit-identical across ranks."""
 
+import os
+
 import pytest
 import torch
 from conftest import same_on_every_rank
@@ -225,6 +227,18 @@ def test_buffers_follow_rank_0():
     unsynced.eval()
     unsynced(x)
     assert SIZE == 1 or not same_on_every_rank(unsynced.module.bn.running_mean)
+
+
+def test_the_reducer_is_the_one_asked_for():
+    # CPU models get the host reducer, or under GRADCOMM_TORCH_NEGOTIATED_REDUCER=1 (a leg of
+    # the suite) the one CUDA models get where gradcomm's GPU path runs, so that these tests
+    # exercise it; both front ends pick it alike.
+    want = ("NegotiatedReducer" if os.environ.get("GRADCOMM_TORCH_NEGOTIATED_REDUCER") == "1"
+            else "GradientReducer")
+    ddp = gt.DistributedDataParallel(Net(16))
+    opt = gt.DistributedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
+    assert type(ddp._reducer).__name__ == want
+    assert type(opt._gradcomm_reducer).__name__ == want
 
 
 def test_errors():

@@ -11,12 +11,13 @@ copied back on that stream, so that work queued after it there sees the result."
 
 import collections
 import hashlib
+import itertools
 import os
 
 import numpy as np
 import torch
 
-from . import InvalidArgument, MismatchError, world
+from . import InvalidArgument, MismatchError, Unsupported, world
 from . import _gradcomm
 
 DTYPES = {
@@ -191,6 +192,61 @@ def verify_same_across_ranks(description, call, what, comm):
                               f"{description[:200]}{'...' if len(description) > 200 else ''})")
 
 
+# ---- negotiators: calls matched by name (packing/negotiator.h), one per communicator -----------
+_negotiators = {}  # id(communicator) -> (communicator, its negotiator)
+
+
+def negotiator(c):
+    """The negotiator of communicator `c`, made on first use (collective: every rank of c makes it
+    at the same point of its calls)."""
+    entry = _negotiators.get(id(c))
+    if entry is None or entry[0] is not c:
+        from mpi4py import MPI
+        if c.size() > 1 and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            raise Unsupported("gradcomm.torch: its background thread needs MPI at "
+                              "MPI_THREAD_MULTIPLE; MPI was initialized at a lower level "
+                              "(initialize it through gradcomm or mpi4py's default, which asks "
+                              "for MPI_THREAD_MULTIPLE)")
+        entry = _negotiators[id(c)] = (c, c._negotiator())
+    return entry[1]
+
+
+def close_negotiators():
+    """Collective: each negotiator stops once every rank has closed it."""
+    for _, n in list(_negotiators.values()):
+        n.close()
+    _negotiators.clear()
+
+
+# For tests (GRADCOMM_TORCH_NEGOTIATED_REDUCER=1): CPU models' gradients too go through the
+# reducer CUDA gradients use (NegotiatedReducer, its buckets submitted to the negotiator's host
+# path), so that its logic is exercised where no GPU is.
+_negotiated_cpu = os.environ.get("GRADCOMM_TORCH_NEGOTIATED_REDUCER") == "1"
+
+
+def gradient_reducer(params, names, call, comm=None, op="average", algorithm=None,
+                     bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",
+                     groups=None, overlap=True, divide_before_sum=False):
+    """The reducer for these parameters' gradients (collective: every rank of `comm` calls it
+    with the same parameters). A model on one CUDA device, where gradcomm's GPU path runs on
+    every rank (gpu_reduces), gets a NegotiatedReducer (buckets on the GPU, NCCL); any other a
+    GradientReducer (host buckets, CUDA gradients through pinned host copies)."""
+    comm = comm or world()
+    for p, n in zip(params, names):
+        check_parameter(p, call, n)
+    devices = {p.device for p in params}
+    one = next(iter(devices)) if len(devices) == 1 else None
+    here = one is not None and (gpu_reduces(params[0], algorithm) or
+                                (one.type == "cpu" and _negotiated_cpu))
+    # Every rank must pick the same kind: one int32 MIN all-reduce decides.
+    flag = torch.tensor([1 if here else 0], dtype=torch.int32)
+    if comm.size() > 1:
+        comm._allreduce_ptr(flag.data_ptr(), flag.data_ptr(), 1, "int32", "min", None)
+    kind = NegotiatedReducer if flag.item() else GradientReducer
+    return kind(params, names, call, comm, op, algorithm, bucket_cap_bytes, first_bucket_bytes,
+                compression, groups, overlap, divide_before_sum)
+
+
 class GradientReducer:
     """The compiled Reducer over a list of parameters' gradients. mark(i, grad) hands it
     parameter i's gradient tensor (kept alive until finish()); finish() waits for every bucket
@@ -266,6 +322,11 @@ class GradientReducer:
     def iterations(self):
         return self._reducer.iterations()
 
+    @property
+    def negotiated(self):
+        """False: a joined rank stands in for its buckets by marking zeros."""
+        return False
+
     def buckets(self):
         return self._reducer.buckets()
 
@@ -284,6 +345,219 @@ class GradientReducer:
             v = self._flat[offset:offset + nbytes].view(p.dtype).view(p.shape)
             self._views[index] = v
         return v
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+_next_negotiated_reducer = itertools.count(1)  # the same on every rank: reducers are collective
+
+
+class NegotiatedReducer:
+    """GradientReducer's interface for a model on one CUDA device, reduced on the GPU: each
+    bucket (the same plan as the compiled reducer's: packing::plan_reducer_buckets, planned again
+    from rank 0's ready order after the first iteration) is a flat tensor on the device; mark()
+    copies a gradient into its slot on the current stream, and a complete bucket is submitted to
+    the communicator's negotiator under a name of its own, after an event recorded there (the
+    negotiator's GPU path: NCCL on a stream of its own, once that event has run). finish() waits
+    for every bucket and copies the results back on the current stream; work queued there after
+    it sees them, and the next iteration's copies in wait for that. Names make the buckets'
+    order free (ranks may complete them in different orders), a rank inside hvd.join stands in
+    for them, and mismatched buckets fail on every rank, as every negotiated call."""
+
+    def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
+                 bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",
+                 groups=None, overlap=True, divide_before_sum=False):
+        self.comm = comm or world()
+        for p, n in zip(params, names):
+            check_parameter(p, call, n)
+        if op not in ("average", "sum"):
+            raise InvalidArgument(f"{call}: the reducer of CUDA gradients takes op average or "
+                                  f"sum, not {op!r}")
+        self.params = params
+        self.names = names
+        self._call = call
+        self._dtypes = [p.dtype for p in params]
+        self._counts = [p.numel() for p in params]
+        self._average = op == "average"
+        self._algorithm = algorithm or ""
+        self._caps = (int(bucket_cap_bytes), int(first_bucket_bytes))
+        self._compression = compression
+        self._groups = [list(g) for g in (groups or [])]
+        self._overlap = overlap
+        self._divide_before_sum = divide_before_sum
+        self._device = params[0].device if params else torch.device("cpu")
+        self._gpu = self._device.type == "cuda"
+        self._name = f"{call}.reducer{next(_next_negotiated_reducer)}"
+        self._negotiator = negotiator(self.comm)  # collective: made here, before any bucket
+        self._iterations = 0
+        self._reusable = None  # the event after the last copy back (the buckets' memory free)
+        self._plan([])
+        # What the buckets' signatures do not say (the op, where it divides), and the plan: ranks
+        # that differ would reduce different buckets, or scale them differently, under one name.
+        verify_same_across_ranks(
+            f"op {op}, divide_before_sum {divide_before_sum}, compression {compression}, "
+            f"algorithm {self._algorithm!r}, buckets {self.buckets()}", call,
+            "the reducer's settings (op, compression, bucket sizes or groups)", self.comm)
+
+    def _plan(self, order):
+        self._buckets = _gradcomm._plan_reducer_buckets(
+            self._counts, [DTYPES[d] for d in self._dtypes], self._caps[0], self._caps[1],
+            self._compression, order, self._groups, self._call, self.comm.rank())
+        self._flats, self._slots = [], {}
+        self._bucket_of = {}
+        for b, (_, wire, indices, offsets, count) in enumerate(self._buckets):
+            flat = torch.empty(count, dtype=_TORCH_DTYPES[wire], device=self._device)
+            self._flats.append(flat)
+            for i, offset in zip(indices, offsets):
+                self._slots[i] = flat[offset:offset + self._counts[i]]
+                self._bucket_of[i] = b
+        self._views = {}
+        self._start_iteration()
+
+    def _start_iteration(self):
+        self._pending = {}  # index -> gradient (alive until finish(): the result goes there)
+        self._waiting = [len(b[2]) for b in self._buckets]
+        self._states = {}   # bucket -> negotiated state
+        self._events = {}   # bucket -> the event its submission waits for (alive until done)
+        self._observed = []
+
+    def _divides_first(self, b):
+        dtype, wire = self._buckets[b][0], self._buckets[b][1]
+        return self._divide_before_sum and self._average and wire != dtype
+
+    def _stream(self):
+        return torch.cuda.current_stream(self._device) if self._gpu else None
+
+    def mark(self, index, grad):
+        """Hands the reducer `grad` (contiguous, parameter index's shape and dtype, on the
+        model's device)."""
+        p = self.params[index]
+        if (grad.dtype != self._dtypes[index] or grad.numel() != self._counts[index] or
+                grad.layout != torch.strided or not grad.is_contiguous() or
+                grad.device != self._device):
+            raise InvalidArgument(
+                f"gradient of {self.names[index]}: {grad.dtype}, {grad.numel()} elements on "
+                f"{grad.device}, layout {grad.layout}"
+                f"{'' if grad.is_contiguous() else ', not contiguous'}; the reducer was built for "
+                f"{self._dtypes[index]}, {self._counts[index]} elements on {self._device} (was "
+                f"the model converted or moved after it was wrapped? parameter now {p.dtype} on "
+                f"{p.device})")
+        if index in self._pending:
+            raise InvalidArgument(f"{self._call}: {self.names[index]} was marked twice in one "
+                                  "iteration")
+        if not self._pending and self._reusable is not None:
+            self._stream().wait_event(self._reusable)  # the last copies back have read them
+        slot = self._slots[index]
+        b = self._bucket_of[index]
+        with torch.no_grad():
+            if grad.data_ptr() != slot.data_ptr():
+                slot.copy_(grad.reshape(-1))
+            if self._divides_first(b):
+                slot.div_(self.comm.size())
+        self._pending[index] = grad
+        self._observed.append(index)
+        self._waiting[b] -= 1
+        if self._overlap and self._waiting[b] == 0:
+            self._submit(b)
+
+    def _submit(self, b):
+        dtype, wire, _, _, count = self._buckets[b]
+        flat = self._flats[b]
+        if count == 0:  # parameters without elements: nothing to reduce, on any rank
+            self._states[b] = None
+            return
+        event = 0
+        if self._gpu:
+            ready = self._events[b] = torch.cuda.Event()
+            ready.record(self._stream())
+            event = ready.cuda_event
+        signature = (f"reducer bucket {b} of {len(self._buckets)}: {dtype} as {wire}, {count} "
+                     f"elements, sum" + (f", algorithm {self._algorithm}" if self._algorithm
+                                         else ""))
+        # fusion_threshold 1: the buckets are planned already, never fused further.
+        self._states[b] = self._negotiator.submit(
+            f"{self._name}.bucket{b}", "allreduce", signature, flat.data_ptr(), count, wire,
+            "sum", algorithm=self._algorithm, fusion_threshold=1, device=self._gpu,
+            ready_event=event, gpu=self._device.index if self._gpu else -1)
+
+    def is_marked(self, index):
+        return index in self._pending
+
+    @property
+    def busy(self):
+        """True between the first mark and finish()."""
+        return bool(self._pending)
+
+    def finish(self):
+        error = None
+        try:
+            for i in range(len(self.params)):  # the front ends mark every one; zeros otherwise
+                if i not in self._pending:
+                    self.mark(i, torch.zeros_like(self.params[i],
+                                                  memory_format=torch.contiguous_format))
+            for b in range(len(self._buckets)):
+                if b not in self._states:
+                    self._submit(b)
+        except Exception as e:  # noqa: BLE001 - raised once the buckets submitted are done
+            error = e
+        for state in self._states.values():  # every one: they use the buckets' memory
+            try:
+                if state is not None:
+                    state.wait()
+            except Exception as e:  # noqa: BLE001 - the first error is raised
+                error = error or e
+        if error is not None:
+            self._start_iteration()  # the next iteration starts clean; gradients stay as they were
+            raise error
+        n = self.comm.size()
+        with torch.no_grad():
+            for b, (_, _, indices, _, _) in enumerate(self._buckets):
+                if self._average and not self._divides_first(b):
+                    self._flats[b].div_(n)
+                for i in indices:
+                    grad, slot = self._pending[i], self._slots[i]
+                    if grad.data_ptr() != slot.data_ptr():
+                        grad.view(-1).copy_(slot)
+        if self._gpu:
+            self._reusable = torch.cuda.Event()
+            self._reusable.record(self._stream())
+        self._iterations += 1
+        if self._iterations == 1 and self.params:
+            # Rank 0's ready order, so every rank plans the same buckets.
+            order = torch.tensor(self._observed, dtype=torch.int64)
+            try:
+                self.comm._broadcast_ptr(order.data_ptr(), order.numel(), "int64", 0)
+                self._plan(order.tolist())
+            except Exception:
+                self._start_iteration()
+                raise
+            return
+        self._start_iteration()
+
+    def iterations(self):
+        return self._iterations
+
+    def buckets(self):
+        return [(dtype, wire, list(indices), count)
+                for dtype, wire, indices, _, count in self._buckets]
+
+    def view(self, index):
+        """Parameter index's slot in its bucket, as a tensor of its shape on the model's device
+        (None before the first iteration has finished: the buckets may be planned again then).
+        Only where the bucket holds the parameter's dtype (no compression)."""
+        if self._iterations < 1:
+            return None
+        v = self._views.get(index)
+        if v is None:
+            slot = self._slots[index]
+            if slot.dtype != self._dtypes[index]:
+                return None
+            v = self._views[index] = slot.view(self.params[index].shape)
+        return v
+
+    @property
+    def negotiated(self):
+        """True: a rank inside hvd.join stands in for its buckets by itself."""
+        return True
 
 
 def grad_accumulator(p):

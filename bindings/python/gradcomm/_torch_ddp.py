@@ -16,8 +16,8 @@ import torch
 from torch.autograd import Variable
 
 from . import InvalidArgument, world
-from ._torch_common import (GradientReducer, JoinControl, broadcast_coalesced,
-                            grad_accumulator, verify_same_across_ranks)
+from ._torch_common import (JoinControl, broadcast_coalesced, grad_accumulator,
+                            gradient_reducer, verify_same_across_ranks)
 
 __all__ = ["DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
            "bf16_compress_hook"]
@@ -91,9 +91,10 @@ def _tensors_in(obj):
 
 class DistributedDataParallel(torch.nn.Module):
     """torch.nn.parallel.DistributedDataParallel's call shape and behaviour over gradcomm
-    (CPU modules, and CUDA modules whose gradients go through pinned host copies). Supported:
+    (CPU modules; CUDA modules on one device reduced on the GPU, through NCCL, where gradcomm's
+    GPU path runs, else through pinned host copies). Supported:
     device_ids (the module's one device; inputs are moved there), bucket_cap_mb,
-    broadcast_buffers, find_unused_parameters, gradient_as_bucket_view (CPU modules), no_sync(),
+    broadcast_buffers, find_unused_parameters, gradient_as_bucket_view, no_sync(),
     register_comm_hook with the built-in allreduce, fp16 and bf16 compression hooks, join() for
     uneven inputs. Not supported, with an error that says so: a module across several devices,
     process_group (pass comm=), static_graph, custom comm hooks. gradcomm's own keywords: comm
@@ -124,10 +125,6 @@ class DistributedDataParallel(torch.nn.Module):
             raise InvalidArgument(f"{_CALL}: output_device must be the module's device "
                                   "(device_ids[0]); gradcomm does not split a module's output "
                                   "across devices")
-        if gradient_as_bucket_view and any(d.type != "cpu" for d in devices):
-            raise InvalidArgument(f"{_CALL}: gradient_as_bucket_view needs the buckets on the "
-                                  "parameters' device; gradcomm's buckets are host memory, and "
-                                  "CUDA gradients go through host copies (leave it False)")
         if process_group is not None:
             raise NotImplementedError(f"{_CALL}: process_group is torch.distributed's; pass "
                                       "comm=gradcomm.Communicator(mpi4py_comm) instead")
@@ -159,7 +156,13 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_coalesced(list(module.parameters()) + self._buffers_list, 0, self._comm)
 
         self._compression = "none"
-        self._reducer = self._make_reducer()
+        self._reducer = self._make_reducer()  # collective
+        if gradient_as_bucket_view and any(d.type != "cpu" for d in devices) and \
+                not self._reducer.negotiated:  # decided by every rank alike
+            raise InvalidArgument(f"{_CALL}: gradient_as_bucket_view needs the buckets on the "
+                                  "parameters' device; this model's gradients go through host "
+                                  "buckets (its parameters are on several devices, or gradcomm's "
+                                  "GPU path cannot run on some rank; leave it False)")
         self._require_sync = True   # outside no_sync()
         self._sync_pending = False  # the last forward asked its backward to all-reduce
         self._sync_buffers_next = True  # torch: after a grad-enabled forward outside no_sync
@@ -256,7 +259,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _make_reducer(self):
         # As torch's fp16 / bf16 hooks: each gradient is divided by the rank count once
         # compressed, then summed.
-        return GradientReducer(self._params, self._names, _CALL, self._comm, "average",
+        return gradient_reducer(self._params, self._names, _CALL, self._comm, "average",
                                self._algorithm, self._bucket_cap, self._first_bucket,
                                self._compression, overlap=self._overlap,
                                divide_before_sum=True)

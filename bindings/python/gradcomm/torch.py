@@ -41,8 +41,9 @@ from . import init as _init
 from . import is_initialized, local_rank, local_size, rank, size  # noqa: F401
 from . import shutdown as _shutdown
 from . import _gradcomm
-from ._torch_common import (DEVICES, DTYPES, GradientReducer, JoinControl, check_tensor,
-                            gpu_reduces, grad_accumulator, scale_on_device, staged, unstage)
+from ._torch_common import (DEVICES, DTYPES, JoinControl, check_tensor, close_negotiators,
+                            gpu_reduces, grad_accumulator, gradient_reducer, negotiator,
+                            scale_on_device, staged, unstage)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -297,27 +298,9 @@ class Compression:
 # dtype, shape, op, root, scale factors) are compared across ranks: a name that means different
 # things on different ranks fails on every rank, and when every rank waits for names the others
 # never submit, every pending call fails, naming who submitted what.
-_negotiators = {}  # id(communicator) -> (communicator, its negotiator)
 _next_handle = itertools.count(1)
-
-
-def _negotiator(c):
-    entry = _negotiators.get(id(c))
-    if entry is None or entry[0] is not c:
-        if c.size() > 1 and not mpi_threads_supported():
-            raise Unsupported("gradcomm.torch: its background thread needs MPI at "
-                              "MPI_THREAD_MULTIPLE; MPI was initialized at a lower level "
-                              "(initialize it through gradcomm or mpi4py's default, which asks "
-                              "for MPI_THREAD_MULTIPLE)")
-        entry = _negotiators[id(c)] = (c, c._negotiator())
-    return entry[1]
-
-
-def _close_negotiators():
-    """Collective: each negotiator stops once every rank has closed it."""
-    for _, n in list(_negotiators.values()):
-        n.close()
-    _negotiators.clear()
+_negotiator = negotiator  # the registry (_torch_common): shared with the reducers of CUDA gradients
+_close_negotiators = close_negotiators
 
 
 # Runs before gradcomm's own exit handler (registered when gradcomm was imported, earlier).
@@ -1248,7 +1231,7 @@ class _DistributedOptimizerMixin:
         self._gradcomm_prediv = gradient_predivide_factor
         self._gradcomm_should_sync = True
         self._gradcomm_synchronized = False
-        self._gradcomm_reducer = GradientReducer(
+        self._gradcomm_reducer = gradient_reducer(
             params, names, call, comm, opname, algorithm, cap, min(cap, 1 << 20),
             compression.wire, group_lists, overlap)
         self._gradcomm_comm = self._gradcomm_reducer.comm
@@ -1352,7 +1335,10 @@ class _DistributedOptimizerMixin:
 
     def _gradcomm_stand_in(self):
         """A joined rank's part in a step of the ranks still training: zeros for every
-        gradient, in the same buckets (hvd.join)."""
+        gradient, in the same buckets (hvd.join). A negotiated reducer's buckets (CUDA
+        gradients) need nothing: the negotiator stands in for them while this rank is joined."""
+        if self._gradcomm_reducer.negotiated:
+            return
         if self._gradcomm_zeros is None:
             self._gradcomm_zeros = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                                     for p in self._gradcomm_params]
