@@ -1,10 +1,11 @@
 """What gradcomm.torch's front ends share: tensor checks, host staging of CUDA tensors, scaling
-on the GPU, coalesced broadcasts, a check that every rank holds the same model, and the gradient
-reducer that autograd hooks feed (the compiled packing::Reducer: buckets all-reduced on the
-progress engine while backward runs).
+on the GPU, coalesced broadcasts, a check that every rank holds the same model, the negotiators,
+and the gradient reducers that autograd hooks feed (GradientReducer, the compiled
+packing::Reducer: host buckets all-reduced on the progress engine while backward runs; and
+NegotiatedReducer, the same buckets on a CUDA device, reduced there).
 
-The Horovod-style all-reduces reduce CUDA tensors on the GPU (NCCL, through the negotiator's
-GPU path; gpu_reduces()). Other CUDA tensors go through the same host paths as CPU tensors, by
+The Horovod-style all-reduces and a CUDA model's gradient buckets reduce on the GPU (NCCL,
+through the negotiator's GPU path; gpu_reduces()). Other CUDA tensors go through the same host paths as CPU tensors, by
 way of pinned host copies (as Horovod's MPI operations do where the MPI cannot read GPU memory):
 the copy in waits for the work queued on the tensor's device's current stream, and the result is
 copied back on that stream, so that work queued after it there sees the result."""
@@ -30,7 +31,7 @@ DTYPES = {
 }
 
 
-# Devices whose tensors the front ends take (CUDA through host copies, above).
+# Devices whose tensors the front ends take.
 DEVICES = ("cpu", "cuda")
 
 # For tests (GRADCOMM_TORCH_STAGE_ALL=1): every tensor, CPU ones too, then goes through a host
