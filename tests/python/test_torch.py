@@ -102,7 +102,7 @@ TOLERANCE = 1e-5
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
 def test_distributed_optimizer_matches_ddp_and_one_process(gloo, optimizer_name):
     torch.manual_seed(7)
-    global_batch = 96  # divides by 1, 2, 3 and 4 ranks
+    global_batch = 120  # divides by 1, 2, 3, 4, 5 and 8 ranks
     x = torch.randn(20 * global_batch, 20)
     y = torch.randint(0, 5, (20 * global_batch,))
 
