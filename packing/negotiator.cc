@@ -332,7 +332,9 @@ std::shared_ptr<NegotiatedState> Negotiator::submit(NegotiatedCall call) {
                                         "GPU memory is negotiated for all-reduces only, unscaled "
                                         "(the caller scales on its stream), naming its device"));
   }
-  if (call.device) last_gpu_.store(call.gpu);
+  // A GPU all-reduce's device, or the one a joining rank names: where it stands in.
+  if (call.device || (call.kind == NegotiatedKind::join && call.gpu >= 0))
+    last_gpu_.store(call.gpu);
   if (call.kind == NegotiatedKind::broadcast && (call.root < 0 || call.root >= size_)) {
     throw InvalidArgument(error_message(name, rank_,
                                         "root " + std::to_string(call.root) + " is outside the " +
@@ -912,11 +914,18 @@ void Negotiator::run_device_allreduces(const std::vector<Entry*>& group) {
     // Before the first collective, or one every rank refused alike (its checks run before
     // communication): an error for the callers. Between collectives, the peers are already in
     // the next one: that this rank skips it would leave them waiting.
-    if (issued > 0 && issued < planned) {
+    const bool standing_in_only =
+        std::none_of(items.begin(), items.end(), [](const Item& item) { return item.state; });
+    if ((issued > 0 && issued < planned) || (standing_in_only && issued < planned)) {
+      // Between collectives; or this rank stands in for every tensor, so no caller here sees
+      // the error while the peers wait in the collectives it cannot join.
       try {
         throw;
       } catch (const std::exception& e) {
-        abort_gpu_group(rank_, std::string("a collective failed on this rank: ") + e.what());
+        abort_gpu_group(rank_,
+                        std::string(standing_in_only ? "it cannot stand in for a joined rank: "
+                                                     : "a collective failed on this rank: ") +
+                            e.what());
       }
     }
     error = std::current_exception();

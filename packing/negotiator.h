@@ -72,7 +72,9 @@ struct NegotiatedCall {
   // on it under one name, and it is part of the fusion key.
   bool device = false;
   void* ready_event = nullptr;
-  int gpu = -1;  // device: the CUDA device `data` is on
+  // device: the CUDA device `data` is on; join: where this rank stands in for GPU all-reduces
+  // (Horovod's join(device); -1: the device of its last GPU all-reduce)
+  int gpu = -1;
   // broadcast: the receivers do not know the size; the root's `count` decides, and the bytes
   // land in the result (the root's stay at `data`).
   bool sized_by_root = false;

@@ -477,6 +477,40 @@ TEST_F(GpuHostTest, NegotiatedDeviceAllreducesMatchTheSerialSum) {
   negotiator.close();
 }
 
+// A rank that joins before it made any GPU all-reduce (hvd.join(device), a rank without data
+// from the start) stands in on the device its join names.
+TEST_F(GpuHostTest, AJoinNamingItsDeviceStandsInBeforeAnyGpuAllreduce) {
+  Communicator comm(MPI_COMM_WORLD);
+  const int n = comm.size(), me = comm.rank();
+  if (n < 2) GTEST_SKIP() << "needs a rank that joins and one that does not";
+  Negotiator negotiator(comm);
+  NegotiatedCall join;
+  join.name = "join";
+  join.kind = NegotiatedKind::join;
+  join.signature = "join";
+  join.gpu = 0;
+  if (me == n - 1) {
+    negotiator.wait(*negotiator.submit(join));
+  } else {
+    for (std::size_t count : {1ul, 1009ul}) {
+      float* mine = device_floats(count);
+      fill(mine, count, me, 3);
+      NegotiatedCall call;
+      call.name = "bucket" + std::to_string(count);
+      call.kind = NegotiatedKind::allreduce;
+      call.signature = "allreduce float32 [" + std::to_string(count) + "] sum";
+      call.data = mine;
+      call.count = count;
+      call.device = true;
+      call.gpu = 0;
+      negotiator.wait(*negotiator.submit(call));
+      EXPECT_EQ(std::vector<float>(mine, mine + count), expected_sum<float>(count, n - 1, 3));
+    }
+    negotiator.wait(*negotiator.submit(join));
+  }
+  negotiator.close();
+}
+
 TEST_F(GpuHostTest, NcclMatchesTheSerialSumOnEveryCount) {
   Communicator comm(MPI_COMM_WORLD);
   for (std::size_t count : {0ul, 1ul, 2ul, 3ul, 7ul, 13ul, 1000ul, 65537ul}) {

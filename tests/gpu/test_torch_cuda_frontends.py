@@ -10,6 +10,7 @@ training on CPU tensors (Horovod API) and torch's own DDP (DDP wrapper), with co
 accumulation, groups, gradient_as_bucket_view and backward on a side stream.
 """
 
+import contextlib
 import os
 import sys
 
@@ -205,18 +206,29 @@ def test_distributed_optimizer_on_cuda_matches_cpu(options):
                           atol=1e-3 if loose else 1e-5), (on_gpu - on_cpu).abs().max()
 
 
-def train_ddp(wrap, steps=4):
+def train_ddp(wrap, steps=4, stream=None, check=None):
+    """Trains a wrapped Net; with `stream`, the steps run there (the wrapper was made on the
+    default stream), each backward after 50 ms of GPU time queued there, so that a reduction
+    that does not wait for the stream it is given reads stale gradients."""
     model = Net().to(DEV)
     ddp = wrap(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    for i in range(steps):
-        x, y = batch(i, "cpu")  # the wrappers move inputs to device_ids[0]
-        opt.zero_grad()
-        if i == 1:
-            with ddp.no_sync():  # accumulated locally, all-reduced with the next step's
-                torch.nn.functional.cross_entropy(ddp(x), y.to(DEV)).backward()
-        torch.nn.functional.cross_entropy(ddp(x), y.to(DEV)).backward()
-        opt.step()
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(DEV))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for i in range(steps):
+            x, y = batch(i, "cpu")  # the wrappers move inputs to device_ids[0]
+            opt.zero_grad()
+            if i == 1:
+                with ddp.no_sync():  # accumulated locally, all-reduced with the next step's
+                    torch.nn.functional.cross_entropy(ddp(x), y.to(DEV)).backward()
+            loss = torch.nn.functional.cross_entropy(ddp(x), y.to(DEV))
+            if stream is not None:
+                torch.cuda._sleep(50_000_000)
+            loss.backward()
+            opt.step()
+            if check is not None:
+                check(ddp, model)
     torch.cuda.synchronize()
     return params(model)
 
@@ -257,14 +269,14 @@ def test_ddp_wrapper_on_cuda_matches_torch_ddp(variant):
             ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
         return ddp
 
-    if variant == "side_stream":  # backward and the step on a stream of the caller's
-        side = torch.cuda.Stream(device=DEV)
-        side.wait_stream(torch.cuda.current_stream(DEV))
-        with torch.cuda.stream(side):
-            ours = train_ddp(ours_wrap)
-        side.synchronize()
-    else:
-        ours = train_ddp(ours_wrap)
+    def aliased(ddp, model):  # from the second step on, each gradient is its bucket's slot
+        if variant == "bucket_view" and ddp._reducer.iterations() > 1:
+            for i, p in enumerate(ddp._params):
+                if p.grad is not None and ddp._reducer.view(i) is not None:
+                    assert p.grad.data_ptr() == ddp._reducer.view(i).data_ptr(), i
+
+    side = torch.cuda.Stream(device=DEV) if variant == "side_stream" else None
+    ours = train_ddp(ours_wrap, stream=side, check=aliased)
     assert type(made[0]._reducer).__name__ == "NegotiatedReducer"
     assert len(made[0]._gradcomm_buckets()) > 1  # small caps: several buckets
     theirs = train_ddp(theirs_wrap)

@@ -12,6 +12,7 @@ import torch
 from conftest import same_on_every_rank
 from mpi4py import MPI
 
+import gradcomm
 import gradcomm.torch as hvd
 
 hvd.init()
@@ -305,6 +306,55 @@ def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_r
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
 
 
+def test_a_step_that_fails_on_one_rank_keeps_the_ranks_in_step():
+    # Rank 0 alone has a gradient it cannot reduce (sparse, without sparse_as_dense) for a
+    # parameter backward did not reach: its step() raises, once the step's all-reduce is
+    # complete with zeros standing in, and every rank goes on together.
+    model = Net()
+    unused = torch.nn.Parameter(torch.zeros(4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [unused], lr=0.1))
+    x, y = data(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if RANK == 0:
+        unused.grad = torch.ones(4).to_sparse()
+        with pytest.raises(hvd.InvalidArgument, match="sparse"):
+            opt.step()
+    else:
+        opt.step()
+
+    def grads():
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert same_on_every_rank(grads())  # the failed rank's gradients were reduced too
+    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
+    opt.zero_grad()
+    unused.grad = None
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    assert same_on_every_rank(grads())
+    with opt.skip_synchronize():
+        opt.step()
+
+
+@pytest.mark.skipif(SIZE < 3, reason="needs a sub-communicator that leaves a rank out")
+def test_optimizers_on_a_sub_communicator_and_the_world():
+    # Ranks 0 and 1 step an optimizer on a communicator of their own (the others make none),
+    # then every rank one on the world: the world's buckets mean the same on every rank.
+    sub = gradcomm.Communicator(MPI.COMM_WORLD.Split(0 if RANK < 2 else 1))
+    x, y = data(0)
+    if RANK < 2:
+        model = Net()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=sub)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    assert same_on_every_rank(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    with opt.skip_synchronize():
+        opt.step()
+
+
 def test_broadcast_parameters_and_optimizer_state():
     torch.manual_seed(100 + RANK)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
@@ -408,6 +458,50 @@ def test_join_stands_in_for_allreduces_and_optimizer_steps():
     with pytest.raises(hvd.InvalidArgument, match="unknown algorithm"):
         hvd.allreduce(torch.ones(2), algorithm="no-such-algorithm")
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that joins and one that trains")
+def test_a_rank_without_data_joins_before_the_first_step():
+    """Rank 0 joins at once; the others step a DistributedOptimizer twice (its first steps, where
+    the host reducer plans its buckets again) while it stands in; then rank 0 takes their model
+    and every rank steps once more, all with the same model, equal to the reference."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    reference_model = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold=64)
+    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
+
+    def batch(r, k):
+        g = torch.Generator().manual_seed(100 * r + k)
+        return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+    def step(k, active):
+        if RANK in active:
+            opt.zero_grad()
+            xb, yb = batch(RANK, k)
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step()
+        reference_opt.zero_grad()
+        for r in active:
+            xr, yr = batch(r, k)
+            torch.nn.functional.mse_loss(reference_model(xr), yr).backward()
+        for p in reference_model.parameters():
+            p.grad /= SIZE
+        reference_opt.step()
+
+    training = list(range(1, SIZE))
+    for k in range(2):
+        step(k, training)
+    last = hvd.join()
+    assert last in training  # the ranks that trained join in one cycle or in several
+    # As with Horovod, the rank that sat out takes the model of one that trained.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    step(2, list(range(SIZE)))
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    assert same_on_every_rank(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
 
 
 def test_join_stands_in_for_broadcast_and_allgather_and_refuses_alltoall():

@@ -328,6 +328,11 @@ class GradientReducer:
         """False: a joined rank stands in for its buckets by marking zeros."""
         return False
 
+    @property
+    def gpu_device(self):
+        """-1: its buckets are host memory."""
+        return -1
+
     def buckets(self):
         return self._reducer.buckets()
 
@@ -349,13 +354,23 @@ class GradientReducer:
 
 
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
-_next_negotiated_reducer = itertools.count(1)  # the same on every rank: reducers are collective
+# id(communicator) -> (communicator, the count of NegotiatedReducers made over it): the same on
+# every rank of it, since reducers are made collectively; their buckets' names use it.
+_negotiated_reducers = {}
+
+
+def _next_reducer_number(c):
+    entry = _negotiated_reducers.get(id(c))
+    number = entry[1] + 1 if entry is not None and entry[0] is c else 1
+    _negotiated_reducers[id(c)] = (c, number)
+    return number
 
 
 class NegotiatedReducer:
     """GradientReducer's interface for a model on one CUDA device, reduced on the GPU: each
-    bucket (the same plan as the compiled reducer's: packing::plan_reducer_buckets, planned again
-    from rank 0's ready order after the first iteration) is a flat tensor on the device; mark()
+    bucket (the compiled reducer's first plan: packing::plan_reducer_buckets in reverse parameter
+    order; not planned again from an observed order, which would take a collective outside the
+    negotiation that a rank inside hvd.join could not match) is a flat tensor on the device; mark()
     copies a gradient into its slot on the current stream, and a complete bucket is submitted to
     the communicator's negotiator under a name of its own, after an event recorded there (the
     negotiator's GPU path: NCCL on a stream of its own, once that event has run). finish() waits
@@ -387,10 +402,11 @@ class NegotiatedReducer:
         self._divide_before_sum = divide_before_sum
         self._device = params[0].device if params else torch.device("cpu")
         self._gpu = self._device.type == "cuda"
-        self._name = f"{call}.reducer{next(_next_negotiated_reducer)}"
+        self._name = f"{call}.reducer{_next_reducer_number(self.comm)}"
         self._negotiator = negotiator(self.comm)  # collective: made here, before any bucket
         self._iterations = 0
         self._reusable = None  # the event after the last copy back (the buckets' memory free)
+        self._waited = set()   # the streams that waited for it in this iteration
         self._plan([])
         # What the buckets' signatures do not say (the op, where it divides), and the plan: ranks
         # that differ would reduce different buckets, or scale them differently, under one name.
@@ -419,7 +435,7 @@ class NegotiatedReducer:
         self._waiting = [len(b[2]) for b in self._buckets]
         self._states = {}   # bucket -> negotiated state
         self._events = {}   # bucket -> the event its submission waits for (alive until done)
-        self._observed = []
+        self._waited = set()
 
     def _divides_first(self, b):
         dtype, wire = self._buckets[b][0], self._buckets[b][1]
@@ -445,8 +461,11 @@ class NegotiatedReducer:
         if index in self._pending:
             raise InvalidArgument(f"{self._call}: {self.names[index]} was marked twice in one "
                                   "iteration")
-        if not self._pending and self._reusable is not None:
-            self._stream().wait_event(self._reusable)  # the last copies back have read them
+        if self._reusable is not None:  # every stream that writes a slot: after the copies back
+            stream = self._stream()
+            if stream not in self._waited:
+                stream.wait_event(self._reusable)
+                self._waited.add(stream)
         slot = self._slots[index]
         b = self._bucket_of[index]
         with torch.no_grad():
@@ -455,7 +474,6 @@ class NegotiatedReducer:
             if self._divides_first(b):
                 slot.div_(self.comm.size())
         self._pending[index] = grad
-        self._observed.append(index)
         self._waiting[b] -= 1
         if self._overlap and self._waiting[b] == 0:
             self._submit(b)
@@ -507,7 +525,9 @@ class NegotiatedReducer:
             except Exception as e:  # noqa: BLE001 - the first error is raised
                 error = error or e
         if error is not None:
-            self._start_iteration()  # the next iteration starts clean; gradients stay as they were
+            # The next iteration starts clean; the gradients stay as they were (a gradient that
+            # is its bucket's slot, gradient_as_bucket_view, may hold a partial sum).
+            self._start_iteration()
             raise error
         n = self.comm.size()
         with torch.no_grad():
@@ -522,29 +542,29 @@ class NegotiatedReducer:
             self._reusable = torch.cuda.Event()
             self._reusable.record(self._stream())
         self._iterations += 1
-        if self._iterations == 1 and self.params:
-            # Rank 0's ready order, so every rank plans the same buckets.
-            order = torch.tensor(self._observed, dtype=torch.int64)
-            try:
-                self.comm._broadcast_ptr(order.data_ptr(), order.numel(), "int64", 0)
-                self._plan(order.tolist())
-            except Exception:
-                self._start_iteration()
-                raise
-            return
         self._start_iteration()
 
     def iterations(self):
         return self._iterations
+
+    def __del__(self):
+        # Buckets still in flight (a front end dropped mid-iteration after an error): NCCL may
+        # still write their memory, which goes with this object.
+        for state in getattr(self, "_states", {}).values():
+            try:
+                if state is not None:
+                    state.wait()
+            except Exception:  # noqa: BLE001 - reported to whoever waited first, or nobody
+                pass
 
     def buckets(self):
         return [(dtype, wire, list(indices), count)
                 for dtype, wire, indices, _, count in self._buckets]
 
     def view(self, index):
-        """Parameter index's slot in its bucket, as a tensor of its shape on the model's device
-        (None before the first iteration has finished: the buckets may be planned again then).
-        Only where the bucket holds the parameter's dtype (no compression)."""
+        """Parameter index's slot in its bucket, as a tensor of its shape on the model's device,
+        from the second iteration on as GradientReducer's (None before, and where the bucket
+        holds another dtype than the parameter's: compression)."""
         if self._iterations < 1:
             return None
         v = self._views.get(index)
@@ -559,6 +579,11 @@ class NegotiatedReducer:
     def negotiated(self):
         """True: a rank inside hvd.join stands in for its buckets by itself."""
         return True
+
+    @property
+    def gpu_device(self):
+        """The CUDA device its buckets are on (-1: host buckets)."""
+        return self._device.index if self._gpu else -1
 
 
 def grad_accumulator(p):

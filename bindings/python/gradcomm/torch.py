@@ -368,10 +368,20 @@ def _internal(e):
 # rank stands in for them.
 _KIND_STEP, _KIND_STEP_GO = 4, 5
 _control = {}  # id(world communicator) -> JoinControl
-# DistributedOptimizer id -> the optimizer, for the stand-in of its steps (weak: an optimizer
-# the script dropped is freed). Ids count in creation order, the same on every rank.
+# (id(communicator), DistributedOptimizer id) -> the optimizer, for the stand-in of its steps
+# (weak: an optimizer the script dropped is freed). Ids count in creation order per
+# communicator, the same on every rank of it.
 _optimizers = weakref.WeakValueDictionary()
-_next_optimizer = itertools.count(1)
+_optimizer_counts = {}  # id(communicator) -> (communicator, DistributedOptimizers made over it)
+
+
+def _next_optimizer_number(c):
+    """The count of DistributedOptimizers over communicator c, this one included: the same on
+    every rank of c (optimizers are made collectively), whatever other communicators saw."""
+    entry = _optimizer_counts.get(id(c))
+    number = entry[1] + 1 if entry is not None and entry[0] is c else 1
+    _optimizer_counts[id(c)] = (c, number)
+    return number
 
 
 def _algorithm_checked(algorithm, call):
@@ -410,7 +420,8 @@ def _step_round(c, call, kind, optimizer_id):
 
 def join(device=-1):
     """Call when this rank has run out of data: until every rank has called it, this rank
-    stands in for the others' allreduces (contributing zeros to Sum and Average, the neutral
+    stands in (GPU all-reduces on `device`, default the device of its DistributedOptimizers'
+    CUDA models) for the others' allreduces (contributing zeros to Sum and Average, the neutral
     value to Min, Max and Product), grouped allreduces, allgathers (no rows), broadcasts,
     barriers and DistributedOptimizer steps. Returns the rank that joined last (of several that
     joined in the same cycle, the highest), as Horovod."""
@@ -419,7 +430,12 @@ def join(device=-1):
         raise NotImplementedError("join: switched off by GRADCOMM_JOIN=0 (optimizer steps made no "
                                   "join round); unset it on every rank to use join")
     handle = next(_next_handle)
-    state = _negotiator(c).submit("join.noname", "join", "join")
+    if device < 0:  # the device of this rank's optimizers' GPU buckets, where it has them
+        device = next((o._gradcomm_reducer.gpu_device for o in list(_optimizers.values())
+                       if o._gradcomm_reducer.gpu_device >= 0), -1)
+    # With a device, the negotiator stands in for GPU all-reduces there, even before this rank
+    # made one (Horovod's join(device)).
+    state = _negotiator(c).submit("join.noname", "join", "join", gpu=int(device))
     pending = _register(handle, [state], state.last_joined, ())
     control = _join_control(c)
     try:
@@ -431,7 +447,7 @@ def join(device=-1):
             if kind == _KIND_STEP:
                 pass  # announced at the step's first gradient; stood in for at its STEP_GO
             elif kind == _KIND_STEP_GO:
-                optimizer = _optimizers.get(d[1])
+                optimizer = _optimizers.get((id(c), d[1]))
                 if optimizer is None:
                     raise InvalidArgument(f"join: the ranks still training step "
                                           f"DistributedOptimizer #{d[1]}, which this rank does "
@@ -1235,8 +1251,8 @@ class _DistributedOptimizerMixin:
             params, names, call, comm, opname, algorithm, cap, min(cap, 1 << 20),
             compression.wire, group_lists, overlap)
         self._gradcomm_comm = self._gradcomm_reducer.comm
-        self._gradcomm_id = next(_next_optimizer)  # the same on every rank: made in one order
-        _optimizers[self._gradcomm_id] = self
+        self._gradcomm_id = _next_optimizer_number(self._gradcomm_comm)  # same on every rank
+        _optimizers[(id(self._gradcomm_comm), self._gradcomm_id)] = self
         self._gradcomm_zeros = None
         self._gradcomm_announced = False  # this step's join round made
         self._gradcomm_holding = False    # a rank has joined: buckets wait for step()
@@ -1314,20 +1330,29 @@ class _DistributedOptimizerMixin:
         """Waits for the gradients' all-reduce (starting it for gradients backward has not
         produced: they count as zeros). step() calls it unless done since the last step."""
         reducer = self._gradcomm_reducer
+        error = None  # raised once the step's all-reduce is complete, so the ranks stay in step
         for i in range(len(self._gradcomm_params)):
             if not self._gradcomm_is_marked(i):
-                self._gradcomm_mark(i)
+                try:
+                    self._gradcomm_mark(i)
+                except Exception as e:  # noqa: BLE001 - zeros stand in below
+                    error = error or e
         try:
             if self._gradcomm_holding:  # a rank has joined: it stands in from this round on
                 _step_round(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP_GO,
                             self._gradcomm_id)
                 for i, grad in self._gradcomm_held.items():
                     reducer.mark(i, grad)
+            for i, p in enumerate(self._gradcomm_params):  # what failed to mark: zeros
+                if not reducer.is_marked(i):
+                    reducer.mark(i, torch.zeros_like(p, memory_format=torch.contiguous_format))
             reducer.finish()
         finally:
             self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
             self._gradcomm_announced = self._gradcomm_holding = False
             self._gradcomm_held = {}
+        if error is not None:
+            raise error
         if self._gradcomm_prediv != 1.0:
             for p in self._gradcomm_params:
                 _scale_(p.grad.detach(), self._gradcomm_prediv)
