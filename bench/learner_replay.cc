@@ -141,6 +141,9 @@ std::vector<Variant> variants() {
   t = LearnerTuning{};
   t.try_untried = false;
   v.push_back({"- trials", t});
+  t = LearnerTuning{};
+  t.max_recheck_backoff = 1;
+  v.push_back({"- re-check backoff", t});
   return v;
 }
 

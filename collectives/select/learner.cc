@@ -66,8 +66,12 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       choice_ = challenger_;
       since_recheck_ = 0;
       solo_seconds_ = 0;
+      backoff_ = 1;
+    } else if (rechecking_) {  // the re-check confirmed the choice: wait longer for the next
+      backoff_ = std::min(2 * backoff_, std::max(1, tuning_.max_recheck_backoff));
     }
   }
+  rechecking_ = false;
   challenger_ = choice_;
   // The strongest other: the lowest expectation (never measured: the model's prediction).
   const double mine = expected(choice_, predicted[choice_]);
@@ -100,16 +104,18 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       // Re-check the runner-up once what the duel would cost beyond the choice (its calls times
       // the expected difference) is within recheck_budget of the solo time since the last one: a
       // near tie is re-checked every few windows, so a change of the machine's state that turns
-      // it is found soon; one expected twice as slow rarely.
+      // it is found soon; one expected twice as slow rarely. Re-checks that keep confirming the
+      // choice back off (max_recheck_backoff), so that a settled near tie costs less.
       ++since_recheck_;
       solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
       const bool paid =
-          tuning_.recheck_budget > 0 && since_recheck_ >= tuning_.min_recheck &&
-          solo_seconds_ * tuning_.recheck_budget >= challenger_calls_ * (theirs - mine);
+          tuning_.recheck_budget > 0 && since_recheck_ >= tuning_.min_recheck * backoff_ &&
+          solo_seconds_ * tuning_.recheck_budget >= backoff_ * challenger_calls_ * (theirs - mine);
       if (paid && theirs <= tuning_.recheck_factor * mine) {
         since_recheck_ = 0;
         solo_seconds_ = 0;
         challenger_ = other;
+        rechecking_ = true;
       }
     }
   }

@@ -68,6 +68,10 @@ struct LearnerTuning {
   // (recheck_budget 0: never).
   double recheck_budget = 0.03;
   int min_recheck = 2;
+  // Each re-check that leaves the choice as it was doubles the wait for the next (its budget
+  // divided, its minimum of solo windows multiplied), up to this factor; a switch resets it
+  // (1: no backoff). A settled near tie then costs ~recheck_budget / backoff.
+  int max_recheck_backoff = 8;
   bool try_untried = true;  // try once each never-measured algorithm predicted within 2x
 };
 
@@ -146,6 +150,8 @@ class MeasuredChoice {
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
   int since_recheck_ = 0;                       // solo windows since the last re-check (or switch)
   double solo_seconds_ = 0;                     // and about how long they ran
+  int backoff_ = 1;          // the re-checks' wait multiplier (max_recheck_backoff at most)
+  bool rechecking_ = false;  // the duel under way is a re-check of the runner-up
 };
 
 }  // namespace gradcomm::collectives

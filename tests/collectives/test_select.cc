@@ -137,12 +137,21 @@ TEST(Selection, MeasuringARightModelCostsOnlyRechecks) {
   EXPECT_GT(ran[1], 4);
   // What the re-checks cost beyond "a" stays within the budget of a's time (plus the trial).
   EXPECT_LE((ran[1] - 4) * (2 - 1), collectives::LearnerTuning{}.recheck_budget * ran[0] + 4);
-  // A near tie ("b" 1% slower than "a") is re-checked every few windows instead.
+  // A near tie ("b" 1% slower than "a") is re-checked every few windows instead, less often
+  // as the re-checks keep confirming "a" (their wait doubles up to 8 times: every 16 windows).
   collectives::MeasuredChoice tie({"a", "b"}, {1, 1.01}, 1, 4, 8, 4);
   const std::vector<int> tie_ran = simulate(
       tie, {1, 1.01}, [&](std::size_t a) { return a == 0 ? 1.0 : 1.01; }, 4 * 400);
   EXPECT_EQ(tie.choice(), "a");
-  EXPECT_GE(tie_ran[1], 4 * 400 / 20) << "re-checked about every 3 windows";
+  EXPECT_GE(tie_ran[1], 4 * 400 / 16 / 2) << "re-checked at least every 16 windows or so";
+  EXPECT_LE(tie_ran[1], 4 * 400 / 8) << "backed off";
+  collectives::LearnerTuning no_backoff;
+  no_backoff.max_recheck_backoff = 1;
+  collectives::MeasuredChoice eager({"a", "b"}, {1, 1.01}, 1, 4, 8, 4, no_backoff);
+  const std::vector<int> eager_ran = simulate(
+      eager, {1, 1.01}, [&](std::size_t a) { return a == 0 ? 1.0 : 1.01; }, 4 * 400);
+  EXPECT_GE(eager_ran[1], 4 * 400 / 20) << "without backoff: about every 3 windows";
+  EXPECT_LT(tie_ran[1], eager_ran[1] / 2);
 }
 
 TEST(Selection, MeasuringAWrongModelSwitchesAfterADuel) {
