@@ -53,8 +53,9 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // and then, so that a choice that became wrong later is found: once the re-check's expected cost
 // (its calls times how much slower it is expected to be) is 3% of the solo time since the last
 // one, so a near tie is re-checked every few windows and an algorithm expected 2x slower once
-// the choice ran 33 times the re-check's 4 - 8 calls. A duel is decided by its one window; a
-// switch a transient caused is undone by the re-checks.
+// the choice ran 33 times the re-check's 4 - 8 calls; each re-check that confirms the choice
+// doubles that wait, up to 8x, until a switch. A duel is decided by its one window; a switch a
+// transient caused is undone by the re-checks.
 //
 // The constants are LearnerTuning's defaults. bench/learner_replay replays measured traces
 // through variants of them: the trials and the re-checks pay for themselves there, and two
