@@ -412,6 +412,19 @@ TEST_F(GpuHostTest, DeviceAllGatherAndReduceScatterMatchTheSerialReference) {
   }
 }
 
+// A negotiated float32 sum of `count` elements at `data`, in (fake) GPU memory on device 0.
+NegotiatedCall device_call(const std::string& name, float* data, std::size_t count) {
+  NegotiatedCall call;
+  call.name = name;
+  call.kind = NegotiatedKind::allreduce;
+  call.signature = "allreduce float32 [" + std::to_string(count) + "] sum";
+  call.data = data;
+  call.count = count;
+  call.device = true;
+  call.gpu = 0;
+  return call;
+}
+
 // The negotiator's GPU all-reduces (gradcomm.torch's Horovod API on CUDA tensors): ranks submit
 // the names in different orders; a 64-byte fusion threshold makes fused buckets and tensors
 // reduced alone; a joined rank stands in with neutral values; ranks that disagree on whether a
@@ -422,17 +435,6 @@ TEST_F(GpuHostTest, NegotiatedDeviceAllreducesMatchTheSerialSum) {
   Communicator comm(MPI_COMM_WORLD, config);
   const int n = comm.size(), me = comm.rank();
   Negotiator negotiator(comm);
-  auto device_call = [&](const std::string& name, float* data, std::size_t count) {
-    NegotiatedCall call;
-    call.name = name;
-    call.kind = NegotiatedKind::allreduce;
-    call.signature = "allreduce float32 [" + std::to_string(count) + "] sum";
-    call.data = data;
-    call.count = count;
-    call.device = true;
-    call.gpu = 0;
-    return call;
-  };
   const std::vector<std::size_t> counts{1, 7, 1001, 3, 0, 16, 2};
   std::vector<float*> data(counts.size());
   std::vector<std::shared_ptr<NegotiatedState>> states(counts.size());
@@ -495,15 +497,8 @@ TEST_F(GpuHostTest, AJoinNamingItsDeviceStandsInBeforeAnyGpuAllreduce) {
     for (std::size_t count : {1ul, 1009ul}) {
       float* mine = device_floats(count);
       fill(mine, count, me, 3);
-      NegotiatedCall call;
-      call.name = "bucket" + std::to_string(count);
-      call.kind = NegotiatedKind::allreduce;
-      call.signature = "allreduce float32 [" + std::to_string(count) + "] sum";
-      call.data = mine;
-      call.count = count;
-      call.device = true;
-      call.gpu = 0;
-      negotiator.wait(*negotiator.submit(call));
+      negotiator.wait(
+          *negotiator.submit(device_call("bucket" + std::to_string(count), mine, count)));
       EXPECT_EQ(std::vector<float>(mine, mine + count), expected_sum<float>(count, n - 1, 3));
     }
     negotiator.wait(*negotiator.submit(join));

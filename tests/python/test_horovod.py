@@ -402,24 +402,33 @@ def test_scheduler_made_before_wrapping_and_groups():
     assert same_on_every_rank(flat(model))
 
 
+def join_training(seed):
+    """A small model with a DistributedOptimizer whose buckets hold a layer each, and its
+    single-process reference (the join tests)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    reference_model = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   fusion_threshold=64)
+    return model, opt, reference_model, torch.optim.SGD(reference_model.parameters(), lr=0.1)
+
+
+def join_batch(r, k):
+    """Rank r's batch of step k."""
+    g = torch.Generator().manual_seed(100 * r + k)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
 def test_join_stands_in_for_allreduces_and_optimizer_steps():
     """Rank r trains 2 + r steps, then joins. Meanwhile the ranks still training all-reduce in
     every form (an async one left in flight across the step), call the world between backward
     and step(), and step a DistributedOptimizer whose buckets hold one layer each; the joined
     ranks contribute zeros to Sum and Average (which still divides by every rank) and nothing
     to Min and Max. The reference is computed here from every rank's data."""
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    reference_model = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   fusion_threshold=64)
+    model, opt, reference_model, reference_opt = join_training(3)
     assert len(opt._gradcomm_reducer.buckets()) > 1
-    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
-
-    def batch(r, k):
-        g = torch.Generator().manual_seed(100 * r + k)
-        return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+    batch = join_batch
 
     for k in range(2 + RANK):
         active = [r for r in range(SIZE) if 2 + r > k]
@@ -465,17 +474,8 @@ def test_a_rank_without_data_joins_before_the_first_step():
     """Rank 0 joins at once; the others step a DistributedOptimizer twice (its first steps, where
     the host reducer plans its buckets again) while it stands in; then rank 0 takes their model
     and every rank steps once more, all with the same model, equal to the reference."""
-    torch.manual_seed(5)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    reference_model = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   fusion_threshold=64)
-    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
-
-    def batch(r, k):
-        g = torch.Generator().manual_seed(100 * r + k)
-        return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+    model, opt, reference_model, reference_opt = join_training(5)
+    batch = join_batch
 
     def step(k, active):
         if RANK in active:

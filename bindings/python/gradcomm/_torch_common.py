@@ -248,7 +248,44 @@ def gradient_reducer(params, names, call, comm=None, op="average", algorithm=Non
                 compression, groups, overlap, divide_before_sum)
 
 
-class GradientReducer:
+class _ReducerBase:
+    """What both reducers share: the parameters, the gradients marked this iteration
+    (`_pending`, by index) and the check of a gradient handed to mark()."""
+
+    def __init__(self, params, names, comm):
+        self.comm = comm or world()
+        self.params = params
+        self.names = names
+        self._dtypes = [p.dtype for p in params]
+        self._counts = [p.numel() for p in params]
+        self._pending = {}
+
+    def _check_gradient(self, index, grad, device=None):
+        """InvalidArgument unless `grad` fits parameter index (and lies on `device`, if given)."""
+        p = self.params[index]
+        if (grad.dtype != self._dtypes[index] or grad.numel() != self._counts[index] or
+                grad.layout != torch.strided or not grad.is_contiguous() or
+                (device is not None and grad.device != device)):
+            where = f" on {grad.device}" if device is not None else ""
+            built = f" on {device}" if device is not None else ""
+            now = f" on {p.device}" if device is not None else ""
+            raise InvalidArgument(
+                f"gradient of {self.names[index]}: {grad.dtype}, {grad.numel()} elements{where}, "
+                f"layout {grad.layout}{'' if grad.is_contiguous() else ', not contiguous'}; the "
+                f"reducer was built for {self._dtypes[index]}, {self._counts[index]} elements"
+                f"{built} (was the model converted after it was wrapped? parameter now "
+                f"{p.dtype}{now})")
+
+    def is_marked(self, index):
+        return index in self._pending
+
+    @property
+    def busy(self):
+        """True between the first mark and finish()."""
+        return bool(self._pending)
+
+
+class GradientReducer(_ReducerBase):
     """The compiled Reducer over a list of parameters' gradients. mark(i, grad) hands it
     parameter i's gradient tensor (kept alive until finish()); finish() waits for every bucket
     and writes the averaged gradients back into those tensors. Every parameter must be marked
@@ -258,34 +295,21 @@ class GradientReducer:
     def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
                  bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",
                  groups=None, overlap=True, divide_before_sum=False):
-        self.comm = comm or world()
-        for p, n in zip(params, names):
-            check_parameter(p, call, n)
-        self.params = params
-        self.names = names
-        self._dtypes = [p.dtype for p in params]
-        self._counts = [p.numel() for p in params]
+        super().__init__(params, names, comm)
         # Placeholders only: every tensor is marked with explicit memory before finish().
         self._reducer = _gradcomm._Reducer(
             self.comm, [p.data_ptr() for p in params], [p.numel() for p in params],
             [DTYPES[p.dtype] for p in params], op, algorithm, int(bucket_cap_bytes),
             int(first_bucket_bytes), compression, [], [list(g) for g in (groups or [])],
             True, overlap, divide_before_sum)
-        self._pending = {}  # index -> (gradient, the memory marked for it: itself or its copy)
+        # self._pending: index -> (gradient, the memory marked for it: itself or its copy)
         self._hosts = {}    # index -> the host copy of a CUDA gradient (made once)
         self._flat = None
         self._views = {}
 
     def mark(self, index, grad):
         """Hands the reducer `grad` (contiguous, parameter index's shape and dtype)."""
-        p = self.params[index]
-        if (grad.dtype != self._dtypes[index] or grad.numel() != self._counts[index] or
-                grad.layout != torch.strided or not grad.is_contiguous()):
-            raise InvalidArgument(
-                f"gradient of {self.names[index]}: {grad.dtype}, {grad.numel()} elements, "
-                f"layout {grad.layout}{'' if grad.is_contiguous() else ', not contiguous'}; the "
-                f"reducer was built for {self._dtypes[index]}, {self._counts[index]} elements "
-                f"(was the model converted after it was wrapped? parameter now {p.dtype})")
+        self._check_gradient(index, grad)
         host = grad
         if needs_host_copy(grad):
             host = self._hosts.get(index)
@@ -295,14 +319,6 @@ class GradientReducer:
         self._reducer.mark_ready(index, host.data_ptr())
         # Alive until finish(): the reducer writes the result there.
         self._pending[index] = (grad, host)
-
-    def is_marked(self, index):
-        return index in self._pending
-
-    @property
-    def busy(self):
-        """True between the first mark and finish()."""
-        return bool(self._pending)
 
     def finish(self):
         try:
@@ -366,7 +382,7 @@ def _next_reducer_number(c):
     return number
 
 
-class NegotiatedReducer:
+class NegotiatedReducer(_ReducerBase):
     """GradientReducer's interface for a model on one CUDA device, reduced on the GPU: each
     bucket (the compiled reducer's first plan: packing::plan_reducer_buckets in reverse parameter
     order; not planned again from an observed order, which would take a collective outside the
@@ -382,17 +398,11 @@ class NegotiatedReducer:
     def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
                  bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",
                  groups=None, overlap=True, divide_before_sum=False):
-        self.comm = comm or world()
-        for p, n in zip(params, names):
-            check_parameter(p, call, n)
+        super().__init__(params, names, comm)
         if op not in ("average", "sum"):
             raise InvalidArgument(f"{call}: the reducer of CUDA gradients takes op average or "
                                   f"sum, not {op!r}")
-        self.params = params
-        self.names = names
         self._call = call
-        self._dtypes = [p.dtype for p in params]
-        self._counts = [p.numel() for p in params]
         self._average = op == "average"
         self._algorithm = algorithm or ""
         self._caps = (int(bucket_cap_bytes), int(first_bucket_bytes))
@@ -447,17 +457,7 @@ class NegotiatedReducer:
     def mark(self, index, grad):
         """Hands the reducer `grad` (contiguous, parameter index's shape and dtype, on the
         model's device)."""
-        p = self.params[index]
-        if (grad.dtype != self._dtypes[index] or grad.numel() != self._counts[index] or
-                grad.layout != torch.strided or not grad.is_contiguous() or
-                grad.device != self._device):
-            raise InvalidArgument(
-                f"gradient of {self.names[index]}: {grad.dtype}, {grad.numel()} elements on "
-                f"{grad.device}, layout {grad.layout}"
-                f"{'' if grad.is_contiguous() else ', not contiguous'}; the reducer was built for "
-                f"{self._dtypes[index]}, {self._counts[index]} elements on {self._device} (was "
-                f"the model converted or moved after it was wrapped? parameter now {p.dtype} on "
-                f"{p.device})")
+        self._check_gradient(index, grad, self._device)
         if index in self._pending:
             raise InvalidArgument(f"{self._call}: {self.names[index]} was marked twice in one "
                                   "iteration")
@@ -497,14 +497,6 @@ class NegotiatedReducer:
             f"{self._name}.bucket{b}", "allreduce", signature, flat.data_ptr(), count, wire,
             "sum", algorithm=self._algorithm, fusion_threshold=1, device=self._gpu,
             ready_event=event, gpu=self._device.index if self._gpu else -1)
-
-    def is_marked(self, index):
-        return index in self._pending
-
-    @property
-    def busy(self):
-        """True between the first mark and finish()."""
-        return bool(self._pending)
 
     def finish(self):
         error = None
