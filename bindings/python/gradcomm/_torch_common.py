@@ -12,7 +12,6 @@ copied back on that stream, so that work queued after it there sees the result."
 
 import collections
 import hashlib
-import itertools
 import os
 
 import numpy as np
