@@ -5,8 +5,8 @@ packing::Reducer: host buckets all-reduced on the progress engine while backward
 NegotiatedReducer, the same buckets on a CUDA device, reduced there).
 
 The Horovod-style all-reduces and a CUDA model's gradient buckets reduce on the GPU (NCCL,
-through the negotiator's GPU path; gpu_reduces()). Other CUDA tensors go through the same host paths as CPU tensors, by
-way of pinned host copies (as Horovod's MPI operations do where the MPI cannot read GPU memory):
+through the negotiator's GPU path; gpu_reduces()). Other CUDA tensors go through the same host
+paths as CPU tensors, by way of pinned host copies (as Horovod's MPI operations do where the MPI cannot read GPU memory):
 the copy in waits for the work queued on the tensor's device's current stream, and the result is
 copied back on that stream, so that work queued after it there sees the result."""
 
@@ -196,13 +196,28 @@ def verify_same_across_ranks(description, call, what, comm):
 _negotiators = {}  # id(communicator) -> (communicator, its negotiator)
 
 
+def mpi_threads_supported():
+    """True when MPI runs at MPI_THREAD_MULTIPLE (which gradcomm's overlap needs)."""
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def next_per_communicator(counts, c):
+    """The next number in `counts` (id(communicator) -> (communicator, last number)) for
+    communicator c, from 1: the same on every rank of c when every rank of it counts the same
+    collective objects, whatever other communicators saw."""
+    entry = counts.get(id(c))
+    number = entry[1] + 1 if entry is not None and entry[0] is c else 1
+    counts[id(c)] = (c, number)
+    return number
+
+
 def negotiator(c):
     """The negotiator of communicator `c`, made on first use (collective: every rank of c makes it
     at the same point of its calls)."""
     entry = _negotiators.get(id(c))
     if entry is None or entry[0] is not c:
-        from mpi4py import MPI
-        if c.size() > 1 and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        if c.size() > 1 and not mpi_threads_supported():
             raise Unsupported("gradcomm.torch: its background thread needs MPI at "
                               "MPI_THREAD_MULTIPLE; MPI was initialized at a lower level "
                               "(initialize it through gradcomm or mpi4py's default, which asks "
@@ -278,6 +293,13 @@ class _ReducerBase:
     def is_marked(self, index):
         return index in self._pending
 
+    def _mark_missing_with_zeros(self):
+        """Zeros for the parameters not marked this iteration (a front end whose marking failed
+        on this rank: the step's all-reduce still completes, so the ranks stay in step)."""
+        for i, p in enumerate(self.params):
+            if i not in self._pending:
+                self.mark(i, torch.zeros_like(p, memory_format=torch.contiguous_format))
+
     @property
     def busy(self):
         """True between the first mark and finish()."""
@@ -287,8 +309,8 @@ class _ReducerBase:
 class GradientReducer(_ReducerBase):
     """The compiled Reducer over a list of parameters' gradients. mark(i, grad) hands it
     parameter i's gradient tensor (kept alive until finish()); finish() waits for every bucket
-    and writes the averaged gradients back into those tensors. Every parameter must be marked
-    before finish() (the front ends mark the ones backward did not reach themselves). A CUDA
+    and writes the averaged gradients back into those tensors. A parameter not marked before
+    finish() counts as zeros (the front ends mark the ones backward did not reach themselves). A CUDA
     gradient is reduced from a pinned host copy of it, made once per parameter and reused."""
 
     def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
@@ -320,6 +342,7 @@ class GradientReducer(_ReducerBase):
         self._pending[index] = (grad, host)
 
     def finish(self):
+        self._mark_missing_with_zeros()
         try:
             self._reducer.finish()
             copied = [(g, h) for g, h in self._pending.values() if h is not g]
@@ -369,16 +392,8 @@ class GradientReducer(_ReducerBase):
 
 
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
-# id(communicator) -> (communicator, the count of NegotiatedReducers made over it): the same on
-# every rank of it, since reducers are made collectively; their buckets' names use it.
+# NegotiatedReducers made per communicator (next_per_communicator): their buckets' names.
 _negotiated_reducers = {}
-
-
-def _next_reducer_number(c):
-    entry = _negotiated_reducers.get(id(c))
-    number = entry[1] + 1 if entry is not None and entry[0] is c else 1
-    _negotiated_reducers[id(c)] = (c, number)
-    return number
 
 
 class NegotiatedReducer(_ReducerBase):
@@ -411,12 +426,11 @@ class NegotiatedReducer(_ReducerBase):
         self._divide_before_sum = divide_before_sum
         self._device = params[0].device if params else torch.device("cpu")
         self._gpu = self._device.type == "cuda"
-        self._name = f"{call}.reducer{_next_reducer_number(self.comm)}"
+        self._name = f"{call}.reducer{next_per_communicator(_negotiated_reducers, self.comm)}"
         self._negotiator = negotiator(self.comm)  # collective: made here, before any bucket
         self._iterations = 0
         self._reusable = None  # the event after the last copy back (the buckets' memory free)
-        self._waited = set()   # the streams that waited for it in this iteration
-        self._plan([])
+        self._plan()
         # What the buckets' signatures do not say (the op, where it divides), and the plan: ranks
         # that differ would reduce different buckets, or scale them differently, under one name.
         verify_same_across_ranks(
@@ -424,10 +438,10 @@ class NegotiatedReducer(_ReducerBase):
             f"algorithm {self._algorithm!r}, buckets {self.buckets()}", call,
             "the reducer's settings (op, compression, bucket sizes or groups)", self.comm)
 
-    def _plan(self, order):
+    def _plan(self):
         self._buckets = _gradcomm._plan_reducer_buckets(
             self._counts, [DTYPES[d] for d in self._dtypes], self._caps[0], self._caps[1],
-            self._compression, order, self._groups, self._call, self.comm.rank())
+            self._compression, [], self._groups, self._call, self.comm.rank())
         self._flats, self._slots = [], {}
         self._bucket_of = {}
         for b, (_, wire, indices, offsets, count) in enumerate(self._buckets):
@@ -444,7 +458,7 @@ class NegotiatedReducer(_ReducerBase):
         self._waiting = [len(b[2]) for b in self._buckets]
         self._states = {}   # bucket -> negotiated state
         self._events = {}   # bucket -> the event its submission waits for (alive until done)
-        self._waited = set()
+        self._waited = set()  # the streams that waited for _reusable in this iteration
 
     def _divides_first(self, b):
         dtype, wire = self._buckets[b][0], self._buckets[b][1]
@@ -500,10 +514,7 @@ class NegotiatedReducer(_ReducerBase):
     def finish(self):
         error = None
         try:
-            for i in range(len(self.params)):  # the front ends mark every one; zeros otherwise
-                if i not in self._pending:
-                    self.mark(i, torch.zeros_like(self.params[i],
-                                                  memory_format=torch.contiguous_format))
+            self._mark_missing_with_zeros()
             for b in range(len(self._buckets)):
                 if b not in self._states:
                     self._submit(b)

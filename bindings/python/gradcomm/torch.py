@@ -42,8 +42,8 @@ from . import is_initialized, local_rank, local_size, rank, size  # noqa: F401
 from . import shutdown as _shutdown
 from . import _gradcomm
 from ._torch_common import (DEVICES, DTYPES, JoinControl, check_tensor, close_negotiators,
-                            gpu_reduces, grad_accumulator, gradient_reducer, negotiator,
-                            scale_on_device, staged, unstage)
+                            gpu_reduces, grad_accumulator, gradient_reducer, mpi_threads_supported,
+                            negotiator, next_per_communicator, scale_on_device, staged, unstage)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -183,11 +183,6 @@ def mpi_built():
 
 def mpi_enabled():
     return True
-
-
-def mpi_threads_supported():
-    """True when MPI runs at MPI_THREAD_MULTIPLE (which gradcomm's overlap needs)."""
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def gloo_built():
@@ -372,16 +367,7 @@ _control = {}  # id(world communicator) -> JoinControl
 # (weak: an optimizer the script dropped is freed). Ids count in creation order per
 # communicator, the same on every rank of it.
 _optimizers = weakref.WeakValueDictionary()
-_optimizer_counts = {}  # id(communicator) -> (communicator, DistributedOptimizers made over it)
-
-
-def _next_optimizer_number(c):
-    """The count of DistributedOptimizers over communicator c, this one included: the same on
-    every rank of c (optimizers are made collectively), whatever other communicators saw."""
-    entry = _optimizer_counts.get(id(c))
-    number = entry[1] + 1 if entry is not None and entry[0] is c else 1
-    _optimizer_counts[id(c)] = (c, number)
-    return number
+_optimizer_counts = {}  # DistributedOptimizers made per communicator (next_per_communicator)
 
 
 def _algorithm_checked(algorithm, call):
@@ -1251,7 +1237,7 @@ class _DistributedOptimizerMixin:
             params, names, call, comm, opname, algorithm, cap, min(cap, 1 << 20),
             compression.wire, group_lists, overlap)
         self._gradcomm_comm = self._gradcomm_reducer.comm
-        self._gradcomm_id = _next_optimizer_number(self._gradcomm_comm)  # same on every rank
+        self._gradcomm_id = next_per_communicator(_optimizer_counts, self._gradcomm_comm)
         _optimizers[(id(self._gradcomm_comm), self._gradcomm_id)] = self
         self._gradcomm_zeros = None
         self._gradcomm_announced = False  # this step's join round made
@@ -1335,7 +1321,7 @@ class _DistributedOptimizerMixin:
             if not self._gradcomm_is_marked(i):
                 try:
                     self._gradcomm_mark(i)
-                except Exception as e:  # noqa: BLE001 - zeros stand in below
+                except Exception as e:  # noqa: BLE001 - finish() counts it as zeros
                     error = error or e
         try:
             if self._gradcomm_holding:  # a rank has joined: it stands in from this round on
@@ -1343,10 +1329,7 @@ class _DistributedOptimizerMixin:
                             self._gradcomm_id)
                 for i, grad in self._gradcomm_held.items():
                     reducer.mark(i, grad)
-            for i, p in enumerate(self._gradcomm_params):  # what failed to mark: zeros
-                if not reducer.is_marked(i):
-                    reducer.mark(i, torch.zeros_like(p, memory_format=torch.contiguous_format))
-            reducer.finish()
+            reducer.finish()  # what failed to mark counts as zeros
         finally:
             self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
             self._gradcomm_announced = self._gradcomm_holding = False
