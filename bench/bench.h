@@ -122,7 +122,10 @@ inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array
 // speed drifts), the smaller of:
 //   - local: the reduction a call must do, on data of this rank's alone: every rank at once runs
 //     the library's own kernels over n arrays of S/n (S = the row's size, at most kStreamBytes),
-//     reducing all n into every one, in 8 KiB blocks as shm does. With --cycle every rank first
+//     reducing all n into every one, in 8 KiB blocks as shm does. The arrays lie in the rows'
+//     own receive buffer (`arrays`; bound_arrays_bytes() of it), the memory of the kind and
+//     pages the calls use: a private region of the probe's own ran at half speed on one rank in
+//     some launches on AMD EPYC, where the call's memory did not. With --cycle every rank first
 //     rewrites the arrays (as the cycle rewrites the input); back to back they stay as the last
 //     trial left them. A call does this work and more (its sources lie in other ranks' caches),
 //     so it takes at least that long, T: busbw <= 2(n-1)/n * S / T. From the caches the row fits
@@ -136,6 +139,13 @@ inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array
 // the reducer's cache for its next call. The state: "far" or "near", from the rate at which every
 // rank reads the next rank's whole region of kStateProbeBytes (docs/benchmarking.md).
 inline constexpr std::size_t kProbeBytes = std::size_t{16} << 20;
+// The local bound's arrays at rows up to `max_bytes` on `ranks` ranks: the row's bytes (at least
+// 4 KiB, at most kStreamBytes) and 1 KiB + a line between arrays.
+inline constexpr std::size_t kBoundArrayGap = (std::size_t{1} << 10) + 64;
+inline std::size_t bound_arrays_bytes(std::size_t max_bytes, int ranks) {
+  return std::clamp<std::size_t>(max_bytes, 4096, kStreamBytes) +
+         static_cast<std::size_t>(ranks) * kBoundArrayGap;
+}
 inline constexpr std::size_t kStateProbeBytes = std::size_t{1} << 20;
 inline constexpr double kNearCrossCore = 50e9;  // bytes/s: far reads 25-35, near 70-90
 
@@ -149,8 +159,10 @@ struct Bound {
 
 class BoundProbe {
  public:
-  // `cycle`: the row is timed in the training-like cycle (--cycle).
-  BoundProbe(Communicator& comm, bool cycle);
+  // `cycle`: the row is timed in the training-like cycle (--cycle). `arrays`: the local bound's
+  // arrays, at least bound_arrays_bytes(max row bytes, ranks) (a buffer the rows overwrite
+  // anyway: their output, or an unused one).
+  BoundProbe(Communicator& comm, bool cycle, std::byte* arrays, std::size_t arrays_bytes);
   ~BoundProbe();
   BoundProbe(const BoundProbe&) = delete;
   BoundProbe& operator=(const BoundProbe&) = delete;
@@ -164,7 +176,8 @@ class BoundProbe {
   double slice_fetch_busbw(std::size_t bytes);
   Communicator& comm_;
   bool cycle_;
-  std::vector<float> local_;  // the local bound's n arrays
+  float* local_;  // the local bound's n arrays (in the rows' buffer)
+  std::size_t local_floats_;
   MPI_Comm node_ = MPI_COMM_NULL;
   MPI_Win window_ = MPI_WIN_NULL;
   float* mine_ = nullptr;

@@ -49,8 +49,11 @@ GRADCOMM_BENCH_CLONES double checksum(const float* p, std::size_t n) {
 
 }  // namespace
 
-BoundProbe::BoundProbe(Communicator& comm, bool cycle) : comm_(comm), cycle_(cycle) {
-  local_.assign(kStreamBytes / sizeof(float), 1.0f);  // touched once
+BoundProbe::BoundProbe(Communicator& comm, bool cycle, std::byte* arrays, std::size_t arrays_bytes)
+    : comm_(comm),
+      cycle_(cycle),
+      local_(reinterpret_cast<float*>(arrays)),
+      local_floats_(arrays_bytes / sizeof(float)) {
   // The cross-core probe needs memory every rank maps: one host only.
   int shared_size = 0;
   check_mpi(MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node_),
@@ -84,17 +87,17 @@ double BoundProbe::local_busbw(std::size_t bytes) {
   const std::size_t total = std::clamp<std::size_t>(bytes, 4096, kStreamBytes) / sizeof(float);
   // Each array's floats (a rank's slice of the row). The arrays lie 1 KiB + a line apart beyond
   // their size, so that no two streams alias on 4 KiB boundaries.
-  const std::size_t pad = (std::size_t{1} << 10) / sizeof(float) + 16;
-  const std::size_t m = std::min(total / n, local_.size() / n - pad);
+  const std::size_t pad = kBoundArrayGap / sizeof(float);
+  const std::size_t m = std::min(total / n, local_floats_ / n - pad);
   std::vector<std::byte*> targets(n);
   std::vector<const std::byte*> sources(n);
   for (std::size_t j = 0; j < n; ++j) {
-    targets[j] = reinterpret_cast<std::byte*>(local_.data() + j * (m + pad));
+    targets[j] = reinterpret_cast<std::byte*>(local_ + j * (m + pad));
     sources[j] = targets[j];
   }
   const double t = best_of_trials(
       comm_.mpi_comm(),
-      [&](int trial) { std::memset(local_.data(), 0x3c + trial, n * (m + pad) * sizeof(float)); },
+      [&](int trial) { std::memset(local_, 0x3c + trial, n * (m + pad) * sizeof(float)); },
       [&] { reduce_to_all(targets, sources, m, DataType::float32, ReduceOp::sum, ranks); });
   sink_ += local_[m / 2];
   return 2.0 * (ranks - 1) / ranks * static_cast<double>(m * n * sizeof(float)) / t;

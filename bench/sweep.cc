@@ -21,7 +21,10 @@ int run_sweep(Communicator& comm, const Options& o) {
   const std::size_t es = gradcomm::element_size(o.dtype);
   const std::size_t max_count = o.max_bytes / es;
   // Buffers allocated and touched once, reused for every size.
-  const std::size_t buffer_bytes = std::max<std::size_t>(max_count * es, 1);
+  const std::size_t row_bytes = std::max<std::size_t>(max_count * es, 1);
+  // With --bound, the receive buffer also holds the local bound's arrays (BoundProbe).
+  const std::size_t probe_bytes = o.bound ? bound_arrays_bytes(row_bytes, comm.size()) : 0;
+  const std::size_t buffer_bytes = std::max(row_bytes, probe_bytes);
   std::vector<std::byte> send_private, recv_private;
   gradcomm::RegisteredBuffer send_registered, recv_registered;
   std::byte* send = nullptr;
@@ -69,7 +72,7 @@ int run_sweep(Communicator& comm, const Options& o) {
       store(o.dtype, send, i, (i % 17) * 0.25);
   }
   std::unique_ptr<BoundProbe> probe;
-  if (o.bound) probe = std::make_unique<BoundProbe>(comm, o.cycle);
+  if (o.bound) probe = std::make_unique<BoundProbe>(comm, o.cycle, recv, probe_bytes);
 
   if (rank == 0) {
     print_header(o, comm.size());
