@@ -7,7 +7,8 @@
 Launch with ``mpirun -np N python train.py``: the ranks come from MPI. torch's rendezvous still
 wants ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; where the launcher set none
 of them, registering sets them from MPI (rank 0's host name and a free port of its, broadcast to
-every rank), as DeepSpeed's MPI discovery does. Variables already set are left alone, and the
+every rank), as DeepSpeed's MPI discovery does. A rank that cannot resolve that name takes one of
+rank 0's IPv4 addresses instead (the interface GLOO_SOCKET_IFNAME names first, loopback last). Variables already set are left alone, and the
 backend checks that what torch was given agrees with MPI.
 
 The compiled backend comes in one module per torch version it was built for
@@ -58,6 +59,33 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _ipv4_addresses():
+    """This host's IPv4 addresses as (interface, address): GLOO_SOCKET_IFNAME's interfaces
+    first, then the others, loopback last."""
+    import fcntl
+    import struct
+
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address
+            found.append((name, socket.inet_ntoa(packed[20:24])))
+    preferred = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    return sorted(found, key=lambda a: (a[0] not in preferred, a[1].startswith("127.")))
+
+
+def _reachable_name(host, addresses):
+    """`host` where this rank resolves it, else the first of rank 0's `addresses`."""
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except OSError:
+        return addresses[0][1] if addresses else host
+
+
 def _fill_rendezvous_from_mpi():
     """Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from MPI
     where none of torch's rendezvous variables is set. Collective over MPI_COMM_WORLD then."""
@@ -69,8 +97,9 @@ def _fill_rendezvous_from_mpi():
     try:
         address = None
         if world.Get_rank() == 0:
-            address = (socket.gethostname(), _free_port())
-        host, port = world.bcast(address, root=0)
+            address = (socket.gethostname(), _free_port(), _ipv4_addresses())
+        host, port, addresses = world.bcast(address, root=0)
+        host = _reachable_name(host, addresses)
         os.environ.setdefault("RANK", str(world.Get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(world.Get_size()))
         os.environ.setdefault("LOCAL_RANK", str(local.Get_rank()))

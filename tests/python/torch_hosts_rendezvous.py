@@ -1,0 +1,30 @@
+"""torch.distributed on the gradcomm backend across emulated hosts (tests/multihost_test.sh
+torch_2x1), where no host resolves another's name: init_process_group("gradcomm") with none of
+torch's rendezvous variables set (they come from MPI: rank 0's name, or an address of rank 0
+where the name does not resolve), a gloo group made through the same rendezvous, and one
+all_reduce on each group, every rank checking the exact sum."""
+
+import os
+import socket
+
+for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    os.environ.pop(name, None)
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # gloo finds no address by name either
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import gradcomm.torch  # noqa: E402,F401  (registers the backend)
+
+dist.init_process_group("gradcomm")
+rank, size = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+base = torch.arange(1009, dtype=torch.float32)
+for label, group in (("gradcomm", None), ("gloo", gloo)):
+    t = base * (rank + 1)
+    dist.all_reduce(t, group=group)
+    expected = base * (size * (size + 1) // 2)
+    assert torch.equal(t, expected), f"rank {rank}: {label} all_reduce gave a wrong sum"
+print(f"rank {rank} on {socket.gethostname()}: MASTER_ADDR={os.environ['MASTER_ADDR']}, "
+      f"gradcomm and gloo sums exact", flush=True)
+dist.destroy_process_group()
