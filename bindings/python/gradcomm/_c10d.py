@@ -8,8 +8,9 @@ Launch with ``mpirun -np N python train.py``: the ranks come from MPI. torch's r
 wants ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; where the launcher set none
 of them, registering sets them from MPI (rank 0's host name and a free port of its, broadcast to
 every rank), as DeepSpeed's MPI discovery does. A rank that cannot resolve that name takes one of
-rank 0's IPv4 addresses instead (the interface GLOO_SOCKET_IFNAME names first, loopback last). Variables already set are left alone, and the
-backend checks that what torch was given agrees with MPI.
+rank 0's IPv4 addresses instead (the interface GLOO_SOCKET_IFNAME names first, loopback last).
+Variables already set are left alone, and the backend checks that what torch was given agrees
+with MPI.
 
 The compiled backend comes in one module per torch version it was built for
 (``_c10d_torch<major>_<minor>``); the one matching the running torch is loaded.
