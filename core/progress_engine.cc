@@ -177,23 +177,56 @@ void ProgressEngine::loop() {
   }
 }
 
+BackgroundPause BackgroundPause::resuming_at(long sleep_ns, long max_pause_us) {
+  BackgroundPause pause(max_pause_us);
+  pause.polls_ = kYields;
+  pause.sleep_ns_ = std::clamp(sleep_ns, kFirstSleepNanoseconds, pause.max_sleep_ns_);
+  return pause;
+}
+
 void BackgroundPause::pause() {
-  if (++polls_ <= 8) {
+  if (++polls_ <= kYields) {
     sched_yield();
     return;
   }
   timespec ts{0, sleep_ns_};
   nanosleep(&ts, nullptr);
-  sleep_ns_ = std::min(sleep_ns_ + sleep_ns_ / 2, kMaxPauseMicroseconds * 1000);
+  last_sleep_ns_ = sleep_ns_;
+  sleep_ns_ = std::min(sleep_ns_ + sleep_ns_ / 2, max_sleep_ns_);
 }
 
-int wait_all_mpi(int count, MPI_Request* requests) {
+namespace {
+
+// How this thread's last wait_all_mpi ended (wait_all_mpi carries its pace to the next one).
+// Across hosts a ring moves 64 KB pieces, half a millisecond each at 1 Gbit/s: polling up from
+// 2 us on every piece took about 20 MPI_Testall calls and sleeps each, a third of a core beside
+// a DDP step's backward pass (docs/results/torch.md).
+thread_local long t_mpi_wait_sleep_ns = 0;
+thread_local std::chrono::steady_clock::time_point t_mpi_wait_end;
+constexpr auto kMpiWaitCarry = std::chrono::milliseconds(1);
+
+}  // namespace
+
+int wait_all_mpi(int count, MPI_Request* requests, const std::function<void()>& between,
+                 long max_pause_us) {
   if (!on_progress_thread()) return MPI_Waitall(count, requests, MPI_STATUSES_IGNORE);
-  BackgroundPause pause;
+  const auto start = std::chrono::steady_clock::now();
+  const bool carry = t_mpi_wait_sleep_ns > 0 && start - t_mpi_wait_end < kMpiWaitCarry;
+  BackgroundPause pause = carry
+                              ? BackgroundPause::resuming_at(t_mpi_wait_sleep_ns / 2, max_pause_us)
+                              : BackgroundPause(max_pause_us);
   for (;;) {
     int done = 0;
     const int rc = MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
-    if (rc != MPI_SUCCESS || done) return rc;
+    if (rc != MPI_SUCCESS || done) {
+      // The sleep this wait ended at; one that needed none halves the carried pace.
+      t_mpi_wait_sleep_ns =
+          pause.last_sleep_ns() > 0 ? pause.last_sleep_ns() : (carry ? t_mpi_wait_sleep_ns / 2 : 0);
+      if (t_mpi_wait_sleep_ns < BackgroundPause::kFirstSleepNanoseconds) t_mpi_wait_sleep_ns = 0;
+      t_mpi_wait_end = std::chrono::steady_clock::now();
+      return rc;
+    }
+    if (between) between();
     pause.pause();
   }
 }

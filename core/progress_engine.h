@@ -2,6 +2,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -112,15 +113,31 @@ void drain_all_engines();
 class BackgroundPause {
  public:
   static constexpr long kMaxPauseMicroseconds = 200;
+  static constexpr long kFirstSleepNanoseconds = 2000;
+  static constexpr long kYields = 8;  // polls that yield before the first sleep
+  explicit BackgroundPause(long max_pause_us = kMaxPauseMicroseconds)
+      : max_sleep_ns_(std::max(max_pause_us * 1000, kFirstSleepNanoseconds)) {}
+  // Resumes where an earlier wait left off: no yields, the first sleep `sleep_ns` (at least
+  // kFirstSleepNanoseconds, at most the cap).
+  static BackgroundPause resuming_at(long sleep_ns, long max_pause_us = kMaxPauseMicroseconds);
   void pause();
+  // The last sleep taken, 0 while there was none (only yields, or no pause at all).
+  long last_sleep_ns() const { return last_sleep_ns_; }
 
  private:
+  long max_sleep_ns_;
   long polls_ = 0;
-  long sleep_ns_ = 2000;
+  long sleep_ns_ = kFirstSleepNanoseconds;
+  long last_sleep_ns_ = 0;
 };
 
-// MPI_Waitall, except on a progress thread: MPI_Testall with BackgroundPause between polls.
-// Returns the MPI error code.
-int wait_all_mpi(int count, MPI_Request* requests);
+// MPI_Waitall, except on a progress thread: MPI_Testall with BackgroundPause between polls
+// (sleeps up to `max_pause_us`), and `between` (if given) after every poll that found the
+// requests unfinished (what else the wait must watch; it may throw). There, a wait that follows
+// the thread's previous one within a millisecond (the pieces of one transfer, each paced by the
+// network) starts at half the sleep that one ended at, rather than polling up from microseconds
+// again. Returns the MPI error code.
+int wait_all_mpi(int count, MPI_Request* requests, const std::function<void()>& between = {},
+                 long max_pause_us = BackgroundPause::kMaxPauseMicroseconds);
 
 }  // namespace gradcomm

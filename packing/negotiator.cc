@@ -482,7 +482,15 @@ bool Negotiator::cycle() {
   check_mpi(
       MPI_Iallgather(&header, 1, MPI_UINT64_T, headers.data(), 1, MPI_UINT64_T, control_, &request),
       "negotiation: MPI_Iallgather", rank_);
-  check_mpi(wait_all_mpi(1, &request), "negotiation: MPI_Iallgather", rank_);
+  // An idle cycle (nothing offered here, the last cycle quiet too) waits with sleeps up to an
+  // idle interval: the others' headers come at their next cycle anyway. Across hosts its message
+  // queues behind whatever the communicator's all-reduces have in flight, for up to a chunk's
+  // time on the link, and polling that at 200 us cost the backend's DDP step 3-4% there
+  // (docs/results/torch.md, "The negotiation thread's idle cycles").
+  const bool idle = fresh.empty() && flags == 0 && quiet_cycles_ > 0;
+  const long max_pause_us =
+      idle ? static_cast<long>(kIdleCycle.count()) : BackgroundPause::kMaxPauseMicroseconds;
+  check_mpi(wait_all_mpi(1, &request, {}, max_pause_us), "negotiation: MPI_Iallgather", rank_);
   ++cycles_;
   std::vector<int>& sizes = sizes_;
   std::vector<int>& displs = displs_;

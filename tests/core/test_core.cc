@@ -12,6 +12,7 @@
 
 #include "core/data_type.h"
 #include "core/half.h"
+#include "core/progress_engine.h"
 #include "core/reduce_kernels.h"
 
 namespace gradcomm {
@@ -215,6 +216,27 @@ TEST(DataTypes, NamesSizesAndParsing) {
   for (ReduceOp op : kAllReduceOps)
     EXPECT_EQ(parse_reduce_op(to_string(op)), op);
   EXPECT_FALSE(is_valid(static_cast<ReduceOp>(9)));
+}
+
+// The sleeps of a wait on a progress thread: yields first, then sleeps from 2 us growing by half
+// each time up to the cap; a wait resumed from an earlier one's pace sleeps at once.
+TEST(BackgroundPause, YieldsThenSleepsGrowingToTheCap) {
+  BackgroundPause pause(/*max_pause_us=*/10);
+  for (long i = 0; i < BackgroundPause::kYields; ++i) {
+    pause.pause();
+    EXPECT_EQ(pause.last_sleep_ns(), 0);
+  }
+  const long expected[] = {2000, 3000, 4500, 6750, 10000, 10000};
+  for (long ns : expected) {
+    pause.pause();
+    EXPECT_EQ(pause.last_sleep_ns(), ns);
+  }
+  BackgroundPause resumed = BackgroundPause::resuming_at(50'000, /*max_pause_us=*/20);
+  resumed.pause();
+  EXPECT_EQ(resumed.last_sleep_ns(), 20'000);  // no yields; clamped to the cap
+  BackgroundPause low = BackgroundPause::resuming_at(10);
+  low.pause();
+  EXPECT_EQ(low.last_sleep_ns(), BackgroundPause::kFirstSleepNanoseconds);
 }
 
 }  // namespace
