@@ -79,10 +79,15 @@ gradcomm_cap_mb = (args.bucket_cap_mb if args.gradcomm_bucket_cap_mb is None
                    else args.gradcomm_bucket_cap_mb)
 
 torch.set_num_threads(1)  # one core per rank
-hvd.init()
-rank, size = hvd.rank(), hvd.size()
 world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
 variants = args.variants.split(",")
+# gradcomm.torch's Horovod-style API starts only where a variant uses it: its negotiation thread
+# then cycles through every variant's steps (idle, one small all-gather every 1-5 ms), and across
+# hosts those cycles share MPI with the gradcomm backend (docs/results/torch.md, "Two threads
+# that polled too often").
+if any(name.startswith("gradcomm-") for name in variants):
+    hvd.init()
 cuda = args.device == "cuda"
 device = bench_device(args.device, rank)
 device_ids = [device] if cuda else None
@@ -232,7 +237,7 @@ for step in range(args.warmup + args.steps):
         if step >= args.warmup:
             times[name].append(elapsed)
 
-hosts = hvd.cross_size()  # collective on first use: every rank, not just the one printing
+hosts = len(set(world.allgather(socket.gethostname())))
 # A step is as slow as its slowest rank.
 slowest = {name: [max(v) for v in zip(*world.allgather(t))] for name, t in times.items()}
 if rank == 0:
