@@ -118,8 +118,8 @@ void store(DataType dtype, void* buf, std::size_t i, double v);
 double percentile(std::vector<double> sorted, double p);
 inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array, above caches
 
-// The bound on busbw (--bound), measured in the same run right before each row (this machine's
-// speed drifts), the smaller of:
+// The bound on busbw (--bound), measured in the same run right before and right after each row
+// (this machine's speed drifts; each part the better of the two), the smaller of:
 //   - local: the reduction a call must do, on data of this rank's alone: every rank at once runs
 //     the library's own kernels over n arrays of S/n (S = the row's size, at most kStreamBytes),
 //     reducing all n into every one, in 8 KiB blocks as shm does. The arrays lie in the rows'
@@ -167,6 +167,9 @@ class BoundProbe {
   BoundProbe(const BoundProbe&) = delete;
   BoundProbe& operator=(const BoundProbe&) = delete;
   Bound measure(std::size_t bytes);  // collective
+  // The better of two measurements of one row (before and after it): each part's higher rate,
+  // the state of `first`.
+  Bound best_of(const Bound& first, const Bound& second) const;
 
  private:
   double local_busbw(std::size_t bytes);

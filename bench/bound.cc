@@ -1,8 +1,9 @@
 // The bound each row's busbw is reported against (--bound), measured in the same run, right
-// before the row: see bench.h (Bound) and docs/benchmarking.md.
+// before and right after the row: see bench.h (Bound) and docs/benchmarking.md.
 
 #include "bench/bench.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -150,6 +151,15 @@ Bound BoundProbe::measure(std::size_t bytes) {
     std::fprintf(stderr, "# bound at %zu B: local %.1f GB/s, cross-core %.1f GB/s\n", bytes,
                  b.local_busbw / 1e9, b.cross_core_busbw / 1e9);
   }
+  return b;
+}
+
+Bound BoundProbe::best_of(const Bound& first, const Bound& second) const {
+  Bound b = first;
+  b.local_busbw = std::max(first.local_busbw, second.local_busbw);
+  b.cross_core_busbw = std::max(first.cross_core_busbw, second.cross_core_busbw);
+  b.busbw = cycle_ && b.cross_core_busbw > 0 ? std::min(b.local_busbw, b.cross_core_busbw)
+                                             : b.local_busbw;
   return b;
 }
 

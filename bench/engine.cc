@@ -388,8 +388,9 @@ void print_header(const Options& o, int n) {
     }
     if (o.bound) {
       std::printf(
-          "# bound: busbw bound measured before the row (GB/s): the library's reduction on each "
-          "rank's own data%s;\n#   of_bound = busbw / bound; state: far or near, from the "
+          "# bound: busbw bound, the better of a probe before and one after the row (GB/s): the "
+          "library's reduction on each rank's own data%s;\n#   of_bound = busbw / bound; state: "
+          "far or near, from the "
           "cross-core rate at 1 MiB\n",
           o.cycle ? ", or the cross-core fetch of the slices a call reduces where slower" : "");
     }

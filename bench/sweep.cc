@@ -96,9 +96,12 @@ int run_sweep(Communicator& comm, const Options& o) {
   for (double size = static_cast<double>(o.min_bytes); size <= static_cast<double>(o.max_bytes);
        size *= o.factor) {
     const std::size_t count = static_cast<std::size_t>(size) / es;
-    const Bound bound = probe ? probe->measure(count * es) : Bound{};
+    const Bound before = probe ? probe->measure(count * es) : Bound{};
     const std::vector<Row> rows =
         measure_size(comm, baseline, o, count, send, recv, ref_in, ref_out);
+    // The machine's speed drifts within a row: its bound is the better of a probe before it and
+    // one after it, so that a slow moment during one probe cannot put the row above its bound.
+    const Bound bound = probe ? probe->best_of(before, probe->measure(count * es)) : Bound{};
     const auto fastest = std::min_element(
         rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.p50_us < b.p50_us; });
     if (fastest != rows.end()) winners.emplace_back(count * es, fastest->algorithm);
