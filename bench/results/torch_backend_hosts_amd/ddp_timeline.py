@@ -112,7 +112,8 @@ def thread_cpu():
             stat = f.read()
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        out[name] = out.get(name, 0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
+        out[name] = out.get(name, 0) + ticks / os.sysconf("SC_CLK_TCK")
     return out
 
 

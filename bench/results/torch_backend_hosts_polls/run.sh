@@ -15,7 +15,8 @@ for round in $(seq "${ROUNDS:-2}"); do
   for build in before after; do
     if [ $build = before ]; then export PYTHONPATH=$BEFORE; else export PYTHONPATH=build/python; fi
     echo "== round $round, $build"
-    run $V bench/results/torch_backend_hosts_amd/ddp_timeline.py --steps 20 2>&1 | grep -v socket.cpp
+    run $V bench/results/torch_backend_hosts_amd/ddp_timeline.py --steps 20 2>&1 |
+      grep -v socket.cpp
     run $V bench/torch_ddp_bench.py --variants compute,torch-ddp,torch-ddp-gradcomm \
       --steps ${STEPS:-60} 2>&1 | grep -v socket.cpp
   done

@@ -4,7 +4,7 @@ core each (the values grow; only times are read): the backend object called dire
 (native), dist.all_reduce on the default group (the gradcomm backend), the backend object with
 asyncOp True (the call handed to gradcomm's progress engine), and ProcessGroup.allreduce with
 asyncOp False (torch's C++ dispatcher, none of dist.all_reduce's Python). Medians over 9 rounds
-of 30 calls, the variants alternating. Rank 0 prints bytes and the three medians in us.
+of 30 calls, the variants alternating. Rank 0 prints bytes and the five medians in us.
     PYTHONPATH=build/python mpirun -np 2 --bind-to core PY layers.py
 """
 import time, statistics, sys, torch, torch.distributed as dist
@@ -28,7 +28,8 @@ for n in (1 << 12, 1 << 16, 1 << 18, 1 << 20):
     def g(): pg.allreduce([t], opts).wait()
     res = {}
     for rnd in range(9):
-        for name, f in (("backend", c), ("native", d), ("dist.all_reduce", e), ("backend-async", a), ("pg.allreduce", g)):
+        for name, f in (("backend", c), ("native", d), ("dist.all_reduce", e),
+                        ("backend-async", a), ("pg.allreduce", g)):
             for _ in range(5): f()
             times = []
             for _ in range(30):
