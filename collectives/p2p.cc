@@ -156,7 +156,7 @@ void wait_all(std::size_t n, MPI_Request* requests, const Caller& call) {
   // made a different call will never send what is awaited, and the check says so. On a progress
   // thread with sleeps between the polls, as every wait there: across hosts the comparison can
   // be in flight for most of a call, and polling it flat out took a third of a core from the
-  // application (docs/results/torch.md, "The comparison's polls").
+  // application (docs/results/torch.md, "Two threads that polled too often").
   if (on_progress_thread()) {
     const int rc = wait_all_mpi(static_cast<int>(n), requests, [&call] {
       if (call.context.check_pending()) call.context.poll_check();

@@ -200,7 +200,7 @@ namespace {
 // How this thread's last wait_all_mpi ended (wait_all_mpi carries its pace to the next one).
 // Across hosts a ring moves 64 KB pieces, half a millisecond each at 1 Gbit/s: polling up from
 // 2 us on every piece took about 20 MPI_Testall calls and sleeps each, a third of a core beside
-// a DDP step's backward pass (docs/results/torch.md).
+// a DDP step's backward pass (docs/results/torch.md, "Two threads that polled too often").
 thread_local long t_mpi_wait_sleep_ns = 0;
 thread_local std::chrono::steady_clock::time_point t_mpi_wait_end;
 constexpr auto kMpiWaitCarry = std::chrono::milliseconds(1);

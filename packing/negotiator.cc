@@ -486,7 +486,7 @@ bool Negotiator::cycle() {
   // idle interval: the others' headers come at their next cycle anyway. Across hosts its message
   // queues behind whatever the communicator's all-reduces have in flight, for up to a chunk's
   // time on the link, and polling that at 200 us cost the backend's DDP step 3-4% there
-  // (docs/results/torch.md, "The negotiation thread's idle cycles").
+  // (docs/results/torch.md, "Two threads that polled too often").
   const bool idle = fresh.empty() && flags == 0 && quiet_cycles_ > 0;
   const long max_pause_us =
       idle ? static_cast<long>(kIdleCycle.count()) : BackgroundPause::kMaxPauseMicroseconds;
