@@ -17,6 +17,8 @@ namespace {
 thread_local bool t_progress_thread = false;
 // The engine whose run_exclusive this thread is inside, if any.
 thread_local const ProgressEngine* t_exclusive_of = nullptr;
+// The engine whose requests this thread runs in run_here, if any.
+thread_local const ProgressEngine* t_running_of = nullptr;
 
 // Every live engine, for drain_all_engines.
 std::mutex& registry_mutex() {
@@ -92,6 +94,7 @@ void ProgressEngine::submit(std::shared_ptr<detail::RequestState> state) {
     timeline::instant("submit", "request",
                       "\"call\":\"" + state->call + "\",\"request\":" + std::to_string(state->id));
   }
+  state->engine = this;
   pending_.fetch_add(1, std::memory_order_acq_rel);
   submitted_.fetch_add(1, std::memory_order_relaxed);
   bool idle = false;
@@ -104,8 +107,36 @@ void ProgressEngine::submit(std::shared_ptr<detail::RequestState> state) {
   if (idle) wake_.notify_one();
 }
 
+bool ProgressEngine::in_request() const {
+  return on_engine_thread() || t_running_of == this;
+}
+
+bool ProgressEngine::run_here(const detail::RequestState* target) {
+  if (in_request() || t_exclusive_of == this) return false;  // (nothing queued may run inside)
+  for (;;) {
+    std::shared_ptr<detail::RequestState> state;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (running_ || std::none_of(queue_.begin(), queue_.end(),
+                                   [&](const auto& queued) { return queued.get() == target; })) {
+        return false;
+      }
+      state = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+    }
+    const bool last = state.get() == target;
+    struct Inside {
+      explicit Inside(const ProgressEngine* e) { t_running_of = e; }
+      ~Inside() { t_running_of = nullptr; }
+    } inside(this);
+    execute(std::move(state));
+    if (last) return true;
+  }
+}
+
 void ProgressEngine::run_exclusive(const std::function<void()>& fn) {
-  if (on_engine_thread() || t_exclusive_of == this) {
+  if (in_request() || t_exclusive_of == this) {
     fn();
     return;
   }
@@ -120,7 +151,7 @@ void ProgressEngine::run_exclusive(const std::function<void()>& fn) {
 }
 
 void ProgressEngine::drain() {
-  if (on_engine_thread() || t_exclusive_of == this) return;
+  if (in_request() || t_exclusive_of == this) return;
   for (std::size_t n = pending_.load(std::memory_order_acquire); n > 0;
        n = pending_.load(std::memory_order_acquire)) {
     pending_.wait(n, std::memory_order_acquire);
@@ -148,33 +179,50 @@ void ProgressEngine::loop() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       idle_ = true;
-      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      // Not while a thread runs requests in run_here: the next one waits for it to finish.
+      wake_.wait(lock, [this] { return !running_ && (stopping_ || !queue_.empty()); });
       idle_ = false;
       if (queue_.empty()) return;  // stopping, and everything submitted has run
       state = std::move(queue_.front());
       queue_.pop_front();
+      running_ = true;
     }
-    if (timeline::enabled()) {
-      thread_local bool named = false;
-      if (!named) timeline::name_thread("progress engine");
-      named = true;
-      timeline::async_span(
-          "queued", "request", state->id, state->submitted_us, timeline::now_us(),
-          "\"call\":\"" + state->call + "\",\"request\":" + std::to_string(state->id));
-    }
-    try {
-      std::lock_guard<std::mutex> hold(exclusive_);
-      state->work();
-    } catch (...) {
-      state->error = std::current_exception();
-    }
-    state->work = nullptr;  // what it captured goes now, not when the request is freed
-    // The communicator is free before the request says it is done: a blocking call made right
-    // after wait() then finds nothing in flight (settle()'s one load), instead of draining.
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_all();
-    state->done.store(true, std::memory_order_release);
-    state->done.notify_all();
+    execute(std::move(state));
   }
+}
+
+void ProgressEngine::execute(std::shared_ptr<detail::RequestState> state) {
+  if (timeline::enabled()) {
+    thread_local bool named = false;
+    if (!named && on_engine_thread()) {
+      timeline::name_thread("progress engine");
+      named = true;
+    }
+    timeline::async_span(
+        "queued", "request", state->id, state->submitted_us, timeline::now_us(),
+        "\"call\":\"" + state->call + "\",\"request\":" + std::to_string(state->id));
+  }
+  try {
+    std::lock_guard<std::mutex> hold(exclusive_);
+    state->work();
+  } catch (...) {
+    state->error = std::current_exception();
+  }
+  state->work = nullptr;  // what it captured goes now, not when the request is freed
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
+    // Run in run_here: the engine's thread may be asleep with requests queued behind this one
+    // (or a stop waiting for it).
+    wake = !on_engine_thread() && idle_ && (stopping_ || !queue_.empty());
+  }
+  if (wake) wake_.notify_one();
+  // The communicator is free before the request says it is done: a blocking call made right
+  // after wait() then finds nothing in flight (settle()'s one load), instead of draining.
+  if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_all();
+  state->done.store(true, std::memory_order_release);
+  state->done.notify_all();
 }
 
 BackgroundPause BackgroundPause::resuming_at(long sleep_ns, long max_pause_us) {

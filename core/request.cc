@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "core/progress_engine.h"
 #include "core/timeline.h"
 
 namespace gradcomm {
@@ -49,6 +50,9 @@ void Request::wait() {
   if (!state_) return;
   timeline::Span span("wait", "request");
   if (span.on()) span.args("\"call\":\"" + state_->call + "\"");
+  // Still queued behind nothing running: this thread runs it, rather than wait for the engine's.
+  if (state_->engine && !state_->done.load(std::memory_order_acquire))
+    state_->engine->run_here(state_.get());
   state_->done.wait(false, std::memory_order_acquire);
   const std::exception_ptr error = std::exchange(state_->error, nullptr);
   state_.reset();

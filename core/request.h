@@ -10,6 +10,8 @@
 
 namespace gradcomm {
 
+class ProgressEngine;
+
 namespace detail {
 
 // One non-blocking call: the work a progress engine runs, then its outcome. The engine stores the
@@ -22,6 +24,9 @@ struct RequestState {
   std::uint64_t id = 0;        // names its events on the timeline
   std::exception_ptr error;
   std::atomic<bool> done{false};
+  // The engine it was submitted to (set by ProgressEngine::submit): a waiter may run it there
+  // itself while it is still queued (ProgressEngine::run_here).
+  ProgressEngine* engine = nullptr;
 };
 
 }  // namespace detail

@@ -607,6 +607,11 @@ bool GradcommWork::wait(std::chrono::milliseconds timeout) {
     std::atomic<int>& waiters;
     ~Leave() { waiters.fetch_sub(1, std::memory_order_relaxed); }
   } leave{waiters_};
+  if (timeout == std::chrono::milliseconds(0)) {  // kNoTimeout (global in torch 1.13)
+    // (An engine outlives the requests it has queued: its destructor runs them first.)
+    if (auto request = request_.lock(); request && !request->done.load(std::memory_order_acquire))
+      request->engine->run_here(request.get());
+  }
   return c10d::Work::wait(timeout);  // which ends with synchronize()
 }
 
@@ -751,12 +756,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
   auto work = c10::make_intrusive<GradcommWork>(
       type, title, std::move(outputs),
       device ? std::optional<c10::Device>(device->device()) : std::nullopt);
-  // A call made on the engine's own thread comes from a future's callback (a comm hook's then(),
-  // which runs where the work completes): queued, it would wait behind the callback that waits
+  // A call made inside a request (on the engine's thread, or on a waiting thread that runs it:
+  // ProgressEngine::in_request) comes from a future's callback (a comm hook's then(), which runs
+  // where the work completes): queued, it would wait behind the callback that waits
   // for it (PowerSGD's hook waits on the all-reduce it issues). It runs here and now instead;
   // every rank's engine reaches that callback at the same point of the same sequence of calls,
   // so the ranks still agree on the order.
-  if (!async || comm_->engine().on_engine_thread()) {
+  if (!async || comm_->engine().in_request()) {
     // After the group's earlier calls, and with none starting meanwhile: autograd's threads may
     // submit while this runs.
     comm_->engine().run_exclusive([&] {
@@ -817,6 +823,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
       work->complete();
     }
   };
+  work->set_request(state);
   comm_->engine().submit(std::move(state));
   return work;
 }

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "core/communicator.h"
+#include "core/request.h"
 
 namespace gradcomm::torch_backend {
 
@@ -95,8 +96,12 @@ class GradcommWork : public c10d::Work {
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // Counted in waiters() while it blocks: the engine then waits as a blocking call would.
+  // Without a timeout, a call still queued behind nothing running runs on the waiting thread
+  // (ProgressEngine::run_here): no hand-over to the engine's thread and back.
   // c10d::Work::wait ends with synchronize() (torch 1.13 and 2.x).
   bool wait(std::chrono::milliseconds timeout) override;
+  // The engine's request that runs this call (submit sets it before the work is returned).
+  void set_request(std::weak_ptr<detail::RequestState> request) { request_ = std::move(request); }
   // A CUDA call: true once its work has run on the GPU.
   bool isCompleted() override;
   // A CUDA call: the caller's current stream waits for its work (no host wait). c10d::Work::wait
@@ -129,6 +134,7 @@ class GradcommWork : public c10d::Work {
 
  private:
   std::atomic<int> waiters_{0};
+  std::weak_ptr<detail::RequestState> request_;
   std::vector<at::Tensor> outputs_;
   std::optional<c10::Device> device_;
   // Recorded on the group's stream once the call is enqueued (CUDA calls only); enqueued_ says

@@ -71,6 +71,27 @@ def test_all_reduce_async_in_order():
         assert torch.all(t == sum(r + i for r in range(SIZE)))
 
 
+def test_callbacks_that_wait_for_collectives_of_their_own():
+    """A future's callback runs where its call completes: on gradcomm's engine, or on the thread
+    that waits for the call and runs it itself (still queued, behind nothing). There, a callback
+    that makes a call and waits for it (as PowerSGD's hook does) must not wait behind itself."""
+    for i in range(50):
+        t = torch.full((101,), float(RANK))
+        inner = torch.full((7,), float(RANK + i))
+        work = dist.all_reduce(t, async_op=True)
+
+        def callback(fut, inner=inner):
+            dist.all_reduce(inner, async_op=True).wait()
+            dist.all_reduce(inner)
+            return fut.value()
+
+        chained = work.get_future().then(callback)
+        work.wait()
+        chained.wait()
+        assert torch.all(t == sum(range(SIZE)))
+        assert torch.all(inner == SIZE * sum(r + i for r in range(SIZE)))
+
+
 def test_all_reduce_coalesced():
     if not hasattr(dist, "all_reduce_coalesced"):
         pytest.skip("this torch has no all_reduce_coalesced")
