@@ -222,7 +222,7 @@ void execute(const collectives::CallContext* outer, Communicator& comm, const Va
                                     "algorithm '" + std::string(name) + "' cannot reduce " +
                                         std::string(to_string(dtype)) + " buffers here"));
   }
-  scope.start(name, algorithm->capabilities().polls_check, algorithm->proves_call(args));
+  scope.start(name, algorithm->capabilities().polls_check, algorithm->proves_call(args, comm));
   timeline::Span span("allreduce", "collective");
   if (span.on()) {
     span.args("\"algorithm\":\"" + std::string(name) + "\",\"bytes\":" + std::to_string(bytes) +

@@ -60,8 +60,10 @@ class AllreduceAlgorithm {
   virtual void run(const AllreduceArgs& args, Communicator& comm) = 0;
   // True when run(args) begins with an exchange that carries CallContext::fingerprint() to every
   // peer and calls CallContext::call_proven once all agree (or require_check when they do not):
-  // the consistency check then posts on its board only if that exchange waits long.
-  virtual bool proves_call(const AllreduceArgs&) const { return false; }
+  // the consistency check then posts on its board only if that exchange waits long. It runs
+  // before the check of the algorithm's first use, so it must not communicate (nor make state
+  // whose making does).
+  virtual bool proves_call(const AllreduceArgs&, Communicator&) const { return false; }
   // The cost model's seconds for one call of `bytes` (collectives/select/cost_model.h); nullopt
   // when the algorithm has no model here, and is then no candidate of auto's.
   virtual std::optional<double> predicted_seconds(const CostModel&, const CostQuery&) const {

@@ -7,7 +7,8 @@ namespace gradcomm::collectives {
 // Intra-node all-reduce through shared memory, for communicators whose ranks all share one
 // host. No rank ever stores into a cache line a peer has just read, and there is no shared result
 // area (the slow case on these machines: docs/algorithms.md#shm). Paths:
-//   - latency path (<= kShmSmallBytes, 16 KiB): each rank writes one cache-line packet (the
+//   - latency path (up to 2 KiB, or 8 KiB where ranks share CPUs: shm_small_limit in
+//     shm/segment.h): each rank writes one cache-line packet (the
 //     call's fingerprint, data up to 16 B, the round as flag); every rank reduces all inputs in
 //     rank order straight into its output: one flag round;
 //   - registered buffers (Communicator::allocate) where every rank's input and output are
@@ -31,7 +32,7 @@ class AllreduceShm : public AllreduceAlgorithm {
   }
   void run(const AllreduceArgs& args, Communicator& comm) override;
   // The latency path's one line per rank carries the call's whole fingerprint.
-  bool proves_call(const AllreduceArgs& args) const override;
+  bool proves_call(const AllreduceArgs& args, Communicator& comm) const override;
   std::optional<double> predicted_seconds(const CostModel& model,
                                           const CostQuery& q) const override;
 };

@@ -41,9 +41,22 @@ namespace gradcomm::collectives {
 
 // Names shm in errors.
 inline constexpr std::string_view kShmCall = "allreduce(shm)";
-// The all-reduce's latency path goes up to this size; a staged round carries this many bytes per
-// rank (and a round of hierarchical's phases at most this much of all columns together).
+// The latency path's slot per rank and round: the most it can carry. A staged round carries
+// kShmRoundBytes per rank (and a round of hierarchical's phases at most that of all columns
+// together).
 inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
+// Where the all-reduce takes its latency path (one flag round, every rank reading every input
+// whole): up to 8 KiB where ranks share CPUs, and every flag round may cost a context switch; up
+// to 2 KiB where each rank has a CPU of its own, where the staged path's three flag rounds cost
+// less than reading the peers' inputs whole (AMD EPYC, 2 ranks: 4 KiB 0.77 against 0.95 us,
+// 8 KiB 0.96 against 1.66; docs/results/shm.md, "The latency path's limit"). `crowded` must be
+// the same on every rank (ShmState::spin == 0 is).
+inline constexpr std::size_t kShmSmallCrowdedBytes = std::size_t{8} << 10;
+inline constexpr std::size_t kShmSmallOwnCpuBytes = std::size_t{2} << 10;
+constexpr std::size_t shm_small_limit(bool crowded) {
+  return crowded ? kShmSmallCrowdedBytes : kShmSmallOwnCpuBytes;
+}
+static_assert(kShmSmallCrowdedBytes <= kShmSmallBytes && kShmSmallOwnCpuBytes <= kShmSmallBytes);
 inline constexpr std::size_t kShmRoundBytes = std::size_t{256} << 10;
 inline constexpr std::size_t kShmStageSlots = 4;
 inline constexpr std::size_t kShmLine = 64;
