@@ -94,7 +94,7 @@ void ProgressEngine::submit(std::shared_ptr<detail::RequestState> state) {
     timeline::instant("submit", "request",
                       "\"call\":\"" + state->call + "\",\"request\":" + std::to_string(state->id));
   }
-  state->engine = this;
+  state->runner = this;
   pending_.fetch_add(1, std::memory_order_acq_rel);
   submitted_.fetch_add(1, std::memory_order_relaxed);
   bool idle = false;

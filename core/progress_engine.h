@@ -23,7 +23,7 @@ namespace gradcomm {
 // per-process thread would run calls of different communicators in one global order, and two
 // ranks that submit on two communicators in different orders would then wait for each other
 // forever. Idle, it first polls for a while (poll_us), then sleeps on a condition variable.
-class ProgressEngine {
+class ProgressEngine final : public detail::RequestRunner {
  public:
   // `poll_us`: how long the engine polls for a next request (yielding the core to any runnable
   // thread each time) before it sleeps (Config::engine_poll_us). A request submitted meanwhile
@@ -58,7 +58,7 @@ class ProgressEngine {
   // on 2 cores). Returns whether it ran `target`; false (nothing run) when the engine has it, or
   // already ran it. The requests run as they would on the engine (their future's callbacks
   // included), and calls they make on this engine run inside them (in_request()).
-  bool run_here(const detail::RequestState* target);
+  bool run_here(const detail::RequestState* target) override;
   // True on the engine's thread, and on a thread inside run_here: a call made there runs at once,
   // as queued it would wait behind the request that made it.
   bool in_request() const;

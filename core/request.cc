@@ -3,7 +3,6 @@
 #include <cstdio>
 #include <utility>
 
-#include "core/progress_engine.h"
 #include "core/timeline.h"
 
 namespace gradcomm {
@@ -51,8 +50,8 @@ void Request::wait() {
   timeline::Span span("wait", "request");
   if (span.on()) span.args("\"call\":\"" + state_->call + "\"");
   // Still queued behind nothing running: this thread runs it, rather than wait for the engine's.
-  if (state_->engine && !state_->done.load(std::memory_order_acquire))
-    state_->engine->run_here(state_.get());
+  if (state_->runner && !state_->done.load(std::memory_order_acquire))
+    state_->runner->run_here(state_.get());
   state_->done.wait(false, std::memory_order_acquire);
   const std::exception_ptr error = std::exchange(state_->error, nullptr);
   state_.reset();

@@ -10,9 +10,19 @@
 
 namespace gradcomm {
 
-class ProgressEngine;
-
 namespace detail {
+
+struct RequestState;
+
+// What runs requests (the progress engine): run_here runs `state` on the calling thread where it
+// is still queued behind nothing running, and says whether it did (ProgressEngine::run_here).
+class RequestRunner {
+ public:
+  virtual bool run_here(const RequestState* state) = 0;
+
+ protected:
+  ~RequestRunner() = default;
+};
 
 // One non-blocking call: the work a progress engine runs, then its outcome. The engine stores the
 // error (if any) before it sets `done`; `done` is waited on with C++20 atomic waits (a futex: no
@@ -24,9 +34,9 @@ struct RequestState {
   std::uint64_t id = 0;        // names its events on the timeline
   std::exception_ptr error;
   std::atomic<bool> done{false};
-  // The engine it was submitted to (set by ProgressEngine::submit): a waiter may run it there
-  // itself while it is still queued (ProgressEngine::run_here).
-  ProgressEngine* engine = nullptr;
+  // The engine it was submitted to (set by ProgressEngine::submit): a waiter may run it itself
+  // while it is still queued (RequestRunner::run_here).
+  RequestRunner* runner = nullptr;
 };
 
 }  // namespace detail

@@ -610,7 +610,7 @@ bool GradcommWork::wait(std::chrono::milliseconds timeout) {
   if (timeout == std::chrono::milliseconds(0)) {  // kNoTimeout (global in torch 1.13)
     // (An engine outlives the requests it has queued: its destructor runs them first.)
     if (auto request = request_.lock(); request && !request->done.load(std::memory_order_acquire))
-      request->engine->run_here(request.get());
+      request->runner->run_here(request.get());
   }
   return c10d::Work::wait(timeout);  // which ends with synchronize()
 }
