@@ -126,9 +126,11 @@ bool ProgressEngine::run_here(const detail::RequestState* target) {
       running_ = true;
     }
     const bool last = state.get() == target;
+    // Restores what was there: a request of another engine may be waiting in here.
     struct Inside {
-      explicit Inside(const ProgressEngine* e) { t_running_of = e; }
-      ~Inside() { t_running_of = nullptr; }
+      explicit Inside(const ProgressEngine* e) : previous(t_running_of) { t_running_of = e; }
+      ~Inside() { t_running_of = previous; }
+      const ProgressEngine* previous;
     } inside(this);
     execute(std::move(state));
     if (last) return true;
@@ -144,8 +146,9 @@ void ProgressEngine::run_exclusive(const std::function<void()>& fn) {
   // A request submitted by another thread since drain() may run first; none starts after this.
   std::lock_guard<std::mutex> hold(exclusive_);
   struct Inside {
-    explicit Inside(const ProgressEngine* e) { t_exclusive_of = e; }
-    ~Inside() { t_exclusive_of = nullptr; }
+    explicit Inside(const ProgressEngine* e) : previous(t_exclusive_of) { t_exclusive_of = e; }
+    ~Inside() { t_exclusive_of = previous; }
+    const ProgressEngine* previous;
   } inside(this);
   fn();
 }
