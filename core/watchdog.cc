@@ -25,6 +25,7 @@ namespace {
 constexpr int kAbortCode = 70;                  // the job's exit status after a watchdog abort
 constexpr double kCoordinatorWaitSeconds = 15;  // a non-zero rank's wait for rank 0's report
 constexpr int kConnectMillis = 2000, kReplyMillis = 3000;
+constexpr const char* kElsewhere = "    meanwhile running ";  // a dump's line of another call
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -286,7 +287,23 @@ class Service {
         if (r && r->id() == id) found = std::move(r);
       }
     }
-    write_all(fd, found ? found->dump() : "state none\n  (communicator already destroyed)\n");
+    write_all(fd, found ? dump(*found) : "state none\n  (communicator already destroyed)\n");
+  }
+
+  // A recorder's lines for the report, and the calls this process runs on its other
+  // communicators meanwhile: a rank that waits on another communicator is not idle.
+  std::string dump(const Recorder& recorder) {
+    std::string text = recorder.dump();
+    std::lock_guard lock(mutex_);
+    for (const auto& w : recorders_) {
+      const auto other = w.lock();
+      std::string call;
+      double seconds = 0;
+      if (!other || other.get() == &recorder || !other->running(&call, &seconds)) continue;
+      text += std::string(kElsewhere) + call + " on another communicator of " +
+              std::to_string(other->size()) + " ranks (for " + seconds_text(seconds) + ")\n";
+    }
+    return text;
   }
 
   // Rank 0 of the communicator: gathers every rank's recorder, prints one report, aborts.
@@ -301,7 +318,7 @@ class Service {
     for (int j = 0; j < n; ++j) {
       const auto u = static_cast<std::size_t>(j);
       if (j == recorder.rank()) {
-        dumps[u] = recorder.dump();
+        dumps[u] = dump(recorder);
         answered[u] = true;
       } else {
         answered[u] = ask(recorder.peers()[u], request, &dumps[u]) && !dumps[u].empty();
@@ -358,14 +375,33 @@ class Service {
       verdict.append(call);
       verdict.push_back('\n');
     }
+    bool elsewhere = false;
     for (int j : idle) {
+      const std::string& text = dumps[static_cast<std::size_t>(j)];
+      const std::string newest = idle_newest[j] == "-" ? "none" : "#" + idle_newest[j];
+      // A rank inside a call on another communicator: that call (the first such), without its
+      // "(for ...)".
+      if (const std::size_t at = text.find(kElsewhere); at != std::string::npos) {
+        const std::size_t from = at + std::string_view(kElsewhere).size();
+        const std::size_t to = text.find(" (for ", from);
+        verdict += "  rank " + std::to_string(j) + " is in no collective of this communicator " +
+                   "(newest call: " + newest + "): it waits inside " +
+                   text.substr(from, to - from) + "\n";
+        elsewhere = true;
+        continue;
+      }
       verdict +=
-          "  rank " + std::to_string(j) + " is not in any collective (newest call: #" +
-          idle_newest[j] + ")" +
+          "  rank " + std::to_string(j) + " is not in any collective (newest call: " + newest +
+          ")" +
           (running_in.empty() ? "" : " - it never arrived at call #" + std::to_string(highest)) +
           "\n";
     }
     if (!silent.empty()) verdict += "  ranks " + rank_list(silent) + " did not answer\n";
+    if (elsewhere && !running_in.empty()) {
+      verdict +=
+          "  the ranks wait in calls on different communicators: they disagree on which "
+          "communicator the call is on\n";
+    }
     if (running_in.size() > 1) {
       verdict +=
           "  the waiting ranks are in different calls: the ranks disagree on the order of "
@@ -442,6 +478,16 @@ std::string Recorder::dump() const {
     }
   }
   return text;
+}
+
+bool Recorder::running(std::string* call, double* seconds) const {
+  const double t = now_seconds();
+  std::lock_guard lock(mutex_);
+  if (!running_) return false;
+  const Entry& e = entries_[(calls_ - 1) % kDepth];
+  *call = e.call.describe ? e.call.describe(e.call) : "call #" + std::to_string(e.call.sequence);
+  *seconds = t - e.started;
+  return true;
 }
 
 bool Recorder::overdue(std::string* call, double* seconds) const {

@@ -55,6 +55,8 @@ class Recorder {
   std::string dump() const;
   // The running call's description when it has run past the timeout (plus its grace).
   bool overdue(std::string* call, double* seconds) const;
+  // The running call's description and how long it has run, when one runs.
+  bool running(std::string* call, double* seconds) const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,11 +33,15 @@ std::uint64_t compression_tag(Compression c) {
 // already the copy-in of `shm` (it reads peers' fused buffers in place).
 class PlanCache : public Attachment {
  public:
-  explicit PlanCache(Communicator& comm) : use_registered(topology::shares_one_host(comm)) {}
+  explicit PlanCache(Communicator&) {}
 
-  // Collective when it grows the registered buffer: every rank holds the same plan (checked).
+  // Collective on first use (the host count) and when it grows the registered buffer: called
+  // after the call's check, every rank holding the same plan. (Not in the constructor: the cache
+  // is made before the call's scope, where ranks that called on different communicators would
+  // wait for each other unseen by the watchdog.)
   std::byte* fused_buffer(Communicator& comm, std::size_t bytes) {
-    if (!use_registered || comm.size() == 1) return comm.scratch(bytes, kFusionScratchSlot);
+    if (!use_registered) use_registered = comm.size() > 1 && topology::shares_one_host(comm);
+    if (!*use_registered) return comm.scratch(bytes, kFusionScratchSlot);
     if (registered.size() < bytes) {
       registered = RegisteredBuffer();
       try {
@@ -52,7 +57,7 @@ class PlanCache : public Attachment {
   }
 
   std::map<std::uint64_t, FusionPlan> plans;
-  bool use_registered;
+  std::optional<bool> use_registered;
   RegisteredBuffer registered;
 };
 

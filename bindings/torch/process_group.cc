@@ -672,6 +672,7 @@ ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size)
   // Started here, not at the first call: calls may come from several threads at once (autograd's
   // and the application's), and the engine is made on first use without a lock.
   comm_->engine();
+  collectives::set_element_namer(&torch_dtype_name);  // "torch.int8" in the reports
 }
 
 ProcessGroupGradcomm::~ProcessGroupGradcomm() {
@@ -840,7 +841,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::T
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::BROADCAST, "gradcomm:broadcast", tensors,
-      [&comm, t, root] { broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root); }, async_op(opts),
+      [&comm, t, root] {
+        const auto note = annotation_of(t);
+        broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root);
+      },
+      async_op(opts),
       device);
 }
 
@@ -907,15 +912,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tens
   at::Tensor t = tensors[0];
   const Reduction r = plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp);
   const bool root = opts.rootRank == rank_;
+  const int root_rank = static_cast<int>(opts.rootRank);
   auto device = device_call(call, tensors, /*nccl=*/true);
   const AllreduceOptions options = reduce_options(device);
   Communicator& comm = *comm_;
   return submit(
       c10d::OpType::REDUCE, "gradcomm:reduce", tensors,
-      [&comm, t, root, r, options] {
+      [&comm, t, root, root_rank, r, options] {
         // Every rank reduces; only the root's tensor receives the result. Scratch is made here,
         // on the stream that uses it.
-        reduce_into(comm, r, t, root ? t : at::empty_like(t), options);
+        reduce_into(comm, r, t, root ? t : at::empty_like(t), options, root_rank);
       },
       async_op(opts), device);
 }
@@ -945,6 +951,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
         c10d::OpType::ALLGATHER, "gradcomm:all_gather", outputs[0],
         [&comm, in, outs, n, w = *words, options] {
           at::Tensor flat = at::empty({n * in.numel()}, in.options());
+          const auto note = annotation_of(in);
           collectives::nccl_allgather(comm, in.data_ptr(), flat.data_ptr(), w.second, w.first,
                                       options.stream, true);
           for (int64_t r = 0; r < n; ++r)
@@ -958,7 +965,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
   return submit(
       c10d::OpType::ALLGATHER, "gradcomm:all_gather", outputs[0],
       [&comm, in, flat, outs] {
-        allgather_bytes(comm, in.data_ptr(), flat.data_ptr(), bytes_of(in));
+        {
+          const auto note = annotation_of(in);
+          allgather_bytes(comm, in.data_ptr(), flat.data_ptr(), bytes_of(in));
+        }
         for (std::size_t r = 0; r < outs.size(); ++r)
           outs[r].view({-1}).copy_(
               flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
@@ -988,6 +998,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
     return submit(
         c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
         [&comm, in, out, w = *words, options] {
+          const auto note = annotation_of(in);
           collectives::nccl_allgather(comm, in.data_ptr(), out.data_ptr(), w.second, w.first,
                                       options.stream, true);
         },
@@ -996,7 +1007,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
   at::Tensor in = on_host(device, input, true, false), out = on_host(device, output, false, true);
   return submit(
       c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
-      [&comm, in, out] { allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in)); },
+      [&comm, in, out] {
+        const auto note = annotation_of(in);
+        allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in));
+      },
       async_op(opts), device);
 }
 
@@ -1032,7 +1046,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
       c10d::OpType::ALLGATHER_COALESCED, "gradcomm:all_gather_coalesced", all_outs,
       [&comm, ins, flats, outs] {
         for (std::size_t i = 0; i < ins.size(); ++i) {
-          allgather_bytes(comm, ins[i].data_ptr(), flats[i].data_ptr(), bytes_of(ins[i]));
+          {
+            const auto note = annotation_of(ins[i]);
+            allgather_bytes(comm, ins[i].data_ptr(), flats[i].data_ptr(), bytes_of(ins[i]));
+          }
           for (std::size_t r = 0; r < outs[i].size(); ++r) {
             outs[i][r].view({-1}).copy_(
                 flats[i].narrow(0, static_cast<int64_t>(r) * ins[i].numel(), ins[i].numel()));
@@ -1061,8 +1078,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
   return submit(
       c10d::OpType::GATHER, "gradcomm:gather", outputs_here,
       [&comm, in, flat, outs, root_rank] {
-        gather_bytes(comm, in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, bytes_of(in),
-                     root_rank);
+        {
+          const auto note = annotation_of(in);
+          gather_bytes(comm, in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr,
+                       bytes_of(in), root_rank);
+        }
         for (std::size_t r = 0; r < outs.size(); ++r) {
           outs[r].view({-1}).copy_(
               flat.narrow(0, static_cast<int64_t>(r) * in.numel(), in.numel()));
@@ -1094,6 +1114,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
           flat.narrow(0, static_cast<int64_t>(r) * out.numel(), out.numel())
               .copy_(ins[r].view({-1}));
         }
+        const auto note = annotation_of(out);
         scatter_bytes(comm, flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
                       bytes_of(out), root_rank);
       },
@@ -1126,6 +1147,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
           for (int64_t k = 0; k < n; ++k)
             flat.narrow(0, k * out.numel(), out.numel()).copy_(ins[k].view({-1}));
           const at::Tensor from = *nccl_elements(r, flat), into = *nccl_elements(r, out);
+          const auto note = annotation_of(out);
           collectives::nccl_reduce_scatter(comm, from.data_ptr(), into.data_ptr(),
                                            static_cast<std::size_t>(into.numel()), r.dtype, r.op,
                                            options.stream, true);
@@ -1169,6 +1191,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
         c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
         [&comm, in, out, r, options] {
           const at::Tensor from = *nccl_elements(r, in), into = *nccl_elements(r, out);
+          const auto note = annotation_of(out);
           collectives::nccl_reduce_scatter(comm, from.data_ptr(), into.data_ptr(),
                                            static_cast<std::size_t>(into.numel()), r.dtype, r.op,
                                            options.stream, true);
@@ -1238,6 +1261,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall_base(
   return submit(
       c10d::OpType::ALLTOALL_BASE, "gradcomm:all_to_all_single", {output},
       [&comm, in, out, send, recv] {
+        const auto note = annotation_of(in);
         alltoallv_bytes(comm, in.data_ptr(), send, out.data_ptr(), recv);
       },
       async_op(opts), device);
@@ -1282,7 +1306,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(std::vector<at::Te
           send_flat.narrow(0, at, t.numel()).copy_(t.view({-1}));
           at += t.numel();
         }
-        alltoallv_bytes(comm, send_flat.data_ptr(), send, recv_flat.data_ptr(), recv);
+        {
+          const auto note = annotation_of(send_flat);
+          alltoallv_bytes(comm, send_flat.data_ptr(), send, recv_flat.data_ptr(), recv);
+        }
         at = 0;
         for (const at::Tensor& t : outs) {
           t.view({-1}).copy_(recv_flat.narrow(0, at, t.numel()));

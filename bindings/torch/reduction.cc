@@ -116,8 +116,47 @@ Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
   unsupported(call, rank, "reductions of " + std::string(c10::toString(type)) + " tensors");
 }
 
+collectives::CallAnnotation annotation_of(const at::Tensor& t, int root) {
+  return collectives::CallAnnotation(static_cast<int>(t.scalar_type()), root);
+}
+
+std::string torch_dtype_name(int element) {
+  const auto type = static_cast<at::ScalarType>(element);
+  switch (type) {
+    case at::kFloat:
+      return "torch.float32";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kChar:
+      return "torch.int8";
+    case at::kShort:
+      return "torch.int16";
+    case at::kInt:
+      return "torch.int32";
+    case at::kLong:
+      return "torch.int64";
+    case at::kBool:
+      return "torch.bool";
+    case at::kComplexHalf:
+      return "torch.complex32";
+    case at::kComplexFloat:
+      return "torch.complex64";
+    case at::kComplexDouble:
+      return "torch.complex128";
+    default:
+      return std::string("torch dtype ") + c10::toString(type);
+  }
+}
+
 void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
-                 const at::Tensor& out, const AllreduceOptions& options) {
+                 const at::Tensor& out, const AllreduceOptions& options, int root) {
+  const collectives::CallAnnotation note = annotation_of(in, root);
   switch (r.via) {
     case Reduction::Via::native:
       allreduce(comm, in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(in.numel()), r.dtype,

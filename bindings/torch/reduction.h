@@ -11,6 +11,7 @@
 #include <string>
 
 #include "collectives/allreduce.h"
+#include "collectives/check/call_info.h"
 #include "core/communicator.h"
 #include "core/data_type.h"
 #include "core/reduce_op.h"
@@ -31,7 +32,16 @@ Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
 // Reduces `in` across `comm` into `out` (the same tensor for in place), by the plan. On the
 // engine: the tensors' data is read and written here only. CUDA tensors: `options` names the
 // stream, which must be current (the conversions of a plan run on torch's current stream).
+// `root` >= 0: torch's reduce, compared across ranks as one (only the root keeps the result).
 void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
-                 const at::Tensor& out, const AllreduceOptions& options = {});
+                 const at::Tensor& out, const AllreduceOptions& options = {}, int root = -1);
+
+// The torch dtype of `t`, for the comparison of every call made while the result lives (ranks
+// whose tensors differ in dtype differ in the call, even where gradcomm moves bytes or reduces
+// the dtype as another). Made on the thread that makes the calls, inside the call's body.
+collectives::CallAnnotation annotation_of(const at::Tensor& t, int root = -1);
+
+// "torch.float32" for an annotation's element type; registered as the reports' namer.
+std::string torch_dtype_name(int element);
 
 }  // namespace gradcomm::torch_backend

@@ -1,5 +1,6 @@
 #include "collectives/check/call_info.h"
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -15,6 +16,9 @@ constexpr double kDeviceGraceSeconds = 5;
 static_assert(std::is_trivially_copyable_v<CallInfo> &&
                   sizeof(CallInfo) <= watchdog::Record::kPayloadBytes,
               "a CallInfo travels in a watchdog record");
+
+thread_local const CallAnnotation* t_annotation = nullptr;
+std::atomic<std::string (*)(int)> g_element_namer{nullptr};
 
 std::string describe_record(const watchdog::Record& record) {
   CallInfo call;
@@ -46,6 +50,8 @@ std::string_view to_string(CallKind kind) {
       return "barrier";
     case CallKind::reduce_scatter:
       return "reduce_scatter";
+    case CallKind::reduce:
+      return "reduce";
   }
   return "collective";
 }
@@ -64,6 +70,12 @@ std::string describe(const CallInfo& call) {
     text.append(" elements");
   }
   if (call.op >= 0) text.append(" ").append(to_string(static_cast<ReduceOp>(call.op)));
+  if (call.element >= 0) {
+    std::string (*namer)(int) = g_element_namer.load(std::memory_order_acquire);
+    text.append(" (")
+        .append(namer ? namer(call.element) : "element type " + std::to_string(call.element))
+        .append(")");
+  }
   if (call.root >= 0) text.append(", root ").append(std::to_string(call.root));
   if (call.algorithm_name) text.append(", algorithm ").append(call.algorithm_name);
   if (call.kind == CallKind::grouped_allreduce || call.kind == CallKind::allgatherv) {
@@ -75,6 +87,33 @@ std::string describe(const CallInfo& call) {
   }
   if (call.device) text.append(", GPU buffers");
   return text;
+}
+
+CallAnnotation::CallAnnotation(int element_type, int root_rank)
+    : element(element_type), root(root_rank), outer_(t_annotation) {
+  t_annotation = this;
+}
+
+CallAnnotation::~CallAnnotation() {
+  t_annotation = outer_;
+}
+
+const CallAnnotation* CallAnnotation::current() {
+  return t_annotation;
+}
+
+void annotate(CallInfo& call) {
+  const CallAnnotation* a = t_annotation;
+  if (a == nullptr) return;
+  call.element = static_cast<std::int16_t>(a->element);
+  if (a->root >= 0 && call.kind == CallKind::allreduce) {
+    call.kind = CallKind::reduce;
+    call.root = a->root;
+  }
+}
+
+void set_element_namer(std::string (*namer)(int element)) {
+  g_element_namer.store(namer, std::memory_order_release);
 }
 
 watchdog::Record to_record(const CallInfo& call) {

@@ -23,21 +23,55 @@ enum class CallKind : std::uint8_t {
   alltoall = 8,
   barrier = 9,
   reduce_scatter = 10,
+  reduce = 11,  // an all-reduce whose result one rank keeps (a front end's, CallAnnotation)
 };
 std::string_view to_string(CallKind kind);
 
 struct CallInfo {
   std::uint64_t sequence = 0;
   CallKind kind = CallKind::allreduce;
+  std::int16_t element = -1;             // the front end's element type (CallAnnotation), or -1
   std::uint64_t count = 0;               // elements (grouped: all tensors; allgatherv: all ranks)
   int dtype = -1;                        // DataType, -1 when mixed or not applicable
   int op = -1;                           // ReduceOp, -1 when not applicable
-  int root = -1;                         // broadcast only
+  int root = -1;                         // broadcast, gather, scatter, reduce
   int algorithm = -1;                    // index into algorithm_names(), -1 when none
   const char* algorithm_name = nullptr;  // the same name, in static storage
   std::uint64_t detail = 0;  // hash of the tensor list (grouped) or of the counts (allgatherv)
   bool device = false;       // GPU buffers: the NCCL path bounds its own waits first
 };
+
+// What a front end knows of its calls beyond what it passes gradcomm, compared across ranks with
+// the rest of each call (so that ranks that differ in it get a MismatchError, not a result):
+// - `element`, the front end's own element type (torch's dtype: an int8 tensor is reduced as
+//   int64, a complex64 one as float32 pairs, and gathers, scatters and broadcasts move bytes, so
+//   gradcomm's own fields cannot tell such a tensor from another dtype's), -1 for none;
+// - `root`, for a reduce that runs as an all-reduce of which only the root keeps the result
+//   (the call is then described and compared as a reduce), -1 for none.
+// Lives on the thread that makes the calls, for every call it begins meanwhile (not for the
+// calls gradcomm makes inside them).
+class CallAnnotation {
+ public:
+  explicit CallAnnotation(int element, int root = -1);
+  ~CallAnnotation();
+  CallAnnotation(const CallAnnotation&) = delete;
+  CallAnnotation& operator=(const CallAnnotation&) = delete;
+
+  // The innermost annotation of this thread, or nullptr.
+  static const CallAnnotation* current();
+
+  const int element, root;
+
+ private:
+  const CallAnnotation* const outer_;
+};
+
+// Applies the current annotation, if any, to `call`.
+void annotate(CallInfo& call);
+
+// Names a front end's element types in descriptions ("torch.int8"); set once by the front end.
+// Without it, "element type N".
+void set_element_namer(std::string (*namer)(int element));
 
 // "allreduce #41: 1000 x float32 sum, algorithm ring".
 std::string describe(const CallInfo& call);

@@ -23,7 +23,7 @@ namespace gradcomm::collectives {
 namespace {
 
 // The compared fields, each >= 0 (so that min(-x) gives the maximum in the same reduction).
-constexpr int kFields = 9;
+constexpr int kFields = 10;
 using Fields = std::array<std::int64_t, kFields>;
 constexpr const char* kFieldNames[kFields] = {"sequence number",
                                               "kind of call",
@@ -33,7 +33,8 @@ constexpr const char* kFieldNames[kFields] = {"sequence number",
                                               "root",
                                               "algorithm",
                                               "tensor list or counts",
-                                              "buffer location (GPU or host)"};
+                                              "buffer location (GPU or host)",
+                                              "element type"};
 constexpr std::uint64_t kMask62 = (std::uint64_t{1} << 62) - 1;
 
 Fields to_fields(const CallInfo& c) {
@@ -45,7 +46,8 @@ Fields to_fields(const CallInfo& c) {
           c.root + 1,
           c.algorithm + 1,
           static_cast<std::int64_t>(c.detail & kMask62),
-          c.device ? 1 : 0};
+          c.device ? 1 : 0,
+          c.element + 1};
 }
 
 CallInfo from_fields(const Fields& f) {
@@ -60,6 +62,7 @@ CallInfo from_fields(const Fields& f) {
   c.algorithm_name = algorithm_name_at(c.algorithm);
   c.detail = static_cast<std::uint64_t>(f[7]);
   c.device = f[8] != 0;
+  c.element = static_cast<std::int16_t>(f[9] - 1);
   return c;
 }
 
@@ -346,15 +349,24 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
     context_ = *outer;
     return;
   }
-  // The comparison state is built (collectively: the board of a single-host communicator) by
-  // every rank's first call, before anything below, which must not throw.
-  state_ = &comm.attachment<CheckState>();
-  outermost_ = true;
+  annotate(info_);
+  // The watchdog sees the call from here on: the comparison state below is built collectively
+  // (the communicator's host count, the board of a single-host communicator) by every rank's
+  // first call, which waits forever where ranks make their first calls on different
+  // communicators.
+  watchdog::Recorder* recorder = comm.recorder();
+  if (recorder) recorder->begin(to_record(info_));
+  try {
+    state_ = &comm.attachment<CheckState>();
+  } catch (...) {
+    if (recorder) recorder->end(false);
+    throw;
+  }
+  outermost_ = true;  // nothing below may throw
   std::uint64_t h = 0;
   for (std::int64_t f : to_fields(info_))
     h = mix(h, static_cast<std::uint64_t>(f));
   context_ = CallContext(this, &info_, 1 + static_cast<int>(h % salt_range()), h);
-  if (watchdog::Recorder* recorder = comm.recorder()) recorder->begin(to_record(info_));
   // Nothing here may throw: full mode compares in start() or check_now(), before any
   // communication.
 }

@@ -4,6 +4,8 @@
 //                wait on its request
 //   order        ranks disagree on the order of collectives inside shm (run with
 //                GRADCOMM_CHECK=off, so that only the watchdog can see it)
+//   communicators  rank 0 makes its first call on one communicator, the others theirs on
+//                another: nothing matches (the first call's setup is collective)
 // A run that is not aborted prints "not aborted" and exits 0, which the script counts as failure.
 
 #include <gradcomm/gradcomm.h>
@@ -17,6 +19,15 @@
 int main(int argc, char** argv) {
   gradcomm::init(&argc, &argv);
   const std::string mode = argc > 1 ? argv[1] : "missing";
+  if (mode == "communicators") {
+    gradcomm::Communicator a(MPI_COMM_WORLD), b(MPI_COMM_WORLD);
+    std::vector<float> data(1000, 1.0f);
+    gradcomm::allreduce(a.rank() == 0 ? a : b, data.data(), data.data(), data.size(),
+                        gradcomm::DataType::float32, gradcomm::ReduceOp::sum);
+    std::printf("rank %d: not aborted\n", a.rank());
+    gradcomm::finalize();
+    return 0;
+  }
   {
     gradcomm::Communicator comm(MPI_COMM_WORLD);
     std::vector<float> data(1000, 1.0f);

@@ -51,6 +51,15 @@ grep -q "rank 1 waits inside broadcast #3" "$WORK/order" || fail "order: rank 1'
 grep -q "running   broadcast #3" "$WORK/order" || fail "order: rank 1's broadcast not shown"
 grep -q "running   allreduce #3" "$WORK/order" || fail "order: the others' allreduce not shown"
 
+# The first calls on two communicators: rank 0 on one, ranks 1 and 2 on the other. Each
+# communicator's first call builds its state collectively; the watchdog sees the call from
+# before that: the report names what the ranks missing on one communicator wait in on the other.
+run communicators 3 communicators
+grep -q "rank 1 is in no collective of this communicator (newest call: none): it waits inside allreduce #0: 1000 x float32 sum, algorithm auto on another communicator of 3 ranks" \
+  "$WORK/communicators" || fail "communicators: rank 1's other call not named: $(cat "$WORK/communicators")"
+grep -q "disagree on which communicator" "$WORK/communicators" ||
+  fail "communicators: no verdict on the communicators"
+
 if [ "$failures" -ne 0 ]; then
   for f in "$WORK"/*; do echo "== $(basename "$f")"; cat "$f"; done
   echo "$failures failure(s)"
