@@ -8,6 +8,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -147,34 +149,97 @@ c10::intrusive_ptr<c10::ivalue::Future> make_future(
                                                   std::move(devices));
 }
 
+// Point-to-point messages carry the tensor's dtype in the MPI tag's low bits (torch's tag above
+// them), so that a receive matches only a send of its dtype; a send of another dtype with the
+// same torch tag is found by probing while the receive waits, and reported.
+constexpr int kDtypeTagBits = 6;
+
+int dtype_code(at::ScalarType type) {
+  return std::min(static_cast<int>(type), (1 << kDtypeTagBits) - 1);
+}
+
+// The MPI tag of torch's `tag` for tensors of `type`.
+int mpi_tag(int tag, at::ScalarType type) {
+  return (tag << kDtypeTagBits) | dtype_code(type);
+}
+
+// Transfers whose work was dropped after they timed out: MPI may still complete them, so their
+// requests and buffers are kept (never freed) rather than waited for forever.
+struct Abandoned {
+  MPI_Request request;
+  at::Tensor tensor, staged;
+};
+std::mutex g_abandoned_mutex;
+std::vector<Abandoned>* g_abandoned = new std::vector<Abandoned>();  // outlives static teardown
+
+void abandon(MPI_Request request, const at::Tensor& tensor, const at::Tensor& staged) {
+  std::lock_guard<std::mutex> lock(g_abandoned_mutex);
+  g_abandoned->push_back({request, tensor, staged});
+}
+
+// Frees the abandoned transfers MPI has completed since (called at each new transfer).
+void sweep_abandoned() {
+  std::lock_guard<std::mutex> lock(g_abandoned_mutex);
+  std::erase_if(*g_abandoned, [](Abandoned& a) {
+    int done = 0;
+    return MPI_Test(&a.request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done;
+  });
+}
+
 // Completes its future once MPI says the transfer is done (send, recv). Not on the engine:
 // point-to-point calls must not queue behind each other (a pair of ranks that each send, then
-// receive, would wait for each other forever).
+// receive, would wait for each other forever). A wait ends within the group's GRADCOMM_TIMEOUT
+// (or the wait's own timeout) with an error naming the peer, the tag and the tensor; a receive
+// whose sender sent another size or dtype fails, never completes with the bytes that came.
 class PointToPointWork : public c10d::Work {
  public:
+  struct Transfer {
+    bool sending = false;
+    int peer = 0;  // MPI_ANY_SOURCE for recvAnysource
+    int tag = 0;   // torch's
+    int rank = 0;
+    int timeout_seconds = 0;  // 0: no limit
+    MPI_Comm comm = MPI_COMM_NULL;
+  };
+
   // `staged`: for a CUDA tensor, the host copy MPI sends from or receives into (a received one
   // is copied to the tensor, on the current stream of whoever completes the work).
   PointToPointWork(c10d::OpType type, const char* title, at::Tensor tensor, at::Tensor staged,
-                   MPI_Request request, int rank)
-      : c10d::Work(rank, type, title, c10::optional<std::vector<at::Tensor>>({tensor})),
+                   MPI_Request request, Transfer transfer)
+      : c10d::Work(transfer.rank, type, title, c10::optional<std::vector<at::Tensor>>({tensor})),
         tensor_(std::move(tensor)),
         staged_(std::move(staged)),
+        transfer_(transfer),
         request_(request),
         future_(make_future()) {}
 
   ~PointToPointWork() override {
-    // Completes the transfer, and for a CUDA tensor received, its copy to the device: a work
-    // dropped without wait() still delivers, as one on a CPU tensor (MPI writes it) does.
-    if (mpi_ready()) poll(true);
+    if (!mpi_ready()) return;
+    // A work dropped before its transfer completed: on a CPU tensor, MPI completes it into the
+    // tensor whenever the peer gets there (the request and tensor are kept till then); on a CUDA
+    // tensor, waited for (within the timeout), so that what was received is copied to the device.
+    if (!staged_.defined()) {
+      std::lock_guard<std::mutex> lock(request_mutex_);
+      int done = 0;
+      if (request_ != MPI_REQUEST_NULL &&
+          (MPI_Test(&request_, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done)) {
+        abandon(request_, tensor_, staged_);
+      }
+      return;
+    }
+    try {
+      poll(true, std::chrono::milliseconds(0));
+    } catch (...) {
+    }
   }
 
   bool isCompleted() override {
-    poll(false);
+    poll(false, std::chrono::milliseconds(0));
     return c10d::Work::isCompleted();
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
-    poll(true);
+    poll(true, timeout);
     return c10d::Work::wait(timeout);
   }
 
@@ -183,24 +248,111 @@ class PointToPointWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
  private:
-  void poll(bool block) {
+  std::string what() const {
+    const Transfer& t = transfer_;
+    return std::string(t.sending ? "send to " : "recv from ") +
+           (t.peer == MPI_ANY_SOURCE ? std::string("any rank") : "rank " + std::to_string(t.peer)) +
+           " (tag " + std::to_string(t.tag) + ", " + describe(tensor_) + ")";
+  }
+
+  std::exception_ptr failure(const std::string& why) const {
+    return std::make_exception_ptr(CommError(error_message(
+        std::string("torch.distributed ") + (transfer_.sending ? "send" : "recv") + " (gradcomm)",
+        transfer_.rank, what() + ": " + why)));
+  }
+
+  // A send of another dtype with this receive's torch tag, from its peer, waiting to be matched.
+  std::exception_ptr other_dtype_pending() const {
+    int flag = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(transfer_.peer, MPI_ANY_TAG, transfer_.comm, &flag, &status) != MPI_SUCCESS ||
+        !flag || (status.MPI_TAG >> kDtypeTagBits) != transfer_.tag) {
+      return nullptr;
+    }
+    const int code = status.MPI_TAG & ((1 << kDtypeTagBits) - 1);
+    if (code == dtype_code(tensor_.scalar_type())) return nullptr;
+    return failure("rank " + std::to_string(status.MPI_SOURCE) + " sends " +
+                   torch_dtype_name(code) +
+                   " with this tag: the ranks' tensors differ in dtype (the message stays "
+                   "for a receive of its dtype)");
+  }
+
+  // Tests the request, or with `block` waits for it until the timeout (`timeout`, or the
+  // group's when 0).
+  void poll(bool block, std::chrono::milliseconds timeout) {
     std::exception_ptr error;
     {
       std::lock_guard<std::mutex> lock(request_mutex_);
       if (request_ == MPI_REQUEST_NULL) return;
       MPI_Status status;
       int done = 0;
-      const int rc = block ? MPI_Wait(&request_, &status) : MPI_Test(&request_, &done, &status);
-      if (rc != MPI_SUCCESS) {
+      const auto started = std::chrono::steady_clock::now();
+      const auto limit = timeout.count() > 0
+                             ? std::chrono::duration<double>(timeout)
+                             : std::chrono::duration<double>(transfer_.timeout_seconds);
+      int rc = MPI_SUCCESS;
+      for (long polls = 0;; ++polls) {
+        rc = MPI_Test(&request_, &done, &status);
+        if (rc != MPI_SUCCESS || done || !block) break;
+        if (polls < 1000) continue;  // as MPI_Wait would spin, then share the core
+        sched_yield();
+        if (polls % 1024 != 0) continue;
+        const auto waited = std::chrono::steady_clock::now() - started;
+        if (!transfer_.sending && waited > std::chrono::milliseconds(500) &&
+            (error = other_dtype_pending())) {
+          break;
+        }
+        if (limit.count() > 0 && waited > limit) {
+          error = failure(
+              "not completed after " +
+              std::to_string(static_cast<long>(std::chrono::duration<double>(waited).count())) +
+              " s (" +
+              (timeout.count() > 0
+                   ? std::string("the wait's timeout")
+                   : "GRADCOMM_TIMEOUT=" + std::to_string(transfer_.timeout_seconds) + " s") +
+              "): " +
+              (transfer_.sending ? "the peer never received it"
+                                 : "no message of this tag and dtype came"));
+          break;
+        }
+      }
+      if (error) {
+        // A receive is cancelled (it may have completed meanwhile); a send cannot be: it and its
+        // buffers stay with MPI.
+        if (!transfer_.sending && MPI_Cancel(&request_) == MPI_SUCCESS) {
+          MPI_Wait(&request_, &status);
+          int cancelled = 0;
+          MPI_Test_cancelled(&status, &cancelled);
+          if (!cancelled) error = nullptr;  // it completed after all: deliver it
+        }
+        if (error) {
+          if (request_ != MPI_REQUEST_NULL) abandon(request_, tensor_, staged_);
+          request_ = MPI_REQUEST_NULL;
+        }
+      }
+      if (!error && rc != MPI_SUCCESS) {
         char text[MPI_MAX_ERROR_STRING] = "";
         int length = 0;
         MPI_Error_string(rc, text, &length);
-        error = std::make_exception_ptr(
-            CommError(std::string("torch.distributed send/recv (gradcomm): ") + text));
+        int error_class = 0;
+        MPI_Error_class(rc, &error_class);
+        error = failure(error_class == MPI_ERR_TRUNCATE
+                            ? "rank " + std::to_string(status.MPI_SOURCE) +
+                                  " sent more bytes than the tensor holds: the ranks' tensors "
+                                  "differ in size"
+                            : std::string(text));
         request_ = MPI_REQUEST_NULL;
-      } else if (block || done) {
+      } else if (!error && (block || done)) {
         source_ = status.MPI_SOURCE;
-      } else {
+        int received = 0;
+        if (!transfer_.sending && MPI_Get_count(&status, MPI_BYTE, &received) == MPI_SUCCESS &&
+            static_cast<std::size_t>(received) != bytes_of(tensor_)) {
+          error =
+              failure("rank " + std::to_string(status.MPI_SOURCE) + " sent " +
+                      std::to_string(received) + " bytes, the tensor holds " +
+                      std::to_string(bytes_of(tensor_)) + ": the ranks' tensors differ in size");
+        }
+      } else if (!error) {
         return;
       }
     }
@@ -223,6 +375,7 @@ class PointToPointWork : public c10d::Work {
 
   at::Tensor tensor_;
   at::Tensor staged_;
+  const Transfer transfer_;
   std::mutex request_mutex_;
   MPI_Request request_;
   int source_ = -1;
@@ -845,8 +998,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::T
         const auto note = annotation_of(t);
         broadcast_bytes(comm, t.data_ptr(), bytes_of(t), root);
       },
-      async_op(opts),
-      device);
+      async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::Tensor>& tensors,
@@ -1339,10 +1491,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
   int* tag_bound = nullptr;
   int found = 0;
   MPI_Comm_get_attr(p2p_, MPI_TAG_UB, &tag_bound, &found);
-  if (tag < 0 || (found && tag > *tag_bound)) {
+  // The MPI tag holds the dtype below torch's tag (mpi_tag).
+  const int tag_limit = (found ? *tag_bound : 32767) >> kDtypeTagBits;
+  if (tag < 0 || tag > tag_limit) {
     invalid(call, rank_,
-            "tag " + std::to_string(tag) + " is outside 0.." +
-                std::to_string(found ? *tag_bound : 32767));
+            "tag " + std::to_string(tag) + " is outside 0.." + std::to_string(tag_limit));
   }
   const std::size_t bytes = bytes_of(tensor);
   if (bytes > static_cast<std::size_t>(INT_MAX)) invalid(call, rank_, "the tensor exceeds 2 GiB");
@@ -1362,17 +1515,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
   void* buffer = staged.defined() ? staged.data_ptr() : tensor.data_ptr();
   MPI_Request request = MPI_REQUEST_NULL;
   const int n = static_cast<int>(bytes);
+  sweep_abandoned();
+  const int wire_tag = mpi_tag(tag, tensor.scalar_type());
   if (sending) {
-    check_mpi(MPI_Isend(buffer, n, MPI_BYTE, peer, tag, p2p_, &request),
+    check_mpi(MPI_Isend(buffer, n, MPI_BYTE, peer, wire_tag, p2p_, &request),
               "torch.distributed send (gradcomm): MPI_Isend", rank_);
   } else {
-    check_mpi(MPI_Irecv(buffer, n, MPI_BYTE, peer, tag, p2p_, &request),
+    check_mpi(MPI_Irecv(buffer, n, MPI_BYTE, peer, wire_tag, p2p_, &request),
               "torch.distributed recv (gradcomm): MPI_Irecv", rank_);
   }
   return c10::make_intrusive<PointToPointWork>(
       sending ? c10d::OpType::SEND
               : (peer == MPI_ANY_SOURCE ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
-      sending ? "gradcomm:send" : "gradcomm:recv", tensor, staged, request, rank_);
+      sending ? "gradcomm:send" : "gradcomm:recv", tensor, staged, request,
+      PointToPointWork::Transfer{sending, peer, tag, rank_, comm_->config().timeout_seconds, p2p_});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::send(std::vector<at::Tensor>& tensors,

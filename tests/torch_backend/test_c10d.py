@@ -4,6 +4,7 @@ counts 0, 1, primes and large, subgroups), torch's own DDP against DDP over gloo
 processes (plain, comm hooks, unused parameters, no_sync, join), and the failures (ranks that
 disagree, bad arguments). Every rank checks its own result."""
 
+import datetime
 import os
 
 import pytest
@@ -217,6 +218,37 @@ def test_send_recv_ring():
     assert torch.all(other == left)
 
 
+def test_send_recv_that_disagree_fail_on_the_receiver_and_a_lost_one_times_out():
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    # Rank 0 sends to rank 1; the others watch (each case ends with a barrier).
+    cases = [(torch.ones(4), torch.empty(8), "sent 16 bytes, the tensor holds 32"),
+             (torch.ones(8), torch.empty(4), "sent more bytes than the tensor holds"),
+             (torch.ones(4), torch.empty(4, dtype=torch.int32),
+              "rank 0 sends torch.float32 with this tag")]
+    for sent, into, message in cases:
+        if RANK == 0:
+            dist.send(sent, 1, tag=5)
+        elif RANK == 1:
+            with pytest.raises(RuntimeError, match=message):
+                dist.recv(into, 0, tag=5)
+        dist.barrier()
+    # The float32 message of the dtype case is still there for a receive of its dtype.
+    if RANK == 1:
+        kept = torch.empty(4)
+        dist.recv(kept, 0, tag=5)
+        assert torch.all(kept == 1)
+    # A receive nothing is sent to ends at the wait's timeout (else GRADCOMM_TIMEOUT), not never.
+    if RANK == 1:
+        work = dist.irecv(torch.empty(3), 0, tag=6)
+        with pytest.raises(RuntimeError, match="not completed after 1 s .the wait's timeout."):
+            work.wait(timeout=datetime.timedelta(seconds=1))
+    dist.barrier()
+    t = torch.ones(5)
+    dist.all_reduce(t)  # the group is still usable
+    assert torch.all(t == SIZE)
+
+
 def test_barrier():
     for _ in range(3):
         dist.barrier()
@@ -275,6 +307,19 @@ def test_ranks_calling_different_collectives_fail_on_every_rank():
         dist.all_reduce(torch.ones(100 + (RANK == 1)))
     with pytest.raises(RuntimeError, match="disagree"):  # same size, other dtypes
         dist.all_reduce(torch.ones(10, dtype=torch.float64 if RANK == 0 else torch.float32))
+    # torch dtypes gradcomm's own fields cannot tell apart: int8 is reduced as int64, and
+    # gathers move bytes (float32 and int32 tensors of one size are the same bytes).
+    with pytest.raises(RuntimeError, match=r"element type differ.*torch\.int8"):
+        dist.all_reduce(torch.ones(10, dtype=torch.int8 if RANK == 0 else torch.int64))
+    dtype = torch.float32 if RANK == 0 else torch.int32
+    with pytest.raises(RuntimeError, match=r"element type differ.*torch\.int32"):
+        dist.all_gather([torch.empty(4, dtype=dtype) for _ in range(SIZE)],
+                        torch.ones(4, dtype=dtype))
+    with pytest.raises(RuntimeError, match="element type differ"):
+        dist.broadcast(torch.ones(4, dtype=dtype), src=0)
+    # torch's reduce runs as an all-reduce: the root is compared too.
+    with pytest.raises(RuntimeError, match=r"root differ.*reduce #"):
+        dist.reduce(torch.ones(6), dst=RANK % 2)
     # Rank 0 expects two elements from rank 1, which sends it one.
     out_splits = [1 + (RANK == 0 and j == 1) for j in range(SIZE)]
     with pytest.raises(RuntimeError, match="rank 1 sends 4 bytes to rank 0, which expects 8"):
