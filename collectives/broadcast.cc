@@ -130,14 +130,15 @@ void broadcast_device(Communicator& comm, DeviceStaging& staging, void* buffer, 
   }
 }
 
-// A validated broadcast.
-void execute(Communicator& comm, void* buffer, std::size_t bytes, int root) {
+// A validated broadcast; `dtype` is compared across ranks with the rest (-1: raw bytes).
+void execute(Communicator& comm, void* buffer, std::size_t bytes, int root, int dtype) {
   const char* call = "broadcast";
   require_mpi_alive(call, comm.rank());
   collectives::CallInfo info;
   info.sequence = comm.next_sequence();
   info.kind = collectives::CallKind::broadcast;
   info.count = bytes;
+  info.dtype = dtype;
   info.root = root;
   collectives::CallScope scope(comm, info, call);
   if (comm.size() == 1) return scope.finish();
@@ -163,13 +164,16 @@ void execute(Communicator& comm, void* buffer, std::size_t bytes, int root) {
 }  // namespace
 
 void broadcast(Communicator& comm, void* buffer, std::size_t count, DataType dtype, int root) {
-  broadcast_bytes(comm, buffer, checked_bytes(comm, "broadcast", count, dtype), root);
+  const std::size_t bytes = checked_bytes(comm, "broadcast", count, dtype);
+  comm.settle();
+  validate_root_and_buffer(comm, "broadcast", buffer, bytes, root);
+  execute(comm, buffer, bytes, root, static_cast<int>(dtype));
 }
 
 void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int root) {
   comm.settle();
   validate_root_and_buffer(comm, "broadcast", buffer, bytes, root);
-  execute(comm, buffer, bytes, root);
+  execute(comm, buffer, bytes, root, -1);
 }
 
 Request ibroadcast(Communicator& comm, void* buffer, std::size_t count, DataType dtype, int root) {
@@ -179,7 +183,9 @@ Request ibroadcast(Communicator& comm, void* buffer, std::size_t count, DataType
   require_thread_multiple(call, comm.rank());
   auto state = std::make_shared<detail::RequestState>();
   state->call = call;
-  state->work = [&comm, buffer, bytes, root] { execute(comm, buffer, bytes, root); };
+  state->work = [&comm, buffer, bytes, root, dtype] {
+    execute(comm, buffer, bytes, root, static_cast<int>(dtype));
+  };
   comm.engine().submit(state);
   return Request(std::move(state));
 }

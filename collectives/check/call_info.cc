@@ -64,6 +64,7 @@ std::string describe(const CallInfo& call) {
   if (call.kind == CallKind::broadcast || call.kind == CallKind::gather ||
       call.kind == CallKind::allgather || call.kind == CallKind::scatter) {
     text.append(" bytes");
+    if (call.dtype >= 0) text.append(" of ").append(to_string(static_cast<DataType>(call.dtype)));
   } else if (call.dtype >= 0) {
     text.append(" x ").append(to_string(static_cast<DataType>(call.dtype)));
   } else {

@@ -153,6 +153,12 @@ TEST_P(Consistency, DifferentCallOrderThrowsOnEveryRank) {
   // Broadcast roots, and allgatherv counts.
   EXPECT_THAT([&] { broadcast(comm, data.data(), 64, DataType::float32, odd_rank() ? 1 : 0); },
               ::testing::ThrowsMessage<MismatchError>(HasSubstr("root differ")));
+  // The same bytes as another dtype (float32 and int32 of one count).
+  EXPECT_THAT(
+      [&] {
+        broadcast(comm, data.data(), 64, odd_rank() ? DataType::int32 : DataType::float32, 0);
+      },
+      ::testing::ThrowsMessage<MismatchError>(HasSubstr("256 bytes of int32")));
   std::vector<std::size_t> counts(static_cast<std::size_t>(comm.size()), 2);
   if (odd_rank()) counts[0] = 3;
   std::vector<float> gathered(static_cast<std::size_t>(comm.size()) * 3);
