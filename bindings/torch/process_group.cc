@@ -182,7 +182,8 @@ void sweep_abandoned() {
   std::lock_guard<std::mutex> lock(g_abandoned_mutex);
   std::erase_if(*g_abandoned, [](Abandoned& a) {
     int done = 0;
-    return MPI_Test(&a.request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done;
+    MPI_Test(&a.request, &done, MPI_STATUS_IGNORE);
+    return done || a.request == MPI_REQUEST_NULL;  // (a failed request is freed by MPI)
   });
 }
 
@@ -198,8 +199,8 @@ class PointToPointWork : public c10d::Work {
     int peer = 0;  // MPI_ANY_SOURCE for recvAnysource
     int tag = 0;   // torch's
     int rank = 0;
-    int timeout_seconds = 0;  // 0: no limit
-    MPI_Comm comm = MPI_COMM_NULL;
+    int timeout_seconds = 0;               // 0: no limit
+    std::shared_ptr<const MPI_Comm> comm;  // the group's, kept while a work may probe it
   };
 
   // `staged`: for a CUDA tensor, the host copy MPI sends from or receives into (a received one
@@ -215,10 +216,12 @@ class PointToPointWork : public c10d::Work {
 
   ~PointToPointWork() override {
     if (!mpi_ready()) return;
-    // A work dropped before its transfer completed: on a CPU tensor, MPI completes it into the
-    // tensor whenever the peer gets there (the request and tensor are kept till then); on a CUDA
-    // tensor, waited for (within the timeout), so that what was received is copied to the device.
-    if (!staged_.defined()) {
+    // A work dropped before its transfer completed. Where nobody holds its future (get_future()
+    // was not called, or that future is gone too) and the tensor is on the CPU, MPI completes the
+    // transfer into or from the tensor whenever the peer gets there: the request and tensor are
+    // kept till then. Otherwise it is waited for here, within the timeout: a future's holder
+    // waits for it, and what a CUDA tensor received is copied to the device.
+    if (!staged_.defined() && future_.use_count() == 1) {
       std::lock_guard<std::mutex> lock(request_mutex_);
       int done = 0;
       if (request_ != MPI_REQUEST_NULL &&
@@ -261,20 +264,25 @@ class PointToPointWork : public c10d::Work {
         transfer_.rank, what() + ": " + why)));
   }
 
-  // A send of another dtype with this receive's torch tag, from its peer, waiting to be matched.
+  // A send of another dtype with this receive's torch tag, from its peer, waiting to be matched
+  // (each dtype's MPI tag probed: messages of other tags may be queued ahead of it).
   std::exception_ptr other_dtype_pending() const {
-    int flag = 0;
-    MPI_Status status;
-    if (MPI_Iprobe(transfer_.peer, MPI_ANY_TAG, transfer_.comm, &flag, &status) != MPI_SUCCESS ||
-        !flag || (status.MPI_TAG >> kDtypeTagBits) != transfer_.tag) {
-      return nullptr;
+    const int mine = dtype_code(tensor_.scalar_type());
+    for (int code = 0; code < (1 << kDtypeTagBits); ++code) {
+      int flag = 0;
+      MPI_Status status;
+      if (code == mine ||
+          MPI_Iprobe(transfer_.peer, (transfer_.tag << kDtypeTagBits) | code, *transfer_.comm,
+                     &flag, &status) != MPI_SUCCESS ||
+          !flag) {
+        continue;
+      }
+      return failure("rank " + std::to_string(status.MPI_SOURCE) + " sends " +
+                     torch_dtype_name(code) +
+                     " with this tag: the ranks' tensors differ in dtype (the message stays "
+                     "for a receive of its dtype)");
     }
-    const int code = status.MPI_TAG & ((1 << kDtypeTagBits) - 1);
-    if (code == dtype_code(tensor_.scalar_type())) return nullptr;
-    return failure("rank " + std::to_string(status.MPI_SOURCE) + " sends " +
-                   torch_dtype_name(code) +
-                   " with this tag: the ranks' tensors differ in dtype (the message stays "
-                   "for a receive of its dtype)");
+    return nullptr;
   }
 
   // Tests the request, or with `block` waits for it until the timeout (`timeout`, or the
@@ -320,10 +328,10 @@ class PointToPointWork : public c10d::Work {
         // A receive is cancelled (it may have completed meanwhile); a send cannot be: it and its
         // buffers stay with MPI.
         if (!transfer_.sending && MPI_Cancel(&request_) == MPI_SUCCESS) {
-          MPI_Wait(&request_, &status);
+          rc = MPI_Wait(&request_, &status);
           int cancelled = 0;
-          MPI_Test_cancelled(&status, &cancelled);
-          if (!cancelled) error = nullptr;  // it completed after all: deliver it
+          if (rc == MPI_SUCCESS) MPI_Test_cancelled(&status, &cancelled);
+          if (!cancelled) error = nullptr;  // it completed after all: deliver it (or its error)
         }
         if (error) {
           if (request_ != MPI_REQUEST_NULL) abandon(request_, tensor_, staged_);
@@ -820,8 +828,14 @@ ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size)
                           ", the MPI communicator has rank " + std::to_string(comm_->rank()) +
                           " of " + std::to_string(comm_->size())));
   }
-  check_mpi(MPI_Comm_dup(comm_->mpi_comm(), &p2p_), "torch.distributed (gradcomm): MPI_Comm_dup",
+  MPI_Comm p2p = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(comm_->mpi_comm(), &p2p), "torch.distributed (gradcomm): MPI_Comm_dup",
             rank);
+  p2p_ = std::shared_ptr<const MPI_Comm>(new MPI_Comm(p2p), [](const MPI_Comm* c) {
+    MPI_Comm freed = *c;
+    if (mpi_ready()) MPI_Comm_free(&freed);
+    delete c;
+  });
   // Started here, not at the first call: calls may come from several threads at once (autograd's
   // and the application's), and the engine is made on first use without a lock.
   comm_->engine();
@@ -836,7 +850,7 @@ ProcessGroupGradcomm::~ProcessGroupGradcomm() {
   gpu_watch_.reset();
 #endif
   comm_.reset();  // waits for the calls in flight
-  if (p2p_ != MPI_COMM_NULL && mpi_ready()) MPI_Comm_free(&p2p_);
+  p2p_.reset();   // freed with the last send or recv that holds it
 }
 
 bool ProcessGroupGradcomm::nccl_usable() {
@@ -1490,9 +1504,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
   }
   int* tag_bound = nullptr;
   int found = 0;
-  MPI_Comm_get_attr(p2p_, MPI_TAG_UB, &tag_bound, &found);
-  // The MPI tag holds the dtype below torch's tag (mpi_tag).
-  const int tag_limit = (found ? *tag_bound : 32767) >> kDtypeTagBits;
+  MPI_Comm_get_attr(*p2p_, MPI_TAG_UB, &tag_bound, &found);
+  // The MPI tag holds the dtype below torch's tag (mpi_tag): 0..2^25-1 under Open MPI, at least
+  // 0..511 under any MPI (MPI_TAG_UB >= 32767).
+  const int tag_limit =
+      static_cast<int>(((found ? static_cast<long>(*tag_bound) : 32767L) + 1) >> kDtypeTagBits) - 1;
   if (tag < 0 || tag > tag_limit) {
     invalid(call, rank_,
             "tag " + std::to_string(tag) + " is outside 0.." + std::to_string(tag_limit));
@@ -1518,10 +1534,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
   sweep_abandoned();
   const int wire_tag = mpi_tag(tag, tensor.scalar_type());
   if (sending) {
-    check_mpi(MPI_Isend(buffer, n, MPI_BYTE, peer, wire_tag, p2p_, &request),
+    check_mpi(MPI_Isend(buffer, n, MPI_BYTE, peer, wire_tag, *p2p_, &request),
               "torch.distributed send (gradcomm): MPI_Isend", rank_);
   } else {
-    check_mpi(MPI_Irecv(buffer, n, MPI_BYTE, peer, wire_tag, p2p_, &request),
+    check_mpi(MPI_Irecv(buffer, n, MPI_BYTE, peer, wire_tag, *p2p_, &request),
               "torch.distributed recv (gradcomm): MPI_Irecv", rank_);
   }
   return c10::make_intrusive<PointToPointWork>(

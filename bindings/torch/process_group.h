@@ -238,7 +238,8 @@ class ProcessGroupGradcomm : public BackendBase {
   bool nccl_usable();
 
   std::unique_ptr<Communicator> comm_;
-  MPI_Comm p2p_ = MPI_COMM_NULL;  // send and recv: a duplicate of their own, tags are torch's
+  // send and recv: a duplicate of their own (freed with the last of the group and its works)
+  std::shared_ptr<const MPI_Comm> p2p_;
   // The group's communication stream per CUDA device, taken from torch's pool at the first call
   // on that device; and why gradcomm's GPU path cannot run here, once asked.
   std::mutex streams_mutex_;

@@ -216,6 +216,22 @@ def test_send_recv_ring():
         dist.recv(other, left)
         dist.send(big, right)
     assert torch.all(other == left)
+    # Futures of works dropped at once (the work's destructor must complete what its future's
+    # holder waits for), and a dropped irecv whose data arrives later.
+    got = torch.empty(1000)
+    futures = [dist.isend(send, right, tag=4).get_future(),
+               dist.irecv(got, left, tag=4).get_future()]
+    for f in futures:
+        f.wait()
+    assert torch.all(got == left)
+    late = torch.zeros(7)
+    dist.irecv(late, left, tag=8)  # dropped before anything is sent
+    dist.barrier()
+    dist.send(torch.full((7,), float(RANK)), right, tag=8)
+    dist.barrier()
+    dist.send(torch.ones(1), right, tag=9)  # a later transfer sweeps the dropped one
+    dist.recv(torch.empty(1), left, tag=9)
+    assert torch.all(late == left)
 
 
 def test_send_recv_that_disagree_fail_on_the_receiver_and_a_lost_one_times_out():
