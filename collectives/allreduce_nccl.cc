@@ -102,9 +102,8 @@ class Backoff {
 };
 
 std::string timeout_message(const Communicator& comm, std::string_view what) {
-  return std::string(what) + " did not finish within GRADCOMM_TIMEOUT=" +
-         std::to_string(comm.config().timeout_seconds) +
-         " s (a rank may be missing from this call, or stuck before it)";
+  return std::string(what) + " did not finish within " + comm.config().timeout_text() +
+         " (a rank may be missing from this call, or stuck before it)";
 }
 
 // Waits until NCCL has finished enqueueing on a non-blocking communicator.

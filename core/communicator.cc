@@ -191,8 +191,8 @@ void Communicator::start_watchdog() {
   std::vector<watchdog::Endpoint> peers;
   for (const Entry& e : all)
     peers.push_back(e.endpoint);
-  recorder_ = std::make_shared<watchdog::Recorder>(rank_, size_, config_.timeout_seconds, all[0].id,
-                                                   std::move(peers));
+  recorder_ = std::make_shared<watchdog::Recorder>(
+      rank_, size_, config_.timeout_seconds, config_.timeout_text(), all[0].id, std::move(peers));
   watchdog::watch(recorder_);
 }
 

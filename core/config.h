@@ -69,6 +69,9 @@ struct Config {
   // report of every rank's recent calls on rank 0 and aborts the job; a GPU collective aborts its
   // NCCL communicator and fails first. 0 disables both (waits forever).
   int timeout_seconds = 300;
+  // Not a variable: what set timeout_seconds, as the timeout messages name it (a front end that
+  // takes its own timeout, as torch.distributed's init_process_group does, says so here).
+  std::string timeout_setting = "GRADCOMM_TIMEOUT";
   // GRADCOMM_ENGINE_POLL_US: microseconds the progress engine polls for a next request (yielding
   // its core each time) before it sleeps. A submission meanwhile costs 0.2-1 us instead of a
   // wake-up (7-15 us on a VM). 0 sleeps at once: on a machine running more ranks than cores, the
@@ -104,6 +107,11 @@ struct Config {
   // Reads the variables above; a variable that is set but invalid throws InvalidArgument naming
   // the variable, its value and the valid values. Unset variables keep the defaults.
   static Config from_environment();
+
+  // "GRADCOMM_TIMEOUT=300 s": the timeout and what set it, for messages.
+  std::string timeout_text() const {
+    return timeout_setting + "=" + std::to_string(timeout_seconds) + " s";
+  }
 
   // This config for a sub-communicator gradcomm builds for itself (no watchdog of its own).
   Config for_sub_communicator() const {

@@ -240,14 +240,13 @@ class Service {
         double seconds = 0;
         const auto notice = notices_.find(recorder->id());
         if (recorder->rank() == 0 && notice != notices_.end()) {
-          coordinate(*recorder, "rank " + notice->second + " timed out (GRADCOMM_TIMEOUT=" +
-                                    std::to_string(recorder->timeout_seconds()) + " s)");
+          coordinate(*recorder,
+                     "rank " + notice->second + " timed out (" + recorder->timeout_text() + ")");
         }
         if (!recorder->overdue(&call, &seconds)) continue;
-        const std::string what =
-            call + " has not completed on rank " + std::to_string(recorder->rank()) + " after " +
-            seconds_text(seconds) +
-            " (GRADCOMM_TIMEOUT=" + std::to_string(recorder->timeout_seconds()) + " s)";
+        const std::string what = call + " has not completed on rank " +
+                                 std::to_string(recorder->rank()) + " after " +
+                                 seconds_text(seconds) + " (" + recorder->timeout_text() + ")";
         if (recorder->rank() == 0) coordinate(*recorder, what);
         std::fprintf(stderr, "[gradcomm rank %d] watchdog: %s; asking rank 0 for the report\n",
                      recorder->rank(), what.c_str());
@@ -423,9 +422,14 @@ class Service {
 
 }  // namespace
 
-Recorder::Recorder(int rank, int size, int timeout_seconds, std::uint64_t id,
-                   std::vector<Endpoint> peers)
-    : rank_(rank), size_(size), timeout_(timeout_seconds), id_(id), peers_(std::move(peers)) {}
+Recorder::Recorder(int rank, int size, int timeout_seconds, std::string timeout_text,
+                   std::uint64_t id, std::vector<Endpoint> peers)
+    : rank_(rank),
+      size_(size),
+      timeout_(timeout_seconds),
+      timeout_text_(std::move(timeout_text)),
+      id_(id),
+      peers_(std::move(peers)) {}
 
 void Recorder::begin(const Record& call) {
   const double t = now_seconds();

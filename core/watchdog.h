@@ -44,7 +44,9 @@ class Recorder {
  public:
   static constexpr int kDepth = 8;
 
-  Recorder(int rank, int size, int timeout_seconds, std::uint64_t id, std::vector<Endpoint> peers);
+  // `timeout_text` names the timeout and what set it in reports ("GRADCOMM_TIMEOUT=300 s").
+  Recorder(int rank, int size, int timeout_seconds, std::string timeout_text, std::uint64_t id,
+           std::vector<Endpoint> peers);
 
   void begin(const Record& call);
   // Rewrites the running call's record (what it waits for changed), keeping when it started.
@@ -61,6 +63,7 @@ class Recorder {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int timeout_seconds() const { return timeout_; }
+  const std::string& timeout_text() const { return timeout_text_; }
   std::uint64_t id() const { return id_; }
   const std::vector<Endpoint>& peers() const { return peers_; }
 
@@ -73,6 +76,7 @@ class Recorder {
   };
 
   const int rank_, size_, timeout_;
+  const std::string timeout_text_;
   const std::uint64_t id_;
   const std::vector<Endpoint> peers_;
   mutable std::mutex mutex_;

@@ -32,10 +32,14 @@ PYBIND11_MODULE(GRADCOMM_TORCH_MODULE_NAME, m) {
       "Waits until every group's calls have run (at exit, before Python finalizes)");
   m.def(
       "create",
-      [](int group_rank, int group_size, const std::vector<int64_t>& global_ranks) {
+      [](int group_rank, int group_size, const std::vector<int64_t>& global_ranks,
+         std::optional<double> timeout_seconds) {
         py::gil_scoped_release release;  // collective: other threads may need the GIL meanwhile
-        return gradcomm::torch_backend::create_process_group(group_rank, group_size, global_ranks);
+        return gradcomm::torch_backend::create_process_group(group_rank, group_size, global_ranks,
+                                                             timeout_seconds);
       },
       py::arg("group_rank"), py::arg("group_size"), py::arg("global_ranks"),
-      "The backend of a group: the world (empty global_ranks) or a new_group's members");
+      py::arg("timeout_seconds") = py::none(),
+      "The backend of a group: the world (empty global_ranks) or a new_group's members; "
+      "timeout_seconds (torch's, where the caller gave one) replaces GRADCOMM_TIMEOUT for it");
 }

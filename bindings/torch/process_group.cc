@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -199,8 +200,9 @@ class PointToPointWork : public c10d::Work {
     int peer = 0;  // MPI_ANY_SOURCE for recvAnysource
     int tag = 0;   // torch's
     int rank = 0;
-    int timeout_seconds = 0;               // 0: no limit
-    std::shared_ptr<const MPI_Comm> comm;  // the group's, kept while a work may probe it
+    int timeout_seconds = 0;                          // 0: no limit
+    std::shared_ptr<const std::string> timeout_text;  // "GRADCOMM_TIMEOUT=300 s"
+    std::shared_ptr<const MPI_Comm> comm;             // the group's, kept while a work may probe it
   };
 
   // `staged`: for a CUDA tensor, the host copy MPI sends from or receives into (a received one
@@ -315,9 +317,7 @@ class PointToPointWork : public c10d::Work {
               "not completed after " +
               std::to_string(static_cast<long>(std::chrono::duration<double>(waited).count())) +
               " s (" +
-              (timeout.count() > 0
-                   ? std::string("the wait's timeout")
-                   : "GRADCOMM_TIMEOUT=" + std::to_string(transfer_.timeout_seconds) + " s") +
+              (timeout.count() > 0 ? std::string("the wait's timeout") : *transfer_.timeout_text) +
               "): " +
               (transfer_.sending ? "the peer never received it"
                                  : "no message of this tag and dtype came"));
@@ -450,11 +450,12 @@ class GpuWatch {
   GpuWatch& operator=(const GpuWatch&) = delete;
 
   // The call whose work `done` was recorded after on its stream (of `device`);
-  // `timeout_seconds` 0: no limit.
-  void watch(GpuDone done, c10::Device device, const std::string& call, int timeout_seconds) {
+  // `timeout_seconds` 0: no limit; `timeout_text` names it in the message.
+  void watch(GpuDone done, c10::Device device, const std::string& call, int timeout_seconds,
+             const std::string& timeout_text) {
     std::lock_guard<std::mutex> lock(mutex_);
-    entries_.push_back(
-        {std::move(done), call, device, std::chrono::steady_clock::now(), timeout_seconds});
+    entries_.push_back({std::move(done), call, device, std::chrono::steady_clock::now(),
+                        timeout_seconds, timeout_text});
   }
 
  private:
@@ -464,6 +465,7 @@ class GpuWatch {
     c10::Device device;
     std::chrono::steady_clock::time_point enqueued;
     int timeout_seconds;
+    std::string timeout_text;
   };
 
   void loop() {
@@ -488,11 +490,9 @@ class GpuWatch {
           std::chrono::steady_clock::now() - front->enqueued >
               std::chrono::seconds(front->timeout_seconds)) {
         abort_job(front->call, rank_,
-                  "its work on " + front->device.str() +
-                      " did not finish within GRADCOMM_TIMEOUT=" +
-                      std::to_string(front->timeout_seconds) +
-                      " s of its enqueue (a peer may have stopped inside NCCL, or the "
-                      "GPU hangs)");
+                  "its work on " + front->device.str() + " did not finish within " +
+                      front->timeout_text +
+                      " of its enqueue (a peer may have stopped inside NCCL, or the GPU hangs)");
       }
       if (done && front->done.then) front->done.then();
       lock.lock();
@@ -519,15 +519,16 @@ class DeviceCall {
  public:
 #if GRADCOMM_TORCH_CUDA
   // `call` and `rank` name the call in a timeout's message; `timeout_seconds` is the group's
-  // GRADCOMM_TIMEOUT (0: no limit).
+  // timeout (0: no limit), `timeout_text` names it ("GRADCOMM_TIMEOUT=300 s").
   DeviceCall(c10::Device device, c10::Stream stream, std::string call, int rank,
-             int timeout_seconds, GpuWatch* watch)
+             int timeout_seconds, std::string timeout_text, GpuWatch* watch)
       : device_(device),
         stream_(stream),
         ready_(device.type()),
         call_(std::move(call)),
         rank_(rank),
         timeout_seconds_(timeout_seconds),
+        timeout_text_(std::move(timeout_text)),
         watch_(watch) {}
 
   c10::Device device() const {
@@ -576,7 +577,7 @@ class DeviceCall {
     // back are in flight: torch's host allocator keeps such memory until its copy is done.
     staged_.clear();
     if (GpuDone done = then(); done.event)
-      watch_->watch(std::move(done), device_, call_, timeout_seconds_);
+      watch_->watch(std::move(done), device_, call_, timeout_seconds_, timeout_text_);
   }
 
   // The cudaStream_t of the group's stream (nullptr where this torch cannot give it).
@@ -600,9 +601,8 @@ class DeviceCall {
       if (timeout_seconds_ > 0 &&
           std::chrono::steady_clock::now() - start > std::chrono::seconds(timeout_seconds_)) {
         abort_job(call_, rank_,
-                  std::string(what) + " did not finish within GRADCOMM_TIMEOUT=" +
-                      std::to_string(timeout_seconds_) + " s on " + device_.str() +
-                      " (a peer may have stopped inside NCCL, or the GPU hangs)");
+                  std::string(what) + " did not finish within " + timeout_text_ + " on " +
+                      device_.str() + " (a peer may have stopped inside NCCL, or the GPU hangs)");
       }
       if (polls < 1000) {
         std::this_thread::yield();
@@ -622,6 +622,7 @@ class DeviceCall {
   std::string call_;
   int rank_;
   int timeout_seconds_;
+  std::string timeout_text_;
   GpuWatch* watch_;
   std::vector<Staged> staged_;
 #else
@@ -755,7 +756,10 @@ void GradcommWork::fail(std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
-    if (std::strstr(e.what(), "GRADCOMM_TIMEOUT") != nullptr) result = c10d::WorkResult::TIMEOUT;
+    // Every timeout's message says so (the NCCL path's and the GPU watch's).
+    if (std::strstr(e.what(), " did not finish within ") != nullptr) {
+      result = c10d::WorkResult::TIMEOUT;
+    }
   } catch (...) {
   }
   result_future_->markCompleted(c10::IValue(static_cast<int64_t>(result)));
@@ -819,8 +823,10 @@ c10::intrusive_ptr<c10::ivalue::Future> GradcommWork::getFuture() {
 
 // --- The group ---------------------------------------------------------------------------------
 
-ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size)
-    : BackendBase(rank, size), comm_(std::make_unique<Communicator>(comm)) {
+ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size, Config config)
+    : BackendBase(rank, size),
+      comm_(std::make_unique<Communicator>(comm, std::move(config))),
+      timeout_text_(std::make_shared<const std::string>(comm_->config().timeout_text())) {
   if (comm_->rank() != rank || comm_->size() != size) {
     throw InvalidArgument(
         error_message("torch.distributed (gradcomm)", comm_->rank(),
@@ -907,7 +913,8 @@ std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
     }
     if (!gpu_watch_) gpu_watch_ = std::make_unique<GpuWatch>(rank_);
     placed = std::make_shared<DeviceCall>(*device, it->second, call, rank_,
-                                          comm_->config().timeout_seconds, gpu_watch_.get());
+                                          comm_->config().timeout_seconds,
+                                          comm_->config().timeout_text(), gpu_watch_.get());
   }
   placed->enter(tensors);
   return placed;
@@ -1544,7 +1551,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
       sending ? c10d::OpType::SEND
               : (peer == MPI_ANY_SOURCE ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
       sending ? "gradcomm:send" : "gradcomm:recv", tensor, staged, request,
-      PointToPointWork::Transfer{sending, peer, tag, rank_, comm_->config().timeout_seconds, p2p_});
+      PointToPointWork::Transfer{sending, peer, tag, rank_, comm_->config().timeout_seconds,
+                                 timeout_text_, p2p_});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::send(std::vector<at::Tensor>& tensors,
@@ -1599,12 +1607,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_tensor_coale
 // --- Creation ------------------------------------------------------------------------------------
 
 c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_size,
-                                                     const std::vector<int64_t>& global_ranks) {
+                                                     const std::vector<int64_t>& global_ranks,
+                                                     std::optional<double> timeout_seconds) {
   const std::string call = "torch.distributed init_process_group (gradcomm)";
   if (!mpi_ready()) init();
   int world_rank = 0, world_size = 0;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), call + ": MPI_Comm_rank");
   check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &world_size), call + ": MPI_Comm_size");
+  Config config = Config::from_environment();
+  if (timeout_seconds) {
+    // torch's timeout, where the caller gave one: whole seconds (the watchdog looks twice a
+    // second), rounded up.
+    if (!(*timeout_seconds > 0)) {
+      throw InvalidArgument(error_message(
+          call, world_rank,
+          "the timeout is " + std::to_string(*timeout_seconds) + " s; it must be positive"));
+    }
+    config.timeout_seconds =
+        static_cast<int>(std::min(std::ceil(*timeout_seconds), static_cast<double>(1 << 30)));
+    config.timeout_setting = "torch.distributed timeout";
+  }
   if (global_ranks.empty()) {
     if (group_size != world_size || group_rank != world_rank) {
       throw InvalidArgument(error_message(
@@ -1615,7 +1637,8 @@ c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_s
               ": launch the job with mpirun -np " + std::to_string(group_size) +
               " (import gradcomm.torch sets RANK and WORLD_SIZE from MPI where they are unset)"));
     }
-    return c10::make_intrusive<ProcessGroupGradcomm>(MPI_COMM_WORLD, group_rank, group_size);
+    return c10::make_intrusive<ProcessGroupGradcomm>(MPI_COMM_WORLD, group_rank, group_size,
+                                                     std::move(config));
   }
   // A subgroup (new_group): torch calls this on its members only, so the communicator is made
   // by them alone (MPI_Comm_create_group). Torch's global ranks are MPI's world ranks.
@@ -1639,7 +1662,8 @@ c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_s
   MPI_Group_free(&world_group);
   check_mpi(rc, call + ": MPI_Comm_create_group");
   try {
-    auto pg = c10::make_intrusive<ProcessGroupGradcomm>(comm, group_rank, group_size);
+    auto pg =
+        c10::make_intrusive<ProcessGroupGradcomm>(comm, group_rank, group_size, std::move(config));
     MPI_Comm_free(&comm);  // the group's communicator holds a duplicate
     return pg;
   } catch (...) {

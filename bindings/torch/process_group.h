@@ -150,8 +150,9 @@ class GradcommWork : public c10d::Work {
 class ProcessGroupGradcomm : public BackendBase {
  public:
   // Wraps `comm` (a group of `size` ranks in which this process is `rank`; both checked against
-  // the communicator). Collective over the group.
-  ProcessGroupGradcomm(MPI_Comm comm, int rank, int size);
+  // the communicator), with `config` (the group's timeout may be torch's). Collective over the
+  // group.
+  ProcessGroupGradcomm(MPI_Comm comm, int rank, int size, Config config);
   ~ProcessGroupGradcomm() override;
 
   const std::string getBackendName() const override { return "gradcomm"; }
@@ -240,6 +241,7 @@ class ProcessGroupGradcomm : public BackendBase {
   std::unique_ptr<Communicator> comm_;
   // send and recv: a duplicate of their own (freed with the last of the group and its works)
   std::shared_ptr<const MPI_Comm> p2p_;
+  std::shared_ptr<const std::string> timeout_text_;  // the config's, for send/recv's messages
   // The group's communication stream per CUDA device, taken from torch's pool at the first call
   // on that device; and why gradcomm's GPU path cannot run here, once asked.
   std::mutex streams_mutex_;
@@ -253,8 +255,11 @@ class ProcessGroupGradcomm : public BackendBase {
 // The group torch asks for: the world (empty `global_ranks`) or the ranks of a new_group, in
 // which this process is `group_rank` of `group_size`. Initializes MPI (thread level multiple)
 // where nobody has; fails with a clear error where the sizes and ranks torch was given disagree
-// with MPI's (a start without mpirun, or other RANK / WORLD_SIZE).
+// with MPI's (a start without mpirun, or other RANK / WORLD_SIZE). `timeout_seconds`: the
+// timeout the caller gave torch (init_process_group's or new_group's), which replaces
+// GRADCOMM_TIMEOUT for this group; none where torch has its default.
 c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_size,
-                                                     const std::vector<int64_t>& global_ranks);
+                                                     const std::vector<int64_t>& global_ranks,
+                                                     std::optional<double> timeout_seconds);
 
 }  // namespace gradcomm::torch_backend

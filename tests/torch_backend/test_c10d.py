@@ -265,6 +265,24 @@ def test_send_recv_that_disagree_fail_on_the_receiver_and_a_lost_one_times_out()
     assert torch.all(t == SIZE)
 
 
+def test_a_timeout_given_to_torch_bounds_its_groups_calls():
+    # new_group's timeout is that group's (rounded up to whole seconds), GRADCOMM_TIMEOUT's
+    # elsewhere; a receive nothing is sent to ends at it.
+    group = dist.new_group(timeout=datetime.timedelta(milliseconds=800))
+    if RANK == 1:
+        work = dist.irecv(torch.empty(3), 0, group=group, tag=7)
+        with pytest.raises(RuntimeError,
+                           match=r"not completed after 1 s .torch.distributed timeout=1 s."):
+            work.wait()
+    dist.barrier()
+    with pytest.raises(RuntimeError, match="the timeout is -1.0* s; it must be positive"):
+        dist.new_group(timeout=datetime.timedelta(seconds=-1))
+    t = torch.ones(5)
+    dist.all_reduce(t, group=group)  # both groups are still usable
+    dist.all_reduce(t)
+    assert torch.all(t == SIZE * SIZE)
+
+
 def test_barrier():
     for _ in range(3):
         dist.barrier()

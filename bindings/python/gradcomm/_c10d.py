@@ -12,6 +12,11 @@ rank 0's IPv4 addresses instead (the interface GLOO_SOCKET_IFNAME names first, l
 Variables already set are left alone, and the backend checks that what torch was given agrees
 with MPI.
 
+A timeout given to ``init_process_group`` or ``new_group`` is the group's: a call that runs
+longer ends the job with the watchdog's report (as ``GRADCOMM_TIMEOUT`` does, which it replaces
+for that group). Where none is given (torch's default of 30 minutes), ``GRADCOMM_TIMEOUT``
+holds.
+
 The compiled backend comes in one module per torch version it was built for
 (``_c10d_torch<major>_<minor>``); the one matching the running torch is loaded.
 """
@@ -116,11 +121,23 @@ def _drain_at_exit():
         _module.drain()
 
 
+def _given_timeout(options):
+    """The timeout the caller gave init_process_group or new_group, in seconds; None where torch
+    passes its default (30 minutes), which leaves GRADCOMM_TIMEOUT (default 300 s) in force."""
+    from torch.distributed.constants import default_pg_timeout
+
+    timeout = getattr(options, "timeout", None)
+    if timeout is None or timeout == default_pg_timeout:
+        return None
+    return timeout.total_seconds()
+
+
 def _create(options, _backend_options=None):
-    """torch's creator (extended API): options has group_rank, group_size and
-    global_ranks_in_group (empty for the default group)."""
+    """torch's creator (extended API): options has group_rank, group_size,
+    global_ranks_in_group (empty for the default group) and timeout."""
     ranks = list(getattr(options, "global_ranks_in_group", []) or [])
-    return compiled().create(options.group_rank, options.group_size, ranks)
+    return compiled().create(options.group_rank, options.group_size, ranks,
+                             _given_timeout(options))
 
 
 def register():
