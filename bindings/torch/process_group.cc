@@ -128,6 +128,97 @@ std::size_t bytes_of(const at::Tensor& t) {
   return static_cast<std::size_t>(t.numel()) * t.element_size();
 }
 
+// A sparse COO all_reduce (DDP's gradients of sparse embeddings): checked on the caller's
+// thread, before anything is sent. SUM and AVG (what "missing" means for MIN or MAX is not
+// defined); CPU tensors.
+void check_sparse(const std::string& call, int rank, const at::Tensor& t,
+                  const c10d::ReduceOp& op) {
+  if (t.device().type() != c10::DeviceType::CPU) {
+    unsupported(call, rank,
+                "the tensor is sparse on " + t.device().str() +
+                    ": the gradcomm backend reduces sparse tensors on the CPU only");
+  }
+  if (op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
+    unsupported(call, rank, "a sparse tensor is reduced with SUM or AVG only");
+  }
+  if (!c10::isFloatingType(t.scalar_type()) && !c10::isIntegralType(t.scalar_type(), false)) {
+    unsupported(call, rank,
+                std::string("a sparse tensor of ") + c10::toString(t.scalar_type()) +
+                    " (sparse tensors of floating and integer types are reduced)");
+  }
+}
+
+// The sum over the ranks of sparse COO tensors `t` (divided by the group's size for `average`),
+// written back into `t` (coalesced), as gloo does. Every rank's indices and values are gathered
+// (allgatherv) and summed where they coincide. Ranks whose tensors differ in size, sparse or
+// dense dimensions fail alike on every rank, before the indices move; in dtype, at the first
+// call (the call check compares the torch dtype).
+void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
+  const std::string call = "all_reduce";
+  const at::Tensor in = t.coalesce();
+  const at::Tensor indices = in._indices().contiguous();  // [sparse_dim, nnz] int64
+  const at::Tensor values = in._values().contiguous();    // [nnz, dense sizes...]
+  const auto note = annotation_of(values);
+  const int n = comm.size();
+  // What each rank has: dimensions, then nnz, then the sizes (ranks whose dimension counts
+  // differ differ in this call's size: a MismatchError on every rank).
+  std::vector<int64_t> mine = {in.dim(), in.sparse_dim(), in._nnz()};
+  for (int64_t d : in.sizes())
+    mine.push_back(d);
+  std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(n));
+  allgather_bytes(comm, mine.data(), all.data(), mine.size() * sizeof(int64_t));
+  std::vector<std::size_t> index_bytes, value_bytes;
+  int64_t dense_elements = 1;
+  for (int64_t d = in.sparse_dim(); d < in.dim(); ++d)
+    dense_elements *= in.size(d);
+  for (int r = 0; r < n; ++r) {
+    const int64_t* theirs = all.data() + static_cast<std::size_t>(r) * mine.size();
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      if (i == 2 || theirs[i] == mine[i]) continue;  // (nnz may differ)
+      std::string sizes;
+      for (std::size_t k = 3; k < mine.size(); ++k)
+        sizes += (k > 3 ? ", " : "") + std::to_string(theirs[k]);
+      throw MismatchError(error_message(
+          "torch.distributed " + call + " (gradcomm)", comm.rank(),
+          "the ranks' sparse tensors differ: rank " + std::to_string(r) + "'s is [" + sizes +
+              "] with " + std::to_string(theirs[1]) + " sparse dimensions, this rank's " +
+              describe(in) + " with " + std::to_string(in.sparse_dim())));
+    }
+    const auto nnz = static_cast<std::size_t>(theirs[2]);
+    index_bytes.push_back(nnz * static_cast<std::size_t>(in.sparse_dim()) * sizeof(int64_t));
+    value_bytes.push_back(nnz * static_cast<std::size_t>(dense_elements) * values.element_size());
+  }
+  int64_t total = 0;
+  for (int r = 0; r < n; ++r)
+    total += all[static_cast<std::size_t>(r) * mine.size() + 2];
+  // Each rank's [sparse_dim, nnz_r] block, one after another; their values likewise.
+  at::Tensor blocks = at::empty({total * in.sparse_dim()}, indices.options());
+  std::vector<int64_t> value_shape = values.sizes().vec();
+  value_shape[0] = total;
+  at::Tensor gathered_values = at::empty(value_shape, values.options());
+  allgatherv_bytes(comm, indices.data_ptr(), blocks.data_ptr(), index_bytes);
+  allgatherv_bytes(comm, values.data_ptr(), gathered_values.data_ptr(), value_bytes);
+  std::vector<at::Tensor> columns;
+  int64_t at = 0;
+  for (int r = 0; r < n; ++r) {
+    const int64_t nnz = all[static_cast<std::size_t>(r) * mine.size() + 2];
+    columns.push_back(
+        blocks.narrow(0, at * in.sparse_dim(), nnz * in.sparse_dim()).view({in.sparse_dim(), nnz}));
+    at += nnz;
+  }
+  at::Tensor sum =
+      at::sparse_coo_tensor(at::cat(columns, 1), gathered_values, in.sizes()).coalesce();
+  if (average) {
+    at::Tensor v = sum._values();
+    if (c10::isFloatingType(v.scalar_type())) {
+      v.div_(n);
+    } else {
+      v.div_(n, "trunc");  // as the dense integer AVG
+    }
+  }
+  t.copy_(sum);
+}
+
 // Whether the caller may go on before the call completes (torch 2.2+ says so in the options).
 template <class Options>
 bool async_op(const Options& opts) {
@@ -1025,6 +1116,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::T
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts) {
   const std::string call = "all_reduce";
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
+    check_sparse(call, rank_, tensors[0], opts.reduceOp);
+    plan_reduction(call, rank_, tensors[0].scalar_type(), opts.reduceOp);
+    Communicator& comm = *comm_;
+    const at::Tensor t = tensors[0];
+    const bool average = opts.reduceOp == c10d::ReduceOp::AVG;
+    return submit(
+        c10d::OpType::ALLREDUCE, "gradcomm:all_reduce", tensors,
+        [&comm, t, average] { reduce_sparse_into(comm, t, average); }, async_op(opts));
+  }
   check_one(call, rank_, tensors);
   at::Tensor t = tensors[0];
   const Reduction r = plan_reduction(call, rank_, t.scalar_type(), opts.reduceOp);

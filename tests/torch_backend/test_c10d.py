@@ -20,6 +20,8 @@ from reference import values
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 torch.set_num_threads(1)  # ranks share the cores
+if hasattr(torch.sparse, "check_sparse_tensor_invariants"):  # torch 2.x (else it warns)
+    torch.sparse.check_sparse_tensor_invariants.enable()
 dist.init_process_group("gradcomm")
 RANK = dist.get_rank()
 SIZE = dist.get_world_size()
@@ -61,6 +63,58 @@ def test_all_reduce(dtype, op, count):
     # The future holds the reduced tensor (what DDP's comm hooks read); torch hands complex
     # tensors to backends as their real view.
     assert torch.equal(work.get_future().value()[0], torch.view_as_real(t) if t.is_complex() else t)
+
+
+def sparse_input(rank, dtype, shape, sparse_dim):
+    """Rank `rank`'s sparse COO tensor: uncoalesced (an index may repeat), rank 1's empty,
+    the others with a rank-dependent number of entries."""
+    g = torch.Generator().manual_seed(77 + rank)
+    nnz = 0 if rank == 1 else 3 + 5 * rank
+    indices = torch.stack([torch.randint(0, shape[d], (nnz,), generator=g)
+                           for d in range(sparse_dim)])
+    values = torch.randint(-4, 5, (nnz,) + tuple(shape[sparse_dim:]), generator=g).to(dtype)
+    return torch.sparse_coo_tensor(indices, values, shape)
+
+
+@pytest.mark.parametrize("shape,sparse_dim", [((13,), 1), ((11, 3), 1), ((5, 4, 2), 2)],
+                         ids=["1d", "rows", "2_sparse_1_dense"])
+@pytest.mark.parametrize("op", [R.SUM, R.AVG], ids=["sum", "avg"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64], ids=str)
+def test_all_reduce_of_sparse_tensors(dtype, op, shape, sparse_dim):
+    # As gloo (DDP's sparse embedding gradients): the result replaces the tensor, coalesced,
+    # and is the future's value. The reference: the dense sum of every rank's input.
+    t = sparse_input(RANK, dtype, shape, sparse_dim)
+    work = dist.all_reduce(t, op=op, async_op=True)
+    got = work.get_future().wait()[0]
+    work.wait()
+    total = sum(sparse_input(r, torch.float64, shape, sparse_dim).to_dense()
+                for r in range(SIZE))
+    if op == R.AVG:
+        total = total / SIZE if dtype.is_floating_point else torch.div(total, SIZE,
+                                                                      rounding_mode="trunc")
+    assert t.is_sparse and t.is_coalesced() and t.dtype == dtype
+    assert torch.equal(t.to_dense(), total.to(dtype)), (RANK, t.to_dense(), total)
+    assert torch.equal(got.to_dense(), t.to_dense())
+
+
+def test_all_reduce_of_sparse_tensors_that_differ_or_cannot_be_reduced():
+    t = sparse_input(RANK, torch.float32, (13,), 1)
+    with pytest.raises(RuntimeError, match="a sparse tensor is reduced with SUM or AVG only"):
+        dist.all_reduce(t, op=R.MAX)
+    with pytest.raises(RuntimeError, match="a sparse tensor of torch.bool|a sparse tensor of Bool"):
+        dist.all_reduce(torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64),
+                                                torch.ones(1, dtype=torch.bool), (3,)))
+    if SIZE > 1:  # another size on the last rank: an error on every rank, before data moves
+        other = sparse_input(RANK, torch.float32, (14,) if RANK == SIZE - 1 else (13,), 1)
+        with pytest.raises(RuntimeError, match="the ranks' sparse tensors differ"):
+            dist.all_reduce(other)
+        # Sparse on rank 0, dense elsewhere: the call check says so on every rank.
+        mixed = t if RANK == 0 else torch.ones(13)
+        with pytest.raises(RuntimeError, match="differ"):
+            dist.all_reduce(mixed)
+    dist.all_reduce(t)  # the group is still usable
+    total = sum(sparse_input(r, torch.float32, (13,), 1).to_dense() for r in range(SIZE))
+    assert torch.equal(t.to_dense(), total)
 
 
 def test_all_reduce_async_in_order():
@@ -448,6 +502,39 @@ def train(process_group, steps=6, hook=None, find_unused=False, accumulate=1, un
         step(i)
         opt.step()
     return model
+
+
+class SparseNet(torch.nn.Module):
+    """An embedding with sparse gradients (DDP reduces them as sparse tensors) under a linear
+    layer (dense)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embedding = torch.nn.EmbeddingBag(60, 6, mode="sum", sparse=True)
+        self.out = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.out(self.embedding(x))
+
+
+def train_sparse(process_group, steps=5):
+    model = SparseNet()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for i in range(steps):
+        g = torch.Generator().manual_seed(1000 * i + RANK)
+        x, y = torch.randint(0, 60, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return model
+
+
+def test_ddp_with_sparse_gradients_matches_gloo():
+    ours, theirs = flat(train_sparse(None)), flat(train_sparse(GLOO))
+    assert same_on_every_rank(ours), "replicas differ across ranks"
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("case", ["plain", "allreduce_hook", "fp16_hook", "powersgd", "unused",
