@@ -31,6 +31,8 @@ timed right after another one's step, as gradcomm-bench's rounds do (docs/benchm
 Rank 0 prints the median step time and range of each variant, each front end's ratio to
 torch-ddp, and the exposed communication ((step - compute) / step); --json appends one JSON
 object per run to a file.
+--model embedding is an EmbeddingBag (sparse gradients, which DDP reduces as sparse tensors)
+under a small MLP; only torch's DDP takes it (compute,torch-ddp,torch-ddp-gradcomm).
 The default model is an MLP 1024-2048-2048-1024-10 (8.4 M parameters, 33.6 MB of gradients),
 batch 32 per rank: with Debian's torch (generic BLAS, one thread) its backward takes about
 200 ms here, and its gradients' all-reduce about 285 ms at 1 Gbit/s.
@@ -53,10 +55,12 @@ import gradcomm.torch as hvd
 from torch_device import bench_device
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+parser.add_argument("--model", choices=["mlp", "cnn", "embedding"], default="mlp",
                     help="mlp: --layers; cnn: examples/torch_digits.py's CNN on 8x8 images")
 parser.add_argument("--layers", default="1024,2048,2048,1024,10", help="MLP widths")
 parser.add_argument("--batch", type=int, default=32, help="per rank")
+parser.add_argument("--vocabulary", type=int, default=100000,
+                    help="rows of the embedding model's table (--model embedding)")
 parser.add_argument("--steps", type=int, default=12, help="timed steps per variant")
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--variants", default="compute,gradcomm-ddp,gradcomm-hvd,torch-ddp")
@@ -118,6 +122,10 @@ widths = [int(w) for w in args.layers.split(",")]
 
 def make_model():
     torch.manual_seed(1)
+    if args.model == "embedding":  # sparse gradients: DDP reduces the embedding's as sparse
+        return torch.nn.Sequential(
+            torch.nn.EmbeddingBag(args.vocabulary, 64, mode="mean", sparse=True),
+            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     if args.model == "cnn":
         return torch.nn.Sequential(
             torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
@@ -130,8 +138,8 @@ def make_model():
     return torch.nn.Sequential(*layers[:-1])
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+def sgd(params):  # (no momentum for sparse gradients)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0 if args.model == "embedding" else 0.9)
 
 
 runs = {}
@@ -202,8 +210,11 @@ for name in variants:
 
 g = torch.Generator().manual_seed(rank)
 shape = (args.batch, 1, 8, 8) if args.model == "cnn" else (args.batch, widths[0])
-x = torch.randn(*shape, generator=g).to(device)
-y = torch.randint(0, 10 if args.model == "cnn" else widths[-1], (args.batch,), generator=g)
+if args.model == "embedding":  # a bag of 20 indices per sample
+    x = torch.randint(0, args.vocabulary, (args.batch, 20), generator=g).to(device)
+else:
+    x = torch.randn(*shape, generator=g).to(device)
+y = torch.randint(0, widths[-1] if args.model == "mlp" else 10, (args.batch,), generator=g)
 y = y.to(device)
 loss_fn = torch.nn.CrossEntropyLoss()
 times = {name: [] for name in runs}
@@ -242,7 +253,8 @@ hosts = len(set(world.allgather(socket.gethostname())))
 slowest = {name: [max(v) for v in zip(*world.allgather(t))] for name, t in times.items()}
 if rank == 0:
     params = sum(p.numel() for p in make_model().parameters())
-    what = "CNN (digits)" if args.model == "cnn" else f"MLP {args.layers}"
+    what = {"cnn": "CNN (digits)", "mlp": f"MLP {args.layers}",
+            "embedding": f"EmbeddingBag {args.vocabulary}x64 (sparse) + MLP 64-256-10"}[args.model]
     print(f"{size} ranks ({hosts} hosts), {what} ({params / 1e6:.2f} M "
           f"parameters, {4 * params / 1e6:.1f} MB of gradients), batch {args.batch} per rank, "
           f"{args.steps} steps per variant, alternated"
