@@ -160,9 +160,10 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
   const at::Tensor values = in._values().contiguous();    // [nnz, dense sizes...]
   const auto note = annotation_of(values);
   const int n = comm.size();
-  // What each rank has: dimensions, then nnz, then the sizes (ranks whose dimension counts
+  // What each rank has: dimensions, nnz, the op, then the sizes (ranks whose dimension counts
   // differ differ in this call's size: a MismatchError on every rank).
-  std::vector<int64_t> mine = {in.dim(), in.sparse_dim(), in._nnz()};
+  constexpr std::size_t kNnz = 2, kSizes = 4;
+  std::vector<int64_t> mine = {in.dim(), in.sparse_dim(), in._nnz(), average ? 1 : 0};
   for (int64_t d : in.sizes())
     mine.push_back(d);
   std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(n));
@@ -171,26 +172,30 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
   int64_t dense_elements = 1;
   for (int64_t d = in.sparse_dim(); d < in.dim(); ++d)
     dense_elements *= in.size(d);
+  const auto what = [&](const int64_t* of) {
+    std::string text = "[";
+    for (std::size_t k = kSizes; k < mine.size(); ++k)
+      text += (k > kSizes ? ", " : "") + std::to_string(of[k]);
+    return text + "] with " + std::to_string(of[1]) + " sparse dimensions, " +
+           (of[3] ? "AVG" : "SUM");
+  };
   for (int r = 0; r < n; ++r) {
     const int64_t* theirs = all.data() + static_cast<std::size_t>(r) * mine.size();
     for (std::size_t i = 0; i < mine.size(); ++i) {
-      if (i == 2 || theirs[i] == mine[i]) continue;  // (nnz may differ)
-      std::string sizes;
-      for (std::size_t k = 3; k < mine.size(); ++k)
-        sizes += (k > 3 ? ", " : "") + std::to_string(theirs[k]);
-      throw MismatchError(error_message(
-          "torch.distributed " + call + " (gradcomm)", comm.rank(),
-          "the ranks' sparse tensors differ: rank " + std::to_string(r) + "'s is [" + sizes +
-              "] with " + std::to_string(theirs[1]) + " sparse dimensions, this rank's " +
-              describe(in) + " with " + std::to_string(in.sparse_dim())));
+      if (i == kNnz || theirs[i] == mine[i]) continue;  // (nnz may differ)
+      throw MismatchError(error_message("torch.distributed " + call + " (gradcomm)", comm.rank(),
+                                        "the ranks' sparse all_reduce calls differ: rank " +
+                                            std::to_string(r) + "'s is " + what(theirs) +
+                                            "; this rank's (" + std::to_string(comm.rank()) + ") " +
+                                            what(mine.data())));
     }
-    const auto nnz = static_cast<std::size_t>(theirs[2]);
+    const auto nnz = static_cast<std::size_t>(theirs[kNnz]);
     index_bytes.push_back(nnz * static_cast<std::size_t>(in.sparse_dim()) * sizeof(int64_t));
     value_bytes.push_back(nnz * static_cast<std::size_t>(dense_elements) * values.element_size());
   }
   int64_t total = 0;
   for (int r = 0; r < n; ++r)
-    total += all[static_cast<std::size_t>(r) * mine.size() + 2];
+    total += all[static_cast<std::size_t>(r) * mine.size() + kNnz];
   // Each rank's [sparse_dim, nnz_r] block, one after another; their values likewise.
   at::Tensor blocks = at::empty({total * in.sparse_dim()}, indices.options());
   std::vector<int64_t> value_shape = values.sizes().vec();
@@ -201,7 +206,7 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
   std::vector<at::Tensor> columns;
   int64_t at = 0;
   for (int r = 0; r < n; ++r) {
-    const int64_t nnz = all[static_cast<std::size_t>(r) * mine.size() + 2];
+    const int64_t nnz = all[static_cast<std::size_t>(r) * mine.size() + kNnz];
     columns.push_back(
         blocks.narrow(0, at * in.sparse_dim(), nnz * in.sparse_dim()).view({in.sparse_dim(), nnz}));
     at += nnz;

@@ -106,8 +106,12 @@ def test_all_reduce_of_sparse_tensors_that_differ_or_cannot_be_reduced():
                                                 torch.ones(1, dtype=torch.bool), (3,)))
     if SIZE > 1:  # another size on the last rank: an error on every rank, before data moves
         other = sparse_input(RANK, torch.float32, (14,) if RANK == SIZE - 1 else (13,), 1)
-        with pytest.raises(RuntimeError, match="the ranks' sparse tensors differ"):
+        with pytest.raises(RuntimeError, match="the ranks' sparse all_reduce calls differ"):
             dist.all_reduce(other)
+        # SUM on the last rank, AVG elsewhere: likewise (not a sum on one rank, a mean on others).
+        with pytest.raises(RuntimeError, match=r"AVG.*SUM|SUM.*AVG"):
+            dist.all_reduce(sparse_input(RANK, torch.float32, (13,), 1),
+                            op=R.SUM if RANK == SIZE - 1 else R.AVG)
         # Sparse on rank 0, dense elsewhere: the call check says so on every rank.
         mixed = t if RANK == 0 else torch.ones(13)
         with pytest.raises(RuntimeError, match="differ"):
