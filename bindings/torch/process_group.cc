@@ -158,7 +158,7 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
   const at::Tensor in = t.coalesce();
   const at::Tensor indices = in._indices().contiguous();  // [sparse_dim, nnz] int64
   const at::Tensor values = in._values().contiguous();    // [nnz, dense sizes...]
-  const auto note = annotation_of(values);
+  const auto note = sparse_annotation_of(values);
   const int n = comm.size();
   // What each rank has: dimensions, nnz, the op, then the sizes (ranks whose dimension counts
   // differ differ in this call's size: a MismatchError on every rank).

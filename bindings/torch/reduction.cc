@@ -120,7 +120,16 @@ collectives::CallAnnotation annotation_of(const at::Tensor& t, int root) {
   return collectives::CallAnnotation(static_cast<int>(t.scalar_type()), root);
 }
 
+namespace {
+constexpr int kSparseElement = 1 << 8;  // above every at::ScalarType
+}  // namespace
+
+collectives::CallAnnotation sparse_annotation_of(const at::Tensor& values) {
+  return collectives::CallAnnotation(static_cast<int>(values.scalar_type()) | kSparseElement);
+}
+
 std::string torch_dtype_name(int element) {
+  if (element & kSparseElement) return "sparse " + torch_dtype_name(element & ~kSparseElement);
   const auto type = static_cast<at::ScalarType>(element);
   switch (type) {
     case at::kFloat:

@@ -41,6 +41,10 @@ void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
 // the dtype as another). Made on the thread that makes the calls, inside the call's body.
 collectives::CallAnnotation annotation_of(const at::Tensor& t, int root = -1);
 
+// The annotation of a sparse all_reduce's steps, whose values are `values`: their dtype marked
+// sparse ("sparse torch.float32"), so that no dense call of the same bytes passes for a step.
+collectives::CallAnnotation sparse_annotation_of(const at::Tensor& values);
+
 // "torch.float32" for an annotation's element type; registered as the reports' namer.
 std::string torch_dtype_name(int element);
 

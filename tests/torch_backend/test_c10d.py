@@ -112,10 +112,16 @@ def test_all_reduce_of_sparse_tensors_that_differ_or_cannot_be_reduced():
         with pytest.raises(RuntimeError, match=r"AVG.*SUM|SUM.*AVG"):
             dist.all_reduce(sparse_input(RANK, torch.float32, (13,), 1),
                             op=R.SUM if RANK == SIZE - 1 else R.AVG)
-        # Sparse on rank 0, dense elsewhere: the call check says so on every rank.
+        # Sparse on rank 0, dense elsewhere: the call check says so on every rank; also where
+        # the others' all_gather moves as many bytes as the sparse call's first step.
         mixed = t if RANK == 0 else torch.ones(13)
         with pytest.raises(RuntimeError, match="differ"):
             dist.all_reduce(mixed)
+        with pytest.raises(RuntimeError, match="element type differ"):
+            if RANK == 0:  # its first step gathers 5 int64 per rank
+                dist.all_reduce(t)
+            else:
+                dist.all_gather([torch.empty(10) for _ in range(SIZE)], torch.ones(10))
     dist.all_reduce(t)  # the group is still usable
     total = sum(sparse_input(r, torch.float32, (13,), 1).to_dense() for r in range(SIZE))
     assert torch.equal(t.to_dense(), total)
