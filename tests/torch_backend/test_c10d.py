@@ -475,14 +475,14 @@ def same_on_every_rank(tensor):
 
 
 def train(process_group, steps=6, hook=None, find_unused=False, accumulate=1, uneven=False,
-          powersgd=False):
+          powersgd=False, zero=False, **ddp_options):
     model = Net()
     # PowerSGD in one bucket: with several, its callbacks issue their all-reduces when earlier
     # ones complete, in an order that differs between ranks on every backend but NCCL (whose
     # callbacks run at the call); torch's gloo hangs there.
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, process_group=process_group, bucket_cap_mb=25 if powersgd else 0.01,
-        find_unused_parameters=find_unused)
+        find_unused_parameters=find_unused, **ddp_options)
     if hook is not None:
         ddp.register_comm_hook(process_group, hook)
     if powersgd:  # its callbacks issue all-reduces and wait for them
@@ -490,7 +490,12 @@ def train(process_group, steps=6, hook=None, find_unused=False, accumulate=1, un
                                             matrix_approximation_rank=1, start_powerSGD_iter=2,
                                             min_compression_rate=0.5)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if zero:  # ZeRO: each rank steps its shard of the parameters, then broadcasts it
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD,
+                                      process_group=process_group, lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step(i, sync=True):
@@ -548,13 +553,15 @@ def test_ddp_with_sparse_gradients_matches_gloo():
 
 
 @pytest.mark.parametrize("case", ["plain", "allreduce_hook", "fp16_hook", "powersgd", "unused",
-                                  "no_sync", "join"])
+                                  "no_sync", "join", "static_graph", "bucket_view", "zero"])
+@pytest.mark.filterwarnings("ignore:.*torch.jit.*:DeprecationWarning")  # (ZeRO, torch 2.x)
 def test_ddp_matches_gloo(case):
     kwargs = {"plain": {}, "allreduce_hook": {"hook": default_hooks.allreduce_hook},
               "fp16_hook": {"hook": default_hooks.fp16_compress_hook},
               "powersgd": {"powersgd": True},
               "unused": {"find_unused": True}, "no_sync": {"accumulate": 3},
-              "join": {"uneven": True}}[case]
+              "join": {"uneven": True}, "static_graph": {"static_graph": True},
+              "bucket_view": {"gradient_as_bucket_view": True}, "zero": {"zero": True}}[case]
     ours = flat(train(None, **kwargs))
     theirs = flat(train(GLOO, **kwargs))
     assert same_on_every_rank(ours), "replicas differ across ranks"
