@@ -307,8 +307,8 @@ def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_r
 
 
 def test_a_step_that_fails_on_one_rank_keeps_the_ranks_in_step():
-    # Rank 0 alone has a gradient it cannot reduce (sparse, without sparse_as_dense) for a
-    # parameter backward did not reach: its step() raises, once the step's all-reduce is
+    # Rank 0 alone fails to hand the reducer a gradient for a parameter backward did not reach
+    # (made to refuse it here): its step() raises, once the step's all-reduce is
     # complete with zeros standing in, and every rank goes on together.
     model = Net()
     unused = torch.nn.Parameter(torch.zeros(4))
@@ -316,9 +316,16 @@ def test_a_step_that_fails_on_one_rank_keeps_the_ranks_in_step():
     x, y = data(0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     if RANK == 0:
-        unused.grad = torch.ones(4).to_sparse()
-        with pytest.raises(hvd.InvalidArgument, match="sparse"):
+        real_mark = opt._gradcomm_mark
+
+        def refusing(index):
+            if opt._gradcomm_params[index] is unused:
+                raise hvd.InvalidArgument("unused: refused on this rank")
+            real_mark(index)
+        opt._gradcomm_mark = refusing
+        with pytest.raises(hvd.InvalidArgument, match="refused on this rank"):
             opt.step()
+        del opt._gradcomm_mark
     else:
         opt.step()
 
@@ -381,7 +388,7 @@ grouped_allreduce_ grouped_allreduce_async grouped_allreduce_async_ broadcast br
 broadcast_async broadcast_async_ allgather allgather_async synchronize poll barrier join
 broadcast_object allgather_object broadcast_parameters broadcast_optimizer_state
 DistributedOptimizer ProcessSet global_process_set add_process_set remove_process_set alltoall
-reducescatter SyncBatchNorm elastic""".split()
+reducescatter SyncBatchNorm elastic sparse_allreduce_async""".split()
 
 
 def test_import_line_is_the_only_change():
@@ -550,3 +557,81 @@ def test_gpu_scaling_matches_the_negotiators_arithmetic(dtype):
         total = hvd.allreduce(mine, op=hvd.Sum)
         scale_on_device(total, post / hvd.size() if op == hvd.Average else post)
         assert torch.equal(total, want), (dtype, op, pre, post, (total != want).nonzero()[:4])
+
+
+def sparse_of(rank, shape=(30, 4)):
+    """Rank `rank`'s sparse COO tensor: rank 1's empty, the others with repeated rows."""
+    g = torch.Generator().manual_seed(5 + rank)
+    nnz = 0 if rank == 1 else 2 + 3 * rank
+    return torch.sparse_coo_tensor(torch.randint(0, shape[0], (1, nnz), generator=g),
+                                   torch.randn(nnz, *shape[1:], generator=g), shape)
+
+
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+def test_sparse_allreduce_async(op):
+    handle = hvd.sparse_allreduce_async(sparse_of(RANK), name="sparse.x", op=op)
+    got = handle()
+    want = sum(sparse_of(r).to_dense() for r in range(SIZE))
+    want = want / SIZE if op == hvd.Average else want
+    assert got.is_sparse and got._nnz() == sum(sparse_of(r)._nnz() for r in range(SIZE))
+    assert torch.allclose(got.to_dense(), want, atol=1e-6)
+    # Sizes that differ: an error on every rank, and the ranks go on together.
+    if SIZE > 1:
+        other = sparse_of(RANK, (31, 4) if RANK == SIZE - 1 else (30, 4))
+        handle = hvd.sparse_allreduce_async(other, name="sparse.y", op=op)
+        with pytest.raises(hvd.InvalidArgument, match="differ in size"):
+            handle()
+    with pytest.raises(hvd.InvalidArgument, match="sparse COO"):
+        hvd.sparse_allreduce_async(torch.ones(3), name="sparse.z", op=op)
+    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
+
+
+class Embedder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.table = torch.nn.Embedding(40, 6, sparse=True)
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.table(x).mean(1))
+
+
+def embedder_batch(step, rank):
+    g = torch.Generator().manual_seed(31 * step + rank)
+    return torch.randint(0, 40, (5, 3), generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
+    # As Horovod: the embedding's gradient is averaged and handed to the optimizer sparse, so
+    # SparseAdam (which takes sparse gradients only) steps it. The reference: every rank's
+    # batches through one model here, the mean of their losses.
+    model, ref = Embedder(), Embedder()
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(model.table.parameters())),
+                                   named_parameters=model.table.named_parameters(),
+                                   sparse_as_dense=sparse_as_dense)
+    dense_opt = hvd.DistributedOptimizer(torch.optim.SGD(model.out.parameters(), lr=0.1),
+                                         named_parameters=model.out.named_parameters())
+    ref_sparse = torch.optim.SparseAdam(list(ref.table.parameters()))
+    ref_dense = torch.optim.SGD(ref.out.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        dense_opt.zero_grad()
+        x, y = embedder_batch(step, RANK)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        assert model.table.weight.grad.is_sparse
+        with opt.skip_synchronize():
+            opt.step()
+        dense_opt.step()
+        ref_sparse.zero_grad()
+        ref_dense.zero_grad()
+        loss = sum(torch.nn.functional.cross_entropy(ref(*embedder_batch(step, r)[:1]),
+                                                     embedder_batch(step, r)[1])
+                   for r in range(SIZE)) / SIZE
+        loss.backward()
+        ref_sparse.step()
+        ref_dense.step()
+    assert same_on_every_rank(flat(model))
+    assert torch.allclose(flat(model), flat(ref), atol=1e-5), (flat(model) - flat(ref)).abs().max()

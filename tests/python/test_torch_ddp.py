@@ -344,3 +344,40 @@ def test_fp16_hook_divides_before_the_sum_as_torch(gloo):
         results.append(model.module.weight.grad.clone())
     assert torch.equal(results[0], torch.full((1, 8), 40000.0))
     assert torch.equal(results[0], results[1])
+
+
+class Embedder(torch.nn.Module):
+    """A sparse embedding (sparse gradients) under a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.table = torch.nn.Embedding(40, 6, sparse=True)
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.table(x).mean(1))
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_sparse_gradients_match_torch_ddp(gloo, bucket_view):
+    # torch's DDP (gloo) all-reduces the embedding's gradient as a sparse tensor; gradcomm's
+    # reduces it densely in its bucket: both hand SparseAdam a sparse gradient of the same mean.
+    ours = gt.DistributedDataParallel(Embedder(), gradient_as_bucket_view=bucket_view)
+    ref = torch.nn.parallel.DistributedDataParallel(Embedder())
+    opts = [(ours, torch.optim.SparseAdam(list(ours.module.table.parameters())),
+             torch.optim.SGD(ours.module.out.parameters(), lr=0.1)),
+            (ref, torch.optim.SparseAdam(list(ref.module.table.parameters())),
+             torch.optim.SGD(ref.module.out.parameters(), lr=0.1))]
+    for step in range(4):
+        g = torch.Generator().manual_seed(31 * step + RANK)
+        x, y = torch.randint(0, 40, (5, 3), generator=g), torch.randint(0, 3, (5,), generator=g)
+        for model, sparse_opt, dense_opt in opts:
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            assert model.module.table.weight.grad.is_sparse
+            sparse_opt.step()
+            dense_opt.step()
+    assert relative(flat(ours), flat(ref)) <= TOLERANCE
+    assert same_on_every_rank(flat(ours))

@@ -171,6 +171,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._unused = []           # parameters the last forward did not reach
         self._used_unsynced = set()  # parameters given gradients inside no_sync since last sync
         self._fired = set()          # parameters whose hook ran in this backward
+        self._sparse = {}            # index -> sparse_dim: gradients to make sparse again
         self._scratch = {}
         self._join = None            # inside join(): its _Join
         self._last_used = None       # this rank's used flags in its last backward (join)
@@ -317,9 +318,15 @@ class DistributedDataParallel(torch.nn.Module):
             grad = p.grad
             if grad is None:  # a Function returned None for it: it counts as zeros
                 return        # (marked with a stand-in at the end of backward)
-            if grad.layout != torch.strided:
+            if grad.layout == torch.sparse_coo:
+                # A sparse embedding's gradient: reduced densely in its bucket slot (which the
+                # reducer all-reduces every step anyway), made sparse again at the end of
+                # backward, as torch's DDP hands optimizers a sparse one (SparseAdam needs it).
+                self._sparse[i] = grad.sparse_dim()
+                grad = p.grad = grad.to_dense()
+            elif grad.layout != torch.strided:
                 raise RuntimeError(f"{_CALL}: parameter {self._names[i]} has a {grad.layout} "
-                                   "gradient; gradcomm reduces dense gradients only")
+                                   "gradient; gradcomm reduces dense and sparse COO gradients")
             if not grad.is_contiguous():
                 grad = p.grad = grad.contiguous()
             if self.gradient_as_bucket_view:
@@ -402,7 +409,11 @@ class DistributedDataParallel(torch.nn.Module):
                         for i, p in enumerate(self._params):
                             if p.grad is not None and (used is None or used[i]):
                                 p.grad.mul_(self._grad_scale)
+                    for i, sparse_dim in self._sparse.items():
+                        p = self._params[i]
+                        p.grad = p.grad.to_sparse(sparse_dim)
         finally:
+            self._sparse = {}
             hook_error, self._hook_error = self._hook_error, None
             self._in_backward = False
             self._sync_pending = False

@@ -63,7 +63,7 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "allgather", "allgather_async",
     "synchronize", "poll", "barrier", "join", "broadcast_object", "allgather_object",
-    "alltoall", "alltoall_async",
+    "alltoall", "alltoall_async", "sparse_allreduce_async",
     "broadcast_parameters", "broadcast_optimizer_state",
     # training
     "DistributedOptimizer", "DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
@@ -1062,7 +1062,43 @@ def _refused(name, why):
 
 reducescatter = _refused("reducescatter", "not implemented by gradcomm")
 reducescatter_async = _refused("reducescatter_async", "not implemented by gradcomm")
-sparse_allreduce_async = _refused("sparse_allreduce_async", "gradcomm reduces dense tensors")
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, *, comm=None):
+    """Horovod's: starts the reduction of a sparse COO tensor as allgathers of every rank's
+    indices and values (and sizes, which must agree); returns a function that waits for them
+    and gives the sparse sum of every rank's entries (uncoalesced; Average divides the values
+    by the rank count), as Horovod's does."""
+    call = "sparse_allreduce_async"
+    _check_process_set(process_set, call)
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise InvalidArgument(f"{call}: takes a sparse COO tensor, got "
+                              f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+    opname = _resolve_op(op, None, call)
+    if opname not in ("average", "sum"):
+        raise InvalidArgument(f"{call}: op must be Average or Sum")
+    c = _comm(comm)
+    names = [f"{name}.{part}" if name else None for part in ("sizes", "indices", "values")]
+    sizes = allgather_async(torch.tensor([list(tensor.shape)], dtype=torch.int64),
+                            name=names[0], comm=c)
+    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), name=names[1],
+                              comm=c)
+    values = allgather_async(tensor._values().contiguous(), name=names[2], comm=c)
+    shape, n = tensor.shape, c.size()
+
+    def handle():
+        every = synchronize(sizes)
+        gathered_indices, gathered_values = synchronize(indices), synchronize(values)
+        if not bool((every == every[0]).all()):
+            raise InvalidArgument(f"{call}: the ranks' tensors differ in size: "
+                                  f"{[list(map(int, r)) for r in every]} (rank order)")
+        if opname == "average":
+            gathered_values = gathered_values / n
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, shape)
+
+    return handle
+
+
 SyncBatchNorm = _refused("SyncBatchNorm", "not implemented by gradcomm")
 
 
@@ -1243,6 +1279,7 @@ class _DistributedOptimizerMixin:
         self._gradcomm_announced = False  # this step's join round made
         self._gradcomm_holding = False    # a rank has joined: buckets wait for step()
         self._gradcomm_held = {}          # index -> gradient, while holding
+        self._gradcomm_sparse = {}        # index -> sparse_dim: gradients to make sparse again
         self._gradcomm_hooks = []
         self._gradcomm_accumulators = []
         for i, p in enumerate(params):
@@ -1298,9 +1335,15 @@ class _DistributedOptimizerMixin:
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif p.grad.layout != torch.strided:
-            if not self._gradcomm_sparse_as_dense:
+            # A sparse gradient (a sparse embedding's) is reduced densely in its bucket slot,
+            # which the reducer all-reduces every step anyway, and made sparse again after
+            # (synchronize), as Horovod's sparse_as_dense does: optimizers that take sparse
+            # gradients only (SparseAdam) keep working, with either sparse_as_dense.
+            if p.grad.layout != torch.sparse_coo:
                 raise InvalidArgument(f"{self._gradcomm_call}: {self._gradcomm_names[i]} has a "
-                                      f"{p.grad.layout} gradient; pass sparse_as_dense=True")
+                                      f"{p.grad.layout} gradient: dense and sparse COO "
+                                      "gradients are reduced")
+            self._gradcomm_sparse[i] = p.grad.sparse_dim()
             p.grad = p.grad.to_dense()
         elif not p.grad.is_contiguous():
             p.grad = p.grad.contiguous()
@@ -1339,6 +1382,10 @@ class _DistributedOptimizerMixin:
         if self._gradcomm_prediv != 1.0:
             for p in self._gradcomm_params:
                 _scale_(p.grad.detach(), self._gradcomm_prediv)
+        for i, sparse_dim in self._gradcomm_sparse.items():  # sparse again, as they came
+            p = self._gradcomm_params[i]
+            p.grad = p.grad.to_sparse(sparse_dim)
+        self._gradcomm_sparse = {}
         self._gradcomm_synchronized = True
 
     def _gradcomm_stand_in(self):
