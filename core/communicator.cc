@@ -169,10 +169,19 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
   int world_rank = 0;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "Communicator: MPI_Comm_rank");
   timeline::start_from_environment(world_rank);
-  if (config_.watchdog && config_.timeout_seconds > 0) start_watchdog();
+  if (config_.watchdog) {
+    // Ranks may differ in their timeout (GRADCOMM_TIMEOUT, or a front end's own such as
+    // torch's): the endpoint exchange is collective, so every rank takes part when any rank
+    // wants a watchdog. One that wants none offers no endpoint and keeps no recorder.
+    const int wanted = config_.timeout_seconds > 0 ? 1 : 0;
+    int any = 0;
+    check_mpi(MPI_Allreduce(&wanted, &any, 1, MPI_INT, MPI_MAX, comm_),
+              "Communicator: MPI_Allreduce of the watchdog's use", rank_);
+    if (any) start_watchdog(wanted != 0);
+  }
 }
 
-void Communicator::start_watchdog() {
+void Communicator::start_watchdog(bool wanted) {
   // Every rank's endpoint, and rank 0's name for this communicator, so that rank 0 can ask every
   // rank for its recorder even when that rank is busy outside gradcomm.
   struct Entry {
@@ -181,13 +190,14 @@ void Communicator::start_watchdog() {
   };
   static std::atomic<std::uint64_t> created{0};  // communicators may be built on two threads
   Entry mine{
-      watchdog::local_endpoint(),
+      wanted ? watchdog::local_endpoint() : watchdog::Endpoint{},
       (static_cast<std::uint64_t>(::getpid()) << 32) ^ (++created << 20) ^
           static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count())};
   std::vector<Entry> all(static_cast<std::size_t>(size_));
   check_mpi(
       MPI_Allgather(&mine, sizeof(Entry), MPI_BYTE, all.data(), sizeof(Entry), MPI_BYTE, comm_),
       "Communicator: MPI_Allgather of the watchdog endpoints", rank_);
+  if (!wanted) return;
   std::vector<watchdog::Endpoint> peers;
   for (const Entry& e : all)
     peers.push_back(e.endpoint);

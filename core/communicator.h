@@ -138,7 +138,7 @@ class Communicator {
   }
 
   // The flight recorder the stall watchdog reads (null for gradcomm's own sub-communicators and
-  // when GRADCOMM_TIMEOUT is 0).
+  // when this rank's timeout is 0).
   watchdog::Recorder* recorder() const { return recorder_.get(); }
 
   bool log_enabled(LogLevel level) const { return level <= config_.log_level; }
@@ -146,7 +146,8 @@ class Communicator {
   void log(LogLevel level, std::string_view message) const;
 
  private:
-  void start_watchdog();
+  // The endpoint exchange (collective); `wanted`: this rank keeps a recorder (its timeout > 0).
+  void start_watchdog(bool wanted);
   // A small number per attachment type, the same for every communicator of the process.
   static std::size_t next_attachment_slot();
   template <class T>

@@ -240,8 +240,8 @@ class Service {
         double seconds = 0;
         const auto notice = notices_.find(recorder->id());
         if (recorder->rank() == 0 && notice != notices_.end()) {
-          coordinate(*recorder,
-                     "rank " + notice->second + " timed out (" + recorder->timeout_text() + ")");
+          // (Its timeout may differ from this rank's: its own message names it.)
+          coordinate(*recorder, "rank " + notice->second + " timed out");
         }
         if (!recorder->overdue(&call, &seconds)) continue;
         const std::string what = call + " has not completed on rank " +

@@ -909,8 +909,8 @@ void Negotiator::run_device_allreduces(const std::vector<Entry*>& group) {
     const auto start = std::chrono::steady_clock::now();
     for (int polls = 0; !runtime->stream_done(d.stream); ++polls) {
       if (timeout > 0 && std::chrono::steady_clock::now() - start > std::chrono::seconds(timeout)) {
-        abort_gpu_group(rank_, "its work did not finish on the GPU within GRADCOMM_TIMEOUT=" +
-                                   std::to_string(timeout) + " s (a peer may have stopped)");
+        abort_gpu_group(rank_, "its work did not finish on the GPU within " +
+                                   data_->config().timeout_text() + " (a peer may have stopped)");
       }
       if (polls < 1000) {
         std::this_thread::yield();

@@ -211,8 +211,14 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
         blocks.narrow(0, at * in.sparse_dim(), nnz * in.sparse_dim()).view({in.sparse_dim(), nnz}));
     at += nnz;
   }
+  // Narrow integers are summed as int64 and converted back, as the dense path reduces them: a
+  // sum wraps as in the narrow type, an average of values whose sum overflows it does not.
+  const bool widen =
+      !c10::isFloatingType(values.scalar_type()) && values.scalar_type() != at::kLong;
   at::Tensor sum =
-      at::sparse_coo_tensor(at::cat(columns, 1), gathered_values, in.sizes()).coalesce();
+      at::sparse_coo_tensor(at::cat(columns, 1),
+                            widen ? gathered_values.to(at::kLong) : gathered_values, in.sizes())
+          .coalesce();
   if (average) {
     at::Tensor v = sum._values();
     if (c10::isFloatingType(v.scalar_type())) {
@@ -221,7 +227,7 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
       v.div_(n, "trunc");  // as the dense integer AVG
     }
   }
-  t.copy_(sum);
+  t.copy_(widen ? sum.to(values.scalar_type()) : sum);
 }
 
 // Whether the caller may go on before the call completes (torch 2.2+ says so in the options).
@@ -286,7 +292,7 @@ void sweep_abandoned() {
 
 // Completes its future once MPI says the transfer is done (send, recv). Not on the engine:
 // point-to-point calls must not queue behind each other (a pair of ranks that each send, then
-// receive, would wait for each other forever). A wait ends within the group's GRADCOMM_TIMEOUT
+// receive, would wait for each other forever). A wait ends within the group's timeout
 // (or the wait's own timeout) with an error naming the peer, the tag and the tensor; a receive
 // whose sender sent another size or dtype fails, never completes with the bytes that came.
 class PointToPointWork : public c10d::Work {
@@ -525,10 +531,10 @@ struct GpuDone {
 
 // Watches a group's CUDA calls from their enqueue until the GPU has run them, on a thread of its
 // own, so that the engine goes on to the group's next call at once (torch's NCCL backend enqueues
-// without waiting either). Past GRADCOMM_TIMEOUT it aborts the job naming the call, as gradcomm's
-// watchdog aborts a stalled call and torch's NCCL watchdog a stalled kernel: the call's work may
-// have completed for its caller long before, so there is nobody to throw to. It polls every
-// millisecond while calls are in flight (timeouts count in seconds, and a poll takes the CUDA
+// without waiting either). Past the group's timeout it aborts the job naming the call, as
+// gradcomm's watchdog aborts a stalled call and torch's NCCL watchdog a stalled kernel: the call's
+// work may have completed for its caller long before, so there is nobody to throw to. It polls
+// every millisecond while calls are in flight (timeouts count in seconds, and a poll takes the CUDA
 // driver's lock that the application's launches want too), and is never woken for a new call.
 class GpuWatch {
  public:
@@ -651,7 +657,7 @@ class DeviceCall {
   // On the engine (or the caller's thread for a call torch waits for at once): `body` and then
   // `then` (which completes the work and gives its event) with the group's stream current. The
   // group's GpuWatch then watches the call until the GPU has run it, so that a peer that stops
-  // inside NCCL, or a hung GPU, ends the job within GRADCOMM_TIMEOUT instead of leaving the
+  // inside NCCL, or a hung GPU, ends the job within the group's timeout instead of leaving the
   // caller's stream waiting forever; neither the caller nor the engine waits for the GPU.
   void run(const std::function<void()>& body, const std::function<GpuDone()>& then) {
     c10::DeviceGuard device_guard(device_);
@@ -687,8 +693,8 @@ class DeviceCall {
 
  private:
   // Polls (never an unbounded synchronize) until the group's stream has passed what is enqueued
-  // on it now (the copies to the host, before the body reads them). Past GRADCOMM_TIMEOUT the job
-  // is aborted, as GpuWatch aborts.
+  // on it now (the copies to the host, before the body reads them). Past the group's timeout the
+  // job is aborted, as GpuWatch aborts.
   void wait_for_stream(const char* what) {
     c10::Event done(device_.type());
     done.record(stream_);

@@ -127,7 +127,7 @@ class GradcommWork : public c10d::Work {
   std::function<void()> gpu_done_callback();
 #if GRADCOMM_TORCH_FUTURE_RESULT
   // work.get_future_result(): completes with c10d::WorkResult SUCCESS once the call has finished
-  // (a CUDA call: once the GPU has run it), TIMEOUT when it failed past GRADCOMM_TIMEOUT and
+  // (a CUDA call: once the GPU has run it), TIMEOUT when it failed past the group's timeout and
   // COMM_ERROR when it failed otherwise, as on torch's NCCL backend.
   c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
 #endif

@@ -196,6 +196,17 @@ TEST(ConsistencyModes, OffComparesNothingAndStillWorks) {
   expect_exact(comm, {}, 7);
 }
 
+// Ranks whose timeouts differ (GRADCOMM_TIMEOUT=0 on one, a front end's own on the others):
+// the communicator is made (the watchdog's endpoint exchange is collective whatever a rank's
+// timeout), a rank without one keeps no recorder, and calls run.
+TEST(ConsistencyModes, RanksWithAndWithoutATimeoutMakeOneCommunicator) {
+  Config c;
+  c.timeout_seconds = world().rank() == 0 ? 0 : 60;
+  Communicator comm(MPI_COMM_WORLD, c);
+  EXPECT_EQ(comm.recorder() == nullptr, world().rank() == 0);
+  expect_exact(comm, {}, 1003);
+}
+
 TEST(ConsistencyModes, GroupedTensorListsAreComparedInEveryMode) {
   if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
   for (CheckMode mode : {CheckMode::off, CheckMode::normal, CheckMode::full}) {

@@ -381,3 +381,19 @@ def test_sparse_gradients_match_torch_ddp(gloo, bucket_view):
             dense_opt.step()
     assert relative(flat(ours), flat(ref)) <= TOLERANCE
     assert same_on_every_rank(flat(ours))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank whose forward reaches the table")
+def test_sparse_gradients_stay_sparse_on_a_rank_that_did_not_reach_them():
+    # Rank 0's forward skips the embedding: its gradient there is the others' mean (zeros stood
+    # in for rank 0's), sparse on every rank, as the module says it is.
+    class Skipping(Embedder):
+        def forward(self, x, skip=False):
+            return self.out(torch.zeros(x.shape[0], 6) if skip else self.table(x).mean(1))
+
+    model = gt.DistributedDataParallel(Skipping(), find_unused_parameters=True)
+    x = torch.randint(0, 40, (5, 3), generator=torch.Generator().manual_seed(RANK))
+    model(x, skip=RANK == 0).sum().backward()
+    grad = model.module.table.weight.grad
+    assert grad is not None and grad.is_sparse
+    assert same_on_every_rank(grad.to_dense())

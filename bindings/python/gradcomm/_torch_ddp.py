@@ -148,6 +148,14 @@ class DistributedDataParallel(torch.nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._buffers_list = [b for b in module.buffers()]
+        # The parameters whose gradients are sparse (index -> sparse dimensions), as torch's DDP
+        # finds them: those of sparse embeddings. The same on every rank (the same module), so
+        # every rank hands them back sparse, whichever rank's backward reached them. One that
+        # backward makes sparse otherwise joins them on that rank.
+        sparse_modules = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+        expect_sparse = {id(m.weight) for m in module.modules()
+                         if isinstance(m, sparse_modules) and m.sparse}
+        self._sparse = {i: 1 for i, p in enumerate(self._params) if id(p) in expect_sparse}
         layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
                           for n, p in module.named_parameters())
         layout += "|" + ";".join(f"{tuple(b.shape)}:{b.dtype}" for b in self._buffers_list)
@@ -171,7 +179,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._unused = []           # parameters the last forward did not reach
         self._used_unsynced = set()  # parameters given gradients inside no_sync since last sync
         self._fired = set()          # parameters whose hook ran in this backward
-        self._sparse = {}            # index -> sparse_dim: gradients to make sparse again
         self._scratch = {}
         self._join = None            # inside join(): its _Join
         self._last_used = None       # this rank's used flags in its last backward (join)
@@ -288,7 +295,7 @@ class DistributedDataParallel(torch.nn.Module):
         if s is None:
             s = self._scratch[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
         if p.grad is not None and i in self._used_unsynced:
-            s.copy_(p.grad)
+            s.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         else:
             s.zero_()
         return s
@@ -322,7 +329,7 @@ class DistributedDataParallel(torch.nn.Module):
                 # A sparse embedding's gradient: reduced densely in its bucket slot (which the
                 # reducer all-reduces every step anyway), made sparse again at the end of
                 # backward, as torch's DDP hands optimizers a sparse one (SparseAdam needs it).
-                self._sparse[i] = grad.sparse_dim()
+                self._sparse.setdefault(i, grad.sparse_dim())
                 grad = p.grad = grad.to_dense()
             elif grad.layout != torch.strided:
                 raise RuntimeError(f"{_CALL}: parameter {self._names[i]} has a {grad.layout} "
@@ -401,19 +408,21 @@ class DistributedDataParallel(torch.nn.Module):
                         if used is None and i in missing:
                             continue  # an error below; the gradient stays as it was
                         p, s = self._params[i], self._scratch[i]
-                        if p.grad is None:
-                            p.grad = s.clone()
+                        if p.grad is None or p.grad.is_sparse:
+                            p.grad = s.clone()  # (made sparse again below, if it was)
                         else:
                             p.grad.copy_(s)
                     if self._grad_scale != 1.0:  # join: the mean over the ranks still training
                         for i, p in enumerate(self._params):
                             if p.grad is not None and (used is None or used[i]):
                                 p.grad.mul_(self._grad_scale)
-                    for i, sparse_dim in self._sparse.items():
-                        p = self._params[i]
-                        p.grad = p.grad.to_sparse(sparse_dim)
         finally:
-            self._sparse = {}
+            # Sparse gradients are handed back sparse, on every path (the rows whose reduced
+            # gradient is zero are left out, as Horovod's sparse_as_dense leaves them).
+            for i, sparse_dim in self._sparse.items():
+                p = self._params[i]
+                if p.grad is not None and not p.grad.is_sparse:
+                    p.grad = p.grad.to_sparse(sparse_dim)
             hook_error, self._hook_error = self._hook_error, None
             self._in_backward = False
             self._sync_pending = False

@@ -1078,17 +1078,25 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, *, 
     if opname not in ("average", "sum"):
         raise InvalidArgument(f"{call}: op must be Average or Sum")
     c = _comm(comm)
-    names = [f"{name}.{part}" if name else None for part in ("sizes", "indices", "values")]
-    sizes = allgather_async(torch.tensor([list(tensor.shape)], dtype=torch.int64),
-                            name=names[0], comm=c)
+    names = [f"{name}.{part}" if name else None for part in ("values", "indices", "sizes")]
+    # The values first: they alone can be refused (their dtype), before anything is submitted.
+    values = allgather_async(tensor._values().contiguous(), name=names[0], comm=c)
     indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), name=names[1],
                               comm=c)
-    values = allgather_async(tensor._values().contiguous(), name=names[2], comm=c)
+    sizes = allgather_async(torch.tensor([list(tensor.shape)], dtype=torch.int64),
+                            name=names[2], comm=c)
     shape, n = tensor.shape, c.size()
 
     def handle():
-        every = synchronize(sizes)
-        gathered_indices, gathered_values = synchronize(indices), synchronize(values)
+        results, error = [], None
+        for h in (sizes, indices, values):  # every one, so that none stays in flight
+            try:
+                results.append(synchronize(h))
+            except Exception as e:  # noqa: BLE001 - raised once all are done
+                error = error or e
+        if error is not None:
+            raise error
+        every, gathered_indices, gathered_values = results
         if not bool((every == every[0]).all()):
             raise InvalidArgument(f"{call}: the ranks' tensors differ in size: "
                                   f"{[list(map(int, r)) for r in every]} (rank order)")
@@ -1279,7 +1287,9 @@ class _DistributedOptimizerMixin:
         self._gradcomm_announced = False  # this step's join round made
         self._gradcomm_holding = False    # a rank has joined: buckets wait for step()
         self._gradcomm_held = {}          # index -> gradient, while holding
-        self._gradcomm_sparse = {}        # index -> sparse_dim: gradients to make sparse again
+        # index -> sparse_dim: the parameters whose gradients came sparse on this rank, handed
+        # back sparse from then on (a rank learns it from its first sparse gradient)
+        self._gradcomm_sparse = {}
         self._gradcomm_hooks = []
         self._gradcomm_accumulators = []
         for i, p in enumerate(params):
@@ -1343,7 +1353,7 @@ class _DistributedOptimizerMixin:
                 raise InvalidArgument(f"{self._gradcomm_call}: {self._gradcomm_names[i]} has a "
                                       f"{p.grad.layout} gradient: dense and sparse COO "
                                       "gradients are reduced")
-            self._gradcomm_sparse[i] = p.grad.sparse_dim()
+            self._gradcomm_sparse.setdefault(i, p.grad.sparse_dim())
             p.grad = p.grad.to_dense()
         elif not p.grad.is_contiguous():
             p.grad = p.grad.contiguous()
@@ -1377,15 +1387,18 @@ class _DistributedOptimizerMixin:
             self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
             self._gradcomm_announced = self._gradcomm_holding = False
             self._gradcomm_held = {}
-        if error is not None:
-            raise error
-        if self._gradcomm_prediv != 1.0:
+        if error is None and self._gradcomm_prediv != 1.0:
             for p in self._gradcomm_params:
                 _scale_(p.grad.detach(), self._gradcomm_prediv)
-        for i, sparse_dim in self._gradcomm_sparse.items():  # sparse again, as they came
+        # Sparse again, as they came (also where this rank's backward gave none: zeros stood
+        # in). Rows whose reduced gradient is zero are left out, as Horovod's sparse_as_dense
+        # leaves them.
+        for i, sparse_dim in self._gradcomm_sparse.items():
             p = self._gradcomm_params[i]
-            p.grad = p.grad.to_sparse(sparse_dim)
-        self._gradcomm_sparse = {}
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(sparse_dim)
+        if error is not None:
+            raise error
         self._gradcomm_synchronized = True
 
     def _gradcomm_stand_in(self):
