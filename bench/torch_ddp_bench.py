@@ -32,7 +32,7 @@ Rank 0 prints the median step time and range of each variant, each front end's r
 torch-ddp, and the exposed communication ((step - compute) / step); --json appends one JSON
 object per run to a file.
 --model embedding is an EmbeddingBag (sparse gradients, which DDP reduces as sparse tensors)
-under a small MLP; only torch's DDP takes it (compute,torch-ddp,torch-ddp-gradcomm).
+under a small MLP (gradcomm.torch's front ends reduce its gradient densely: slow, they warn).
 The default model is an MLP 1024-2048-2048-1024-10 (8.4 M parameters, 33.6 MB of gradients),
 batch 32 per rank: with Debian's torch (generic BLAS, one thread) its backward takes about
 200 ms here, and its gradients' all-reduce about 285 ms at 1 Gbit/s.

@@ -17,7 +17,8 @@ from torch.autograd import Variable
 
 from . import InvalidArgument, world
 from ._torch_common import (JoinControl, broadcast_coalesced, grad_accumulator,
-                            gradient_reducer, verify_same_across_ranks)
+                            gradient_reducer, sparse_cost_warning, to_sparse_rows,
+                            verify_same_across_ranks)
 
 __all__ = ["DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
            "bf16_compress_hook"]
@@ -156,6 +157,7 @@ class DistributedDataParallel(torch.nn.Module):
         expect_sparse = {id(m.weight) for m in module.modules()
                          if isinstance(m, sparse_modules) and m.sparse}
         self._sparse = {i: 1 for i, p in enumerate(self._params) if id(p) in expect_sparse}
+        self._sparse_warned = False
         layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
                           for n, p in module.named_parameters())
         layout += "|" + ";".join(f"{tuple(b.shape)}:{b.dtype}" for b in self._buffers_list)
@@ -330,6 +332,9 @@ class DistributedDataParallel(torch.nn.Module):
                 # reducer all-reduces every step anyway), made sparse again at the end of
                 # backward, as torch's DDP hands optimizers a sparse one (SparseAdam needs it).
                 self._sparse.setdefault(i, grad.sparse_dim())
+                if not self._sparse_warned:
+                    self._sparse_warned = True
+                    warnings.warn(sparse_cost_warning(_CALL, self._names[i], p), stacklevel=2)
                 grad = p.grad = grad.to_dense()
             elif grad.layout != torch.strided:
                 raise RuntimeError(f"{_CALL}: parameter {self._names[i]} has a {grad.layout} "
@@ -422,7 +427,7 @@ class DistributedDataParallel(torch.nn.Module):
             for i, sparse_dim in self._sparse.items():
                 p = self._params[i]
                 if p.grad is not None and not p.grad.is_sparse:
-                    p.grad = p.grad.to_sparse(sparse_dim)
+                    p.grad = to_sparse_rows(p.grad, sparse_dim)
             hook_error, self._hook_error = self._hook_error, None
             self._in_backward = False
             self._sync_pending = False

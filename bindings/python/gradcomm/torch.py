@@ -43,7 +43,8 @@ from . import shutdown as _shutdown
 from . import _gradcomm
 from ._torch_common import (DEVICES, DTYPES, JoinControl, check_tensor, close_negotiators,
                             gpu_reduces, grad_accumulator, gradient_reducer, mpi_threads_supported,
-                            negotiator, next_per_communicator, scale_on_device, staged, unstage)
+                            negotiator, next_per_communicator, scale_on_device,
+                            sparse_cost_warning, staged, to_sparse_rows, unstage)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -1353,6 +1354,10 @@ class _DistributedOptimizerMixin:
                 raise InvalidArgument(f"{self._gradcomm_call}: {self._gradcomm_names[i]} has a "
                                       f"{p.grad.layout} gradient: dense and sparse COO "
                                       "gradients are reduced")
+            if not self._gradcomm_sparse and not self._gradcomm_sparse_as_dense:
+                warnings.warn(sparse_cost_warning(self._gradcomm_call, self._gradcomm_names[i], p,
+                                                  "pass sparse_as_dense=True to say so; "),
+                              stacklevel=2)
             self._gradcomm_sparse.setdefault(i, p.grad.sparse_dim())
             p.grad = p.grad.to_dense()
         elif not p.grad.is_contiguous():
@@ -1396,7 +1401,7 @@ class _DistributedOptimizerMixin:
         for i, sparse_dim in self._gradcomm_sparse.items():
             p = self._gradcomm_params[i]
             if p.grad is not None and not p.grad.is_sparse:
-                p.grad = p.grad.to_sparse(sparse_dim)
+                p.grad = to_sparse_rows(p.grad, sparse_dim)
         if error is not None:
             raise error
         self._gradcomm_synchronized = True
