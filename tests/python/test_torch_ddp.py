@@ -359,12 +359,13 @@ class Embedder(torch.nn.Module):
         return self.out(self.table(x).mean(1))
 
 
-@pytest.mark.parametrize("bucket_view", [False, True])
-def test_sparse_gradients_match_torch_ddp(gloo, bucket_view):
-    # torch's DDP (gloo) all-reduces the embedding's gradient as a sparse tensor; gradcomm's
-    # reduces it densely in its bucket: both hand SparseAdam a sparse gradient of the same mean.
+@pytest.mark.parametrize("bucket_view,accumulate", [(False, 1), (True, 1), (False, 3)])
+def test_sparse_gradients_match_torch_ddp(gloo, bucket_view, accumulate):
+    # Both reduce the embedding's gradient as a sparse tensor (gathering every rank's rows) and
+    # hand SparseAdam the mean, sparse; with no_sync, rows accumulated over several backwards.
     ours = gt.DistributedDataParallel(Embedder(), gradient_as_bucket_view=bucket_view)
     ref = torch.nn.parallel.DistributedDataParallel(Embedder())
+    assert all(0 not in b[2] for b in ours._gradcomm_buckets())  # the table has no slot
     opts = [(ours, torch.optim.SparseAdam(list(ours.module.table.parameters())),
              torch.optim.SGD(ours.module.out.parameters(), lr=0.1)),
             (ref, torch.optim.SparseAdam(list(ref.module.table.parameters())),
@@ -375,6 +376,9 @@ def test_sparse_gradients_match_torch_ddp(gloo, bucket_view):
         for model, sparse_opt, dense_opt in opts:
             sparse_opt.zero_grad()
             dense_opt.zero_grad()
+            for k in range(accumulate - 1):
+                with model.no_sync():
+                    torch.nn.functional.cross_entropy(model(x.roll(k + 1, 0)), y).backward()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             assert model.module.table.weight.grad.is_sparse
             sparse_opt.step()
@@ -397,3 +401,33 @@ def test_sparse_gradients_stay_sparse_on_a_rank_that_did_not_reach_them():
     grad = model.module.table.weight.grad
     assert grad is not None and grad.is_sparse
     assert same_on_every_rank(grad.to_dense())
+
+
+def test_sparse_gradients_with_join_and_uneven_inputs():
+    # Rank r trains r + 2 steps; the ranks that have left offer no rows for the others' steps.
+    # The reference: the same steps here, each the mean over the ranks still training
+    # (join(divide_by_initial_world_size=False)).
+    model = gt.DistributedDataParallel(Embedder())
+    ref = Embedder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+
+    def batch(step, rank):
+        g = torch.Generator().manual_seed(17 * step + rank)
+        return torch.randint(0, 40, (4, 3), generator=g), torch.randint(0, 3, (4,), generator=g)
+
+    with model.join(divide_by_initial_world_size=False):
+        for step in range(RANK + 2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(*batch(step, RANK)[:1]),
+                                              batch(step, RANK)[1]).backward()
+            assert model.module.table.weight.grad.is_sparse
+            opt.step()
+    for step in range(SIZE + 1):
+        ranks = [r for r in range(SIZE) if step < r + 2]
+        ref_opt.zero_grad()
+        (sum(torch.nn.functional.cross_entropy(ref(batch(step, r)[0]), batch(step, r)[1])
+             for r in ranks) / len(ranks)).backward()
+        ref_opt.step()
+    assert same_on_every_rank(flat(model))
+    assert relative(flat(model), flat(ref)) <= TOLERANCE

@@ -12,6 +12,7 @@ copied back on that stream, so that work queued after it there sees the result."
 
 import collections
 import hashlib
+import math
 import os
 
 import numpy as np
@@ -211,8 +212,9 @@ def sparse_cost_warning(call, name, param, advice=""):
             f"({megabytes:.3g} MB a step, with a dense copy and a scan for its rows: several "
             "times gloo's step on a 100000 x 64 table, docs/results/torch.md) and handed back "
             "sparse; "
-            f"{advice}torch's own DDP on the gradcomm backend (init_process_group(\"gradcomm\")) "
-            "gathers only the rows a step touches")
+            f"{advice}gradcomm.torch.DistributedDataParallel (for a sparse Embedding or "
+            "EmbeddingBag) and torch's DDP on the gradcomm backend gather only the rows a step "
+            "touches")
 
 
 # ---- negotiators: calls matched by name (packing/negotiator.h), one per communicator -----------
@@ -616,6 +618,116 @@ def grad_accumulator(p):
     gradient)."""
     with torch.enable_grad():
         return p.expand_as(p).grad_fn.next_functions[0][0]
+
+
+def empty_sparse_like(param, sparse_dim):
+    """A sparse COO tensor of param's shape and dtype with no entries (a stand-in)."""
+    return torch.sparse_coo_tensor(
+        torch.empty(sparse_dim, 0, dtype=torch.int64, device=param.device),
+        torch.empty((0,) + tuple(param.shape[sparse_dim:]), dtype=param.dtype,
+                    device=param.device), param.shape)
+
+
+class SparseRowsReducer:
+    """A reducer for parameters some of whose gradients are sparse (sparse embeddings, known
+    before the first backward): the dense ones go to the reducer `make_inner(params, indices)`
+    builds over them alone; each sparse one has no bucket slot and is gathered by rows after
+    the inner finish() (an allgather of every rank's entry count, allgathervs of the indices and
+    the values, all checked calls on `comm`), summed where rows coincide and divided by the rank
+    count, as torch's DDP reduces them on gloo. Indices are the caller's (every parameter);
+    mark a sparse one with its sparse gradient (or empty_sparse_like), and after finish() take
+    its result with result(index)."""
+
+    def __init__(self, make_inner, params, sparse_dims, comm):
+        self.comm = comm
+        self._params = params
+        self._sparse_dims = dict(sparse_dims)  # index -> sparse dimensions
+        self._dense = [i for i in range(len(params)) if i not in self._sparse_dims]
+        self._slot = {g: k for k, g in enumerate(self._dense)}
+        self._inner = make_inner([params[i] for i in self._dense], self._dense) \
+            if self._dense else None
+        self._pending = {}   # sparse index -> its gradient this iteration
+        self._results = {}   # sparse index -> the reduced gradient, until result()
+
+    def mark(self, index, grad):
+        if index in self._slot:
+            self._inner.mark(self._slot[index], grad)
+        else:
+            self._pending[index] = grad
+
+    def is_marked(self, index):
+        if index in self._slot:
+            return self._inner.is_marked(self._slot[index])
+        return index in self._pending
+
+    def view(self, index):
+        return self._inner.view(self._slot[index]) if index in self._slot else None
+
+    def finish(self):
+        pending, self._pending = self._pending, {}
+        if self._inner is not None:
+            self._inner.finish()
+        # Every rank, every sparse parameter, in index order (a rank whose gradient is missing
+        # offers no rows).
+        for i in sorted(self._sparse_dims):
+            grad = pending.get(i)
+            if grad is None:
+                grad = empty_sparse_like(self._params[i], self._sparse_dims[i])
+            self._results[i] = self._gather_rows(i, grad)
+
+    def result(self, index):
+        return self._results.pop(index, None)
+
+    def _gather_rows(self, index, grad):
+        param, sparse_dim = self._params[index], self._sparse_dims[index]
+        if not grad.is_sparse:
+            grad = to_sparse_rows(grad, sparse_dim)
+        grad = grad.coalesce()
+        indices = grad._indices().contiguous().cpu()
+        values = grad._values().contiguous().cpu()
+        n = self.comm.size()
+        counts = torch.zeros(n, dtype=torch.int64)
+        mine = torch.tensor([indices.shape[1]], dtype=torch.int64)
+        self.comm._allgather_bytes_ptr(mine.data_ptr(), counts.data_ptr(), 8)
+        counts = counts.tolist()
+        total = sum(counts)
+        row_bytes = values.element_size() * math.prod(param.shape[sparse_dim:])
+        every_index = torch.empty(sparse_dim * total, dtype=torch.int64)
+        every_value = torch.empty((total,) + tuple(param.shape[sparse_dim:]), dtype=param.dtype)
+        self.comm._allgatherv_bytes_ptr(indices.data_ptr(), every_index.data_ptr(),
+                                        [c * sparse_dim * 8 for c in counts])
+        self.comm._allgatherv_bytes_ptr(values.data_ptr(), every_value.data_ptr(),
+                                        [c * row_bytes for c in counts])
+        blocks, at = [], 0
+        for c in counts:  # each rank's [sparse_dim, count] block
+            blocks.append(every_index[at * sparse_dim:(at + c) * sparse_dim].view(sparse_dim, c))
+            at += c
+        summed = torch.sparse_coo_tensor(torch.cat(blocks, 1), every_value,
+                                         param.shape).coalesce()
+        summed._values().div_(n)
+        return summed.to(param.device)
+
+    # What the front ends ask of a reducer besides, from the inner one (indices mapped back).
+    def iterations(self):
+        return self._inner.iterations() if self._inner is not None else 0
+
+    @property
+    def busy(self):
+        return bool(self._pending) or (self._inner is not None and self._inner.busy)
+
+    @property
+    def negotiated(self):
+        return self._inner.negotiated if self._inner is not None else False
+
+    @property
+    def gpu_device(self):
+        return self._inner.gpu_device if self._inner is not None else -1
+
+    def buckets(self):
+        if self._inner is None:
+            return []
+        return [(dtype, wire, [self._dense[k] for k in indices], count)
+                for dtype, wire, indices, count in self._inner.buckets()]
 
 
 class JoinControl:

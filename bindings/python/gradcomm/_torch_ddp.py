@@ -16,9 +16,9 @@ import torch
 from torch.autograd import Variable
 
 from . import InvalidArgument, world
-from ._torch_common import (JoinControl, broadcast_coalesced, grad_accumulator,
-                            gradient_reducer, sparse_cost_warning, to_sparse_rows,
-                            verify_same_across_ranks)
+from ._torch_common import (JoinControl, SparseRowsReducer, broadcast_coalesced,
+                            empty_sparse_like, grad_accumulator, gradient_reducer,
+                            sparse_cost_warning, to_sparse_rows, verify_same_across_ranks)
 
 __all__ = ["DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
            "bf16_compress_hook"]
@@ -150,13 +150,17 @@ class DistributedDataParallel(torch.nn.Module):
         self._params = [p for _, p in named]
         self._buffers_list = [b for b in module.buffers()]
         # The parameters whose gradients are sparse (index -> sparse dimensions), as torch's DDP
-        # finds them: those of sparse embeddings. The same on every rank (the same module), so
-        # every rank hands them back sparse, whichever rank's backward reached them. One that
-        # backward makes sparse otherwise joins them on that rank.
+        # finds them: those of sparse embeddings. The same on every rank (the same module). They
+        # have no bucket slot: the reducer gathers their rows after the buckets, as torch's DDP
+        # on gloo does (SparseRowsReducer), and every rank gets them back sparse, whichever
+        # rank's backward reached them.
         sparse_modules = (torch.nn.Embedding, torch.nn.EmbeddingBag)
         expect_sparse = {id(m.weight) for m in module.modules()
                          if isinstance(m, sparse_modules) and m.sparse}
-        self._sparse = {i: 1 for i, p in enumerate(self._params) if id(p) in expect_sparse}
+        self._sparse_rows = {i: 1 for i, p in enumerate(self._params) if id(p) in expect_sparse}
+        # Others that backward makes sparse on this rank: reduced densely in their bucket slot,
+        # handed back sparse (and a warning: slow on large tables).
+        self._sparse = {}
         self._sparse_warned = False
         layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
                           for n, p in module.named_parameters())
@@ -269,10 +273,14 @@ class DistributedDataParallel(torch.nn.Module):
     def _make_reducer(self):
         # As torch's fp16 / bf16 hooks: each gradient is divided by the rank count once
         # compressed, then summed.
-        return gradient_reducer(self._params, self._names, _CALL, self._comm, "average",
-                               self._algorithm, self._bucket_cap, self._first_bucket,
-                               self._compression, overlap=self._overlap,
-                               divide_before_sum=True)
+        def make(params, indices):
+            return gradient_reducer(params, [self._names[i] for i in indices], _CALL,
+                                    self._comm, "average", self._algorithm, self._bucket_cap,
+                                    self._first_bucket, self._compression, overlap=self._overlap,
+                                    divide_before_sum=True)
+        if self._sparse_rows:
+            return SparseRowsReducer(make, self._params, self._sparse_rows, self._comm)
+        return make(self._params, list(range(len(self._params))))
 
     def _unreached(self, output):
         """Indices of parameters the autograd graph of `output` does not reach."""
@@ -296,6 +304,10 @@ class DistributedDataParallel(torch.nn.Module):
         s = self._scratch.get(i)
         if s is None:
             s = self._scratch[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        if i in self._sparse_rows:  # no dense memory: its rows, or none
+            if p.grad is not None and i in self._used_unsynced:
+                return p.grad
+            return empty_sparse_like(p, self._sparse_rows[i])
         if p.grad is not None and i in self._used_unsynced:
             s.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         else:
@@ -327,6 +339,9 @@ class DistributedDataParallel(torch.nn.Module):
             grad = p.grad
             if grad is None:  # a Function returned None for it: it counts as zeros
                 return        # (marked with a stand-in at the end of backward)
+            if i in self._sparse_rows:  # gathered by rows at finish(), sparse or not
+                self._reducer.mark(i, grad)
+                return
             if grad.layout == torch.sparse_coo:
                 # A sparse embedding's gradient: reduced densely in its bucket slot (which the
                 # reducer all-reduces every step anyway), made sparse again at the end of
@@ -360,10 +375,13 @@ class DistributedDataParallel(torch.nn.Module):
             return
         zeros = self._scratch.get("join")
         if zeros is None:
-            zeros = self._scratch["join"] = [torch.zeros_like(
-                p, memory_format=torch.contiguous_format) for p in self._params]
+            zeros = self._scratch["join"] = [
+                empty_sparse_like(p, self._sparse_rows[i]) if i in self._sparse_rows else
+                torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for i, p in enumerate(self._params)]
         for i in reversed(range(len(zeros))):  # backward's order, should the buckets be replanned
-            zeros[i].zero_()
+            if i not in self._sparse_rows:  # (no rows to offer)
+                zeros[i].zero_()
             self._reducer.mark(i, zeros[i])
         try:
             if self.find_unused_parameters:
@@ -412,11 +430,18 @@ class DistributedDataParallel(torch.nn.Module):
                             continue
                         if used is None and i in missing:
                             continue  # an error below; the gradient stays as it was
+                        if i in self._sparse_rows:
+                            continue  # (below)
                         p, s = self._params[i], self._scratch[i]
                         if p.grad is None or p.grad.is_sparse:
                             p.grad = s.clone()  # (made sparse again below, if it was)
                         else:
                             p.grad.copy_(s)
+                    for i in self._sparse_rows:  # their gathered rows, where torch writes
+                        reduced = self._reducer.result(i)
+                        if (used is not None and not used[i]) or (used is None and i in missing):
+                            continue
+                        self._params[i].grad = reduced
                     if self._grad_scale != 1.0:  # join: the mean over the ranks still training
                         for i, p in enumerate(self._params):
                             if p.grad is not None and (used is None or used[i]):
