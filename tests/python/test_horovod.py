@@ -604,18 +604,22 @@ def embedder_batch(step, rank):
     return torch.randint(0, 40, (5, 3), generator=g), torch.randint(0, 3, (5,), generator=g)
 
 
-@pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
-    # As Horovod: the embedding's gradient is averaged and handed to the optimizer sparse, so
-    # SparseAdam (which takes sparse gradients only) steps it. The reference: every rank's
-    # batches through one model here, the mean of their losses.
+@pytest.mark.parametrize("sparse_as_dense,op", [(False, hvd.Average), (True, hvd.Average),
+                                                 (False, hvd.Sum)])
+def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense, op):
+    # As Horovod: the embedding's gradient is averaged (or summed) and handed to the optimizer
+    # sparse, so SparseAdam (which takes sparse gradients only) steps it: densely reduced in
+    # the first step, gathered by rows from the second (the ranks agree on it after the
+    # first). The reference: every rank's batches through one model here.
     model, ref = Embedder(), Embedder()
     opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(model.table.parameters())),
                                    named_parameters=model.table.named_parameters(),
-                                   sparse_as_dense=sparse_as_dense)
+                                   sparse_as_dense=sparse_as_dense, op=op)
     dense_opt = hvd.DistributedOptimizer(torch.optim.SGD(model.out.parameters(), lr=0.1),
                                          named_parameters=model.out.named_parameters())
     ref_sparse = torch.optim.SparseAdam(list(ref.table.parameters()))
+    if op == hvd.Sum:  # the table's gradient summed over the ranks, the rest averaged
+        ref.table.weight.register_hook(lambda g: g * SIZE)
     ref_dense = torch.optim.SGD(ref.out.parameters(), lr=0.1)
     for step in range(3):
         opt.zero_grad()
@@ -631,10 +635,12 @@ def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
         ref_dense.zero_grad()
         loss = sum(torch.nn.functional.cross_entropy(ref(*embedder_batch(step, r)[:1]),
                                                      embedder_batch(step, r)[1])
-                   for r in range(SIZE)) / SIZE
-        loss.backward()
+                   for r in range(SIZE))
+        (loss / SIZE).backward()
         ref_sparse.step()
         ref_dense.step()
+        # Agreed after the first step: rows from then on (a negotiated reducer stays dense).
+        assert opt._gradcomm_rows == ({} if opt._gradcomm_reducer.negotiated else {0: 1})
     assert same_on_every_rank(flat(model))
     assert torch.allclose(flat(model), flat(ref), atol=1e-5), (flat(model) - flat(ref)).abs().max()
     # A step where rank 0's backward does not reach the table: zeros stand in for it there,
@@ -653,3 +659,32 @@ def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense):
     with opt.skip_synchronize():
         opt.step()
     dense_opt.step()
+
+
+def test_sparse_gradients_while_a_rank_without_data_has_joined():
+    # Rank 0 joins at once and stands in for the others' three steps: dense zeros in the first
+    # (the table still has its bucket slot), no rows in the next two (the ranks agreed on the
+    # sparse table at the end of the first, the joined rank included). Average still divides
+    # by every rank. The reference: the training ranks' batches through one model here.
+    model, ref = Embedder(), Embedder()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    training = list(range(1, SIZE)) or [0]
+    for step in range(3):
+        if RANK in training:
+            opt.zero_grad()
+            x, y = embedder_batch(step, RANK)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert model.table.weight.grad.is_sparse
+        ref_opt.zero_grad()
+        (sum(torch.nn.functional.cross_entropy(ref(embedder_batch(step, r)[0]),
+                                               embedder_batch(step, r)[1])
+             for r in training) / SIZE).backward()
+        ref_opt.step()
+    hvd.join()
+    if RANK in training:
+        assert torch.allclose(flat(model), flat(ref), atol=1e-6), \
+            (flat(model) - flat(ref)).abs().max()
+    assert opt._gradcomm_rows == ({} if opt._gradcomm_reducer.negotiated else {0: 1})

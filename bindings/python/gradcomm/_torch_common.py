@@ -633,13 +633,14 @@ class SparseRowsReducer:
     before the first backward): the dense ones go to the reducer `make_inner(params, indices)`
     builds over them alone; each sparse one has no bucket slot and is gathered by rows after
     the inner finish() (an allgather of every rank's entry count, allgathervs of the indices and
-    the values, all checked calls on `comm`), summed where rows coincide and divided by the rank
-    count, as torch's DDP reduces them on gloo. Indices are the caller's (every parameter);
-    mark a sparse one with its sparse gradient (or empty_sparse_like), and after finish() take
-    its result with result(index)."""
+    the values, all checked calls on `comm`), summed where rows coincide and (`average`) divided
+    by the rank count, as torch's DDP reduces them on gloo. Indices are the caller's (every
+    parameter); mark a sparse one with its sparse gradient (or empty_sparse_like), and after
+    finish() take its result with result(index)."""
 
-    def __init__(self, make_inner, params, sparse_dims, comm):
+    def __init__(self, make_inner, params, sparse_dims, comm, average=True):
         self.comm = comm
+        self._average = average
         self._params = params
         self._sparse_dims = dict(sparse_dims)  # index -> sparse dimensions
         self._dense = [i for i in range(len(params)) if i not in self._sparse_dims]
@@ -704,7 +705,8 @@ class SparseRowsReducer:
             at += c
         summed = torch.sparse_coo_tensor(torch.cat(blocks, 1), every_value,
                                          param.shape).coalesce()
-        summed._values().div_(n)
+        if self._average:
+            summed._values().div_(n)
         return summed.to(param.device)
 
     # What the front ends ask of a reducer besides, from the inner one (indices mapped back).

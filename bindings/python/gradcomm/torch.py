@@ -44,7 +44,8 @@ from . import _gradcomm
 from ._torch_common import (DEVICES, DTYPES, JoinControl, check_tensor, close_negotiators,
                             gpu_reduces, grad_accumulator, gradient_reducer, mpi_threads_supported,
                             negotiator, next_per_communicator, scale_on_device,
-                            sparse_cost_warning, staged, to_sparse_rows, unstage)
+                            SparseRowsReducer, empty_sparse_like, sparse_cost_warning, staged,
+                            to_sparse_rows, unstage)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -1278,9 +1279,17 @@ class _DistributedOptimizerMixin:
         self._gradcomm_prediv = gradient_predivide_factor
         self._gradcomm_should_sync = True
         self._gradcomm_synchronized = False
-        self._gradcomm_reducer = gradient_reducer(
-            params, names, call, comm, opname, algorithm, cap, min(cap, 1 << 20),
-            compression.wire, group_lists, overlap)
+        def make_reducer(subset, indices):
+            position = {g: k for k, g in enumerate(indices)}
+            groups = None if group_lists is None else [
+                g for g in ([position[i] for i in grp if i in position] for grp in group_lists)
+                if g]
+            return gradient_reducer(subset, [names[i] for i in indices], call, comm, opname,
+                                    algorithm, cap, min(cap, 1 << 20), compression.wire, groups,
+                                    overlap)
+        self._gradcomm_make_reducer = make_reducer
+        self._gradcomm_average = opname == "average"
+        self._gradcomm_reducer = make_reducer(params, list(range(len(params))))
         self._gradcomm_comm = self._gradcomm_reducer.comm
         self._gradcomm_id = next_per_communicator(_optimizer_counts, self._gradcomm_comm)
         _optimizers[(id(self._gradcomm_comm), self._gradcomm_id)] = self
@@ -1291,6 +1300,11 @@ class _DistributedOptimizerMixin:
         # index -> sparse_dim: the parameters whose gradients came sparse on this rank, handed
         # back sparse from then on (a rank learns it from its first sparse gradient)
         self._gradcomm_sparse = {}
+        # After the first step, the ranks agree on which parameters any of them saw sparse
+        # (one flag all-reduce); from then on those are gathered by rows (SparseRowsReducer),
+        # with no bucket slot. index -> sparse_dim.
+        self._gradcomm_agreed = False
+        self._gradcomm_rows = {}
         self._gradcomm_hooks = []
         self._gradcomm_accumulators = []
         for i, p in enumerate(params):
@@ -1343,6 +1357,14 @@ class _DistributedOptimizerMixin:
             # in for them (a world call in between would otherwise meet it mid-step).
             self._gradcomm_holding = active is not None and len(active) < self._gradcomm_comm.size()
         p = self._gradcomm_params[i]
+        if i in self._gradcomm_rows:  # gathered by rows at finish(): its rows, or none
+            grad = p.grad.detach() if p.grad is not None else empty_sparse_like(
+                p, self._gradcomm_rows[i])
+            if self._gradcomm_holding:
+                self._gradcomm_held[i] = grad
+            else:
+                self._gradcomm_reducer.mark(i, grad)
+            return
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif p.grad.layout != torch.strided:
@@ -1392,9 +1414,15 @@ class _DistributedOptimizerMixin:
             self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
             self._gradcomm_announced = self._gradcomm_holding = False
             self._gradcomm_held = {}
+        if error is None:
+            for i in self._gradcomm_rows:  # their gathered rows (the mean, or the sum)
+                reduced = self._gradcomm_reducer.result(i)
+                if reduced is not None:
+                    self._gradcomm_params[i].grad = reduced
         if error is None and self._gradcomm_prediv != 1.0:
-            for p in self._gradcomm_params:
-                _scale_(p.grad.detach(), self._gradcomm_prediv)
+            for i, p in enumerate(self._gradcomm_params):
+                if i not in self._gradcomm_rows:
+                    _scale_(p.grad.detach(), self._gradcomm_prediv)
         # Sparse again, as they came (also where this rank's backward gave none: zeros stood
         # in). Rows whose reduced gradient is zero are left out, as Horovod's sparse_as_dense
         # leaves them.
@@ -1402,9 +1430,34 @@ class _DistributedOptimizerMixin:
             p = self._gradcomm_params[i]
             if p.grad is not None and not p.grad.is_sparse:
                 p.grad = to_sparse_rows(p.grad, sparse_dim)
+        self._gradcomm_agree_on_sparse()
         if error is not None:
             raise error
         self._gradcomm_synchronized = True
+
+    def _gradcomm_agree_on_sparse(self):
+        """Once, at the end of the first step (every rank: synchronize(), or a joined rank's
+        stand-in): which parameters any rank saw sparse. Those are gathered by rows from the
+        next step on, in a reducer rebuilt without their slots (collective). Not with a
+        negotiated reducer (CUDA gradients), whose kind every rank shares."""
+        if self._gradcomm_agreed or self._gradcomm_reducer.negotiated:
+            return
+        self._gradcomm_agreed = True
+        comm = self._gradcomm_comm
+        flags = torch.zeros(len(self._gradcomm_params), dtype=torch.int32)
+        for i, sparse_dim in self._gradcomm_sparse.items():
+            flags[i] = sparse_dim
+        if comm.size() > 1:
+            comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(), "int32",
+                                "max", None)
+        rows = {i: int(f) for i, f in enumerate(flags.tolist()) if f > 0}
+        if rows:
+            self._gradcomm_rows = rows
+            self._gradcomm_sparse = {i: d for i, d in self._gradcomm_sparse.items()
+                                     if i not in rows}
+            self._gradcomm_reducer = SparseRowsReducer(
+                self._gradcomm_make_reducer, self._gradcomm_params, rows, comm,
+                self._gradcomm_average)
 
     def _gradcomm_stand_in(self):
         """A joined rank's part in a step of the ranks still training: zeros for every
@@ -1416,10 +1469,15 @@ class _DistributedOptimizerMixin:
             self._gradcomm_zeros = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                                     for p in self._gradcomm_params]
         for i in reversed(range(len(self._gradcomm_zeros))):  # backward's order
+            if i in self._gradcomm_rows:  # no rows to offer
+                self._gradcomm_reducer.mark(i, empty_sparse_like(
+                    self._gradcomm_params[i], self._gradcomm_rows[i]))
+                continue
             z = self._gradcomm_zeros[i]
             z.zero_()
             self._gradcomm_reducer.mark(i, z)
         self._gradcomm_reducer.finish()
+        self._gradcomm_agree_on_sparse()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
