@@ -1368,18 +1368,18 @@ class _DistributedOptimizerMixin:
         if p.grad is None:
             p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
         elif p.grad.layout != torch.strided:
-            # A sparse gradient (a sparse embedding's) is reduced densely in its bucket slot,
-            # which the reducer all-reduces every step anyway, and made sparse again after
-            # (synchronize), as Horovod's sparse_as_dense does: optimizers that take sparse
-            # gradients only (SparseAdam) keep working, with either sparse_as_dense.
+            # A sparse gradient (a sparse embedding's) before the ranks agreed on the sparse
+            # parameters (the first step): reduced densely in its bucket slot and made sparse
+            # again after (synchronize), so that optimizers that take sparse gradients only
+            # (SparseAdam) keep working; from the next step it is gathered by rows.
             if p.grad.layout != torch.sparse_coo:
                 raise InvalidArgument(f"{self._gradcomm_call}: {self._gradcomm_names[i]} has a "
                                       f"{p.grad.layout} gradient: dense and sparse COO "
                                       "gradients are reduced")
-            if not self._gradcomm_sparse and not self._gradcomm_sparse_as_dense:
-                warnings.warn(sparse_cost_warning(self._gradcomm_call, self._gradcomm_names[i], p,
-                                                  "pass sparse_as_dense=True to say so; "),
-                              stacklevel=2)
+            if self._gradcomm_agreed and i not in self._gradcomm_sparse:
+                # Sparse only after the ranks agreed on the sparse parameters: dense for good.
+                warnings.warn(sparse_cost_warning(self._gradcomm_call, self._gradcomm_names[i],
+                                                  p), stacklevel=2)
             self._gradcomm_sparse.setdefault(i, p.grad.sparse_dim())
             p.grad = p.grad.to_dense()
         elif not p.grad.is_contiguous():
