@@ -639,13 +639,15 @@ def test_sparse_gradients_are_averaged_and_stay_sparse(sparse_as_dense, op):
         (loss / SIZE).backward()
         ref_sparse.step()
         ref_dense.step()
-        # Agreed after the first step: rows from then on (a negotiated reducer stays dense).
-        assert opt._gradcomm_rows == ({} if opt._gradcomm_reducer.negotiated else {0: 1})
+        # Agreed after the first step: rows from then on (dense with sparse_as_dense, and with
+        # a negotiated reducer).
+        dense = sparse_as_dense or opt._gradcomm_reducer.negotiated
+        assert opt._gradcomm_rows == ({} if dense else {0: 1})
     assert same_on_every_rank(flat(model))
     assert torch.allclose(flat(model), flat(ref), atol=1e-5), (flat(model) - flat(ref)).abs().max()
-    # A step where rank 0's backward does not reach the table: zeros stand in for it there,
-    # and its gradient comes back sparse (this rank has seen it sparse). (Another rank must
-    # reach it: torch 1.13's SparseAdam fails on an empty sparse gradient.)
+    # A step where rank 0's backward does not reach the table: it offers no rows (zeros on the
+    # dense path) and gets the others' back, sparse. (Another rank must reach it: torch
+    # 1.13's SparseAdam fails on an empty sparse gradient.)
     if SIZE < 2:
         return
     opt.zero_grad()

@@ -670,22 +670,42 @@ class SparseRowsReducer:
             self._inner.finish()
         # Every rank, every sparse parameter, in index order (a rank whose gradient is missing
         # offers no rows).
+        error = None
         for i in sorted(self._sparse_dims):
             grad = pending.get(i)
-            if grad is None:
-                grad = empty_sparse_like(self._params[i], self._sparse_dims[i])
-            self._results[i] = self._gather_rows(i, grad)
+            try:  # a gradient this rank cannot offer: no rows, so the ranks stay in step
+                rows = self._rows_of(i, grad)
+            except Exception as e:  # noqa: BLE001 - raised once every gather is done
+                error = error or e
+                rows = self._rows_of(i, None)
+            self._results[i] = self._gather_rows(i, *rows)
+        if error is not None:
+            raise error
 
     def result(self, index):
         return self._results.pop(index, None)
 
-    def _gather_rows(self, index, grad):
+    def _rows_of(self, index, grad):
+        """This rank's (indices, values) of parameter index's gradient (None: no rows), on the
+        host; InvalidArgument for one that does not fit the parameter."""
         param, sparse_dim = self._params[index], self._sparse_dims[index]
+        if grad is None:
+            grad = empty_sparse_like(param, sparse_dim)
+        if (grad.dtype != param.dtype or grad.shape != param.shape or
+                grad.layout not in (torch.strided, torch.sparse_coo)):
+            raise InvalidArgument(f"the gradient of a sparse parameter ({tuple(param.shape)}, "
+                                  f"{param.dtype}) is {tuple(grad.shape)}, {grad.dtype}, "
+                                  f"{grad.layout}")
+        if grad.is_sparse and grad.sparse_dim() != sparse_dim:
+            # (torch 1.13's zero_grad leaves a sparse gradient with every dimension sparse)
+            grad = empty_sparse_like(param, sparse_dim) if grad._nnz() == 0 else grad.to_dense()
         if not grad.is_sparse:
             grad = to_sparse_rows(grad, sparse_dim)
         grad = grad.coalesce()
-        indices = grad._indices().contiguous().cpu()
-        values = grad._values().contiguous().cpu()
+        return grad._indices().contiguous().cpu(), grad._values().contiguous().cpu()
+
+    def _gather_rows(self, index, indices, values):
+        param, sparse_dim = self._params[index], self._sparse_dims[index]
         n = self.comm.size()
         counts = torch.zeros(n, dtype=torch.int64)
         mine = torch.tensor([indices.shape[1]], dtype=torch.int64)

@@ -301,13 +301,13 @@ class DistributedDataParallel(torch.nn.Module):
         """Memory that stands in for parameter i's gradient where backward gave it none this
         iteration: its current gradient (accumulated in no_sync) or zeros."""
         p = self._params[i]
-        s = self._scratch.get(i)
-        if s is None:
-            s = self._scratch[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
         if i in self._sparse_rows:  # no dense memory: its rows, or none
             if p.grad is not None and i in self._used_unsynced:
                 return p.grad
             return empty_sparse_like(p, self._sparse_rows[i])
+        s = self._scratch.get(i)
+        if s is None:
+            s = self._scratch[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
         if p.grad is not None and i in self._used_unsynced:
             s.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         else:

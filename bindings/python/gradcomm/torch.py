@@ -1445,8 +1445,13 @@ class _DistributedOptimizerMixin:
         self._gradcomm_agreed = True
         comm = self._gradcomm_comm
         flags = torch.zeros(len(self._gradcomm_params), dtype=torch.int32)
-        for i, sparse_dim in self._gradcomm_sparse.items():
-            flags[i] = sparse_dim
+        # Not with sparse_as_dense (Horovod's way to keep a table on the dense all-reduce), nor
+        # where a parameter lies on a GPU (the rebuilt reducer over the others could be of
+        # another kind than the one every joined rank's stand-in expects).
+        if not self._gradcomm_sparse_as_dense and all(
+                p.device.type == "cpu" for p in self._gradcomm_params):
+            for i, sparse_dim in self._gradcomm_sparse.items():
+                flags[i] = sparse_dim
         if comm.size() > 1:
             comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(), "int32",
                                 "max", None)
@@ -1465,9 +1470,11 @@ class _DistributedOptimizerMixin:
         gradients) need nothing: the negotiator stands in for them while this rank is joined."""
         if self._gradcomm_reducer.negotiated:
             return
-        if self._gradcomm_zeros is None:
-            self._gradcomm_zeros = [torch.zeros_like(p, memory_format=torch.contiguous_format)
-                                    for p in self._gradcomm_params]
+        if self._gradcomm_zeros is None:  # (none for the parameters gathered by rows)
+            self._gradcomm_zeros = [
+                None if i in self._gradcomm_rows else
+                torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for i, p in enumerate(self._gradcomm_params)]
         for i in reversed(range(len(self._gradcomm_zeros))):  # backward's order
             if i in self._gradcomm_rows:  # no rows to offer
                 self._gradcomm_reducer.mark(i, empty_sparse_like(
