@@ -33,3 +33,16 @@ def same_on_every_rank(tensor):
     """True when `tensor` holds the same bits on every rank."""
     mine = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return MPI.COMM_WORLD.allreduce(int(MPI.COMM_WORLD.bcast(mine, root=0) != mine)) == 0
+
+
+class Embedder(torch.nn.Module):
+    """A sparse embedding (sparse gradients) under a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.table = torch.nn.Embedding(40, 6, sparse=True)
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.table(x).mean(1))

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import same_on_every_rank
+from conftest import Embedder, same_on_every_rank
 from mpi4py import MPI
 
 import gradcomm
@@ -586,17 +586,6 @@ def test_sparse_allreduce_async(op):
     with pytest.raises(hvd.InvalidArgument, match="sparse COO"):
         hvd.sparse_allreduce_async(torch.ones(3), name="sparse.z", op=op)
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
-
-
-class Embedder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.table = torch.nn.Embedding(40, 6, sparse=True)
-        self.out = torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.out(self.table(x).mean(1))
 
 
 def embedder_batch(step, rank):

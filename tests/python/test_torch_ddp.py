@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import same_on_every_rank
+from conftest import Embedder, same_on_every_rank
 from mpi4py import MPI
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -344,19 +344,6 @@ def test_fp16_hook_divides_before_the_sum_as_torch(gloo):
         results.append(model.module.weight.grad.clone())
     assert torch.equal(results[0], torch.full((1, 8), 40000.0))
     assert torch.equal(results[0], results[1])
-
-
-class Embedder(torch.nn.Module):
-    """A sparse embedding (sparse gradients) under a linear layer."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.table = torch.nn.Embedding(40, 6, sparse=True)
-        self.out = torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.out(self.table(x).mean(1))
 
 
 @pytest.mark.parametrize("bucket_view,accumulate", [(False, 1), (True, 1), (False, 3)])
