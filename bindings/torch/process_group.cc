@@ -169,9 +169,6 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
   std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(n));
   allgather_bytes(comm, mine.data(), all.data(), mine.size() * sizeof(int64_t));
   std::vector<std::size_t> index_bytes, value_bytes;
-  int64_t dense_elements = 1;
-  for (int64_t d = in.sparse_dim(); d < in.dim(); ++d)
-    dense_elements *= in.size(d);
   const auto what = [&](const int64_t* of) {
     std::string text = "[";
     for (std::size_t k = kSizes; k < mine.size(); ++k)
@@ -179,26 +176,47 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
     return text + "] with " + std::to_string(of[1]) + " sparse dimensions, " +
            (of[3] ? "AVG" : "SUM");
   };
+  // Every rank compares every rank with one reference, the same on every rank: the first rank
+  // with entries (else rank 0), whose layout is the result's. A rank with no entries matches
+  // whatever its sparse dimensions (torch 1.13's zero_grad leaves a sparse gradient with all of
+  // them sparse).
+  int reference = 0;
+  for (int r = 0; r < n; ++r) {
+    if (all[static_cast<std::size_t>(r) * mine.size() + kNnz] > 0) {
+      reference = r;
+      break;
+    }
+  }
+  const int64_t* ref = all.data() + static_cast<std::size_t>(reference) * mine.size();
+  const int64_t sparse_dim = ref[1];
   for (int r = 0; r < n; ++r) {
     const int64_t* theirs = all.data() + static_cast<std::size_t>(r) * mine.size();
     for (std::size_t i = 0; i < mine.size(); ++i) {
-      if (i == kNnz || theirs[i] == mine[i]) continue;  // (nnz may differ)
-      throw MismatchError(error_message("torch.distributed " + call + " (gradcomm)", comm.rank(),
-                                        "the ranks' sparse all_reduce calls differ: rank " +
-                                            std::to_string(r) + "'s is " + what(theirs) +
-                                            "; this rank's (" + std::to_string(comm.rank()) + ") " +
-                                            what(mine.data())));
+      if (i == kNnz || theirs[i] == ref[i]) continue;  // (nnz may differ)
+      if (i == 1 && theirs[kNnz] == 0) continue;
+      throw MismatchError(error_message(
+          "torch.distributed " + call + " (gradcomm)", comm.rank(),
+          "the ranks' sparse all_reduce calls differ: rank " + std::to_string(r) + "'s is " +
+              what(theirs) + "; rank " + std::to_string(reference) + "'s " + what(ref)));
     }
-    const auto nnz = static_cast<std::size_t>(theirs[kNnz]);
-    index_bytes.push_back(nnz * static_cast<std::size_t>(in.sparse_dim()) * sizeof(int64_t));
+  }
+  int64_t dense_elements = 1;
+  std::vector<int64_t> value_shape = {0};
+  for (int64_t d = sparse_dim; d < in.dim(); ++d) {
+    dense_elements *= in.size(d);
+    value_shape.push_back(in.size(d));
+  }
+  for (int r = 0; r < n; ++r) {
+    const auto nnz =
+        static_cast<std::size_t>(all[static_cast<std::size_t>(r) * mine.size() + kNnz]);
+    index_bytes.push_back(nnz * static_cast<std::size_t>(sparse_dim) * sizeof(int64_t));
     value_bytes.push_back(nnz * static_cast<std::size_t>(dense_elements) * values.element_size());
   }
   int64_t total = 0;
   for (int r = 0; r < n; ++r)
     total += all[static_cast<std::size_t>(r) * mine.size() + kNnz];
   // Each rank's [sparse_dim, nnz_r] block, one after another; their values likewise.
-  at::Tensor blocks = at::empty({total * in.sparse_dim()}, indices.options());
-  std::vector<int64_t> value_shape = values.sizes().vec();
+  at::Tensor blocks = at::empty({total * sparse_dim}, indices.options());
   value_shape[0] = total;
   at::Tensor gathered_values = at::empty(value_shape, values.options());
   allgatherv_bytes(comm, indices.data_ptr(), blocks.data_ptr(), index_bytes);
@@ -207,8 +225,7 @@ void reduce_sparse_into(Communicator& comm, const at::Tensor& t, bool average) {
   int64_t at = 0;
   for (int r = 0; r < n; ++r) {
     const int64_t nnz = all[static_cast<std::size_t>(r) * mine.size() + kNnz];
-    columns.push_back(
-        blocks.narrow(0, at * in.sparse_dim(), nnz * in.sparse_dim()).view({in.sparse_dim(), nnz}));
+    columns.push_back(blocks.narrow(0, at * sparse_dim, nnz * sparse_dim).view({sparse_dim, nnz}));
     at += nnz;
   }
   // Narrow integers are summed as int64 and converted back, as the dense path reduces them: a

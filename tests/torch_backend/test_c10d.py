@@ -132,6 +132,15 @@ def test_all_reduce_of_sparse_tensors_that_differ_or_cannot_be_reduced():
     dist.all_reduce(t)  # the group is still usable
     total = sum(sparse_input(r, torch.float32, (13,), 1).to_dense() for r in range(SIZE))
     assert torch.equal(t.to_dense(), total)
+    # A rank with no entries matches whatever its sparse dimensions (torch 1.13's zero_grad
+    # leaves every dimension sparse): the others' rows come back.
+    rows = sparse_input(RANK, torch.float32, (11, 3), 1)
+    if RANK == 0:
+        rows = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0),
+                                       (11, 3))
+    dist.all_reduce(rows)
+    want = sum(sparse_input(r, torch.float32, (11, 3), 1).to_dense() for r in range(1, SIZE))
+    assert torch.equal(rows.to_dense(), want if SIZE > 1 else torch.zeros(11, 3))
 
 
 def test_all_reduce_async_in_order():
