@@ -204,7 +204,7 @@ def to_sparse_rows(dense, sparse_dim):
                                    dense.shape)._coalesced_(True)
 
 
-def sparse_cost_warning(call, name, param, advice=""):
+def sparse_cost_warning(call, name, param):
     """What reducing parameter `name`'s sparse gradients in a dense bucket slot costs, and the
     faster way."""
     megabytes = param.numel() * param.element_size() / 1e6
@@ -212,7 +212,7 @@ def sparse_cost_warning(call, name, param, advice=""):
             f"({megabytes:.3g} MB a step, with a dense copy and a scan for its rows: several "
             "times gloo's step on a 100000 x 64 table, docs/results/torch.md) and handed back "
             "sparse; "
-            f"{advice}gradcomm.torch.DistributedDataParallel (for a sparse Embedding or "
+            "gradcomm.torch.DistributedDataParallel (for a sparse Embedding or "
             "EmbeddingBag) and torch's DDP on the gradcomm backend gather only the rows a step "
             "touches")
 
