@@ -1320,28 +1320,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const std::string call = "all_gather_coalesced";
-  if (outputs.size() != inputs.size()) {
+  // As torch documents it and gloo checks it: outputs[r][i] receives rank r's inputs[i].
+  if (outputs.size() != static_cast<std::size_t>(size_)) {
     invalid(call, rank_,
-            std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +
-                " output lists");
+            "the output must hold one list per rank (" + std::to_string(size_) + "), not " +
+                std::to_string(outputs.size()));
   }
   std::vector<at::Tensor> flats, all_outs;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(call, rank_, inputs[i], "input");
-    if (outputs[i].size() != static_cast<std::size_t>(size_)) {
-      invalid(call, rank_, "output list " + std::to_string(i) + " must hold one tensor per rank");
+  for (const at::Tensor& in : inputs) {
+    check_tensor(call, rank_, in, "input");
+  }
+  for (std::size_t r = 0; r < outputs.size(); ++r) {
+    if (outputs[r].size() != inputs.size()) {
+      invalid(call, rank_,
+              "output list " + std::to_string(r) + " holds " + std::to_string(outputs[r].size()) +
+                  " tensors for " + std::to_string(inputs.size()) + " inputs");
     }
-    for (const at::Tensor& o : outputs[i]) {
-      check_like(call, rank_, o, inputs[i], "output tensor");
-      all_outs.push_back(o);
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      check_like(call, rank_, outputs[r][i], inputs[i], "output tensor");
+      all_outs.push_back(outputs[r][i]);
     }
   }
   auto device = device_call(call, joined(all_outs, inputs));
   const std::vector<at::Tensor> ins = on_host(device, inputs, true, false);
   std::vector<std::vector<at::Tensor>> outs;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    outs.push_back(on_host(device, outputs[i], false, true));
-    flats.push_back(at::empty({static_cast<int64_t>(size_) * ins[i].numel()}, ins[i].options()));
+  for (std::size_t r = 0; r < outputs.size(); ++r) {
+    outs.push_back(on_host(device, outputs[r], false, true));
+  }
+  for (const at::Tensor& in : ins) {
+    flats.push_back(at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options()));
   }
   Communicator& comm = *comm_;
   return submit(
@@ -1352,8 +1359,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
             const auto note = annotation_of(ins[i]);
             allgather_bytes(comm, ins[i].data_ptr(), flats[i].data_ptr(), bytes_of(ins[i]));
           }
-          for (std::size_t r = 0; r < outs[i].size(); ++r) {
-            outs[i][r].view({-1}).copy_(
+          for (std::size_t r = 0; r < outs.size(); ++r) {
+            outs[r][i].view({-1}).copy_(
                 flats[i].narrow(0, static_cast<int64_t>(r) * ins[i].numel(), ins[i].numel()));
           }
         }

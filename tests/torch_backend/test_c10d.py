@@ -212,6 +212,28 @@ def test_all_gather(dtype, count):
     assert torch.equal(flat, torch.cat([values(r, dtype, count) for r in range(SIZE)]))
 
 
+@pytest.mark.parametrize("inputs", [1, 2, 3])
+def test_all_gather_coalesced(inputs):
+    # output[r][i] is rank r's input i (torch's documentation and gloo); with as many inputs as
+    # ranks of one shape, the transposed layout would pass every check but this one.
+    shapes = [(2, 3), (1,), (0,), (7,)][:inputs] if inputs != 2 else [(5,), (5,)]
+    dtypes = [[torch.float32, torch.int64, torch.float64][inputs - 1]] * inputs  # torch: one
+    ins = [values(RANK, d, int(torch.Size(s).numel())).reshape(s) + i + 10 * RANK
+           for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    outs = [[torch.empty_like(t) for t in ins] for _ in range(SIZE)]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.all_gather_coalesced(outs, ins)
+        for r in range(SIZE):
+            for i, (s, d) in enumerate(zip(shapes, dtypes)):
+                want = values(r, d, int(torch.Size(s).numel())).reshape(s) + i + 10 * r
+                assert torch.equal(outs[r][i], want), (r, i)
+        with pytest.raises(RuntimeError, match="all_gather_coalesced.*one list per rank"):
+            dist.all_gather_coalesced(outs + [outs[0]], ins)
+    dist.barrier()  # the group stays usable
+
+
 def test_all_gather_object():
     out = [None] * SIZE
     dist.all_gather_object(out, {"rank": RANK, "text": "x" * RANK})
