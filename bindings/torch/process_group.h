@@ -206,6 +206,16 @@ class ProcessGroupGradcomm : public BackendBase {
       const c10d::ReduceScatterOptions& opts) override;
 #endif
 
+  // The number of calls submitted on this rank so far. torch's ProcessGroupWrapper
+  // (TORCH_DISTRIBUTED_DEBUG=DETAIL) sets it when it wraps the group and compares it between
+  // ranks before each call, as it does gloo's. Every rank starts at 0, so they agree.
+  void setSequenceNumberForGroup() override {
+    sequence_ = 0;
+  }
+  uint64_t getSequenceNumberForGroup() override {
+    return sequence_;
+  }
+
   // The gradcomm communicator the group runs on (tests and the Python side read it).
   Communicator& communicator() {
     return *comm_;
@@ -239,6 +249,7 @@ class ProcessGroupGradcomm : public BackendBase {
   bool nccl_usable();
 
   std::unique_ptr<Communicator> comm_;
+  std::atomic<uint64_t> sequence_{0};
   // send and recv: a duplicate of their own (freed with the last of the group and its works)
   std::shared_ptr<const MPI_Comm> p2p_;
   std::shared_ptr<const std::string> timeout_text_;  // the config's, for send/recv's messages

@@ -466,6 +466,33 @@ def test_ranks_calling_different_collectives_fail_on_every_rank():
     assert torch.all(t == SIZE)
 
 
+def test_debug_level_detail():
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL: torch 2.x wraps each new group in its ProcessGroupWrapper,
+    # which reads the backend's sequence numbers (before they existed, creation failed: "Backend
+    # gradcomm does not yet support sequence numbers") and checks every call's shapes between
+    # the ranks on a gloo group of its own before the backend sees it. torch 1.13 wraps only its
+    # own backends; there gradcomm's own check answers.
+    old = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        group = dist.new_group(backend="gradcomm")
+    finally:
+        dist.set_debug_level(old)
+    for _ in range(3):
+        t = torch.full((7,), float(RANK))
+        dist.all_reduce(t, group=group)
+        assert torch.all(t == sum(range(SIZE)))
+    if hasattr(group, "_get_backend"):
+        backend = group._get_backend(torch.device("cpu"))
+        if hasattr(backend, "_get_sequence_number_for_group"):
+            assert backend._get_sequence_number_for_group() >= 3
+    if SIZE > 1:
+        with pytest.raises(RuntimeError, match="mismatch|disagree"):
+            dist.all_reduce(torch.ones(3 + (RANK == 1)), group=group)
+    dist.barrier(group=group)  # still usable
+    dist.destroy_process_group(group)
+
+
 def test_bad_arguments_fail_before_communication_and_the_group_stays_usable():
     with pytest.raises((RuntimeError, ValueError)):
         dist.broadcast(torch.ones(3), src=SIZE + 5)
