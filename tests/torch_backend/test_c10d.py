@@ -234,6 +234,41 @@ def test_all_gather_coalesced(inputs):
     dist.barrier()  # the group stays usable
 
 
+def test_coalescing_manager_gathers_and_reduce_scatters():
+    # torch 2.1+: all_gather_into_tensor / reduce_scatter_tensor calls inside
+    # _coalescing_manager reach the backend as one *_tensor_coalesced call (FSDP's pattern).
+    version = tuple(int(x) for x in torch.__version__.split(".")[:2])
+    if not hasattr(dist, "_coalescing_manager") or version < (2, 1):
+        pytest.skip("this torch has no tensor-coalesced collectives")
+    sizes = [3, 0, 1009]
+    ins = [values(RANK, torch.float32, k) + 10 * RANK for k in sizes]
+    outs = [torch.empty(SIZE * k) for k in sizes]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    for o, k in zip(outs, sizes):
+        assert torch.equal(o, torch.cat([values(r, torch.float32, k) + 10 * r
+                                         for r in range(SIZE)]))
+    rs_ins = [torch.cat([values(RANK, torch.int64, k) * (q + 1) for q in range(SIZE)])
+              for k in sizes]
+    rs_outs = [torch.empty(k, dtype=torch.int64) for k in sizes]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(rs_outs, rs_ins):
+            dist.reduce_scatter_tensor(o, i)
+    cm.wait()
+    for o, k in zip(rs_outs, sizes):
+        assert torch.equal(o, sum(values(r, torch.int64, k) for r in range(SIZE)) * (RANK + 1))
+    if SIZE > 1:  # one rank's second tensor is longer: an error on every rank
+        with pytest.raises(RuntimeError, match="disagree|differ"):
+            with dist._coalescing_manager(async_ops=True) as cm:
+                for j, k in enumerate(sizes):
+                    k += j == 2 and RANK == 1
+                    dist.all_gather_into_tensor(torch.empty(SIZE * k), torch.ones(k))
+            cm.wait()
+    dist.barrier()
+
+
 def test_all_gather_object():
     out = [None] * SIZE
     dist.all_gather_object(out, {"rank": RANK, "text": "x" * RANK})
