@@ -7,7 +7,7 @@ namespace gradcomm::collectives {
 // Intra-node all-reduce through shared memory, for communicators whose ranks all share one
 // host. No rank ever stores into a cache line a peer has just read, and there is no shared result
 // area (the slow case on these machines: docs/algorithms.md#shm). Paths:
-//   - latency path (up to 2 KiB, or 8 KiB where ranks share CPUs: shm_small_limit in
+//   - latency path (up to 1 KiB, or 8 KiB where ranks share CPUs: shm_small_limit in
 //     shm/segment.h): each rank writes one cache-line packet (the
 //     call's fingerprint, data up to 16 B, the round as flag); every rank reduces all inputs in
 //     rank order straight into its output: one flag round;

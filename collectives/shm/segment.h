@@ -47,12 +47,14 @@ inline constexpr std::string_view kShmCall = "allreduce(shm)";
 inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
 // Where the all-reduce takes its latency path (one flag round, every rank reading every input
 // whole): up to 8 KiB where ranks share CPUs, and every flag round may cost a context switch; up
-// to 2 KiB where each rank has a CPU of its own, where the staged path's three flag rounds cost
+// to 1 KiB where each rank has a CPU of its own, where the staged path's three flag rounds cost
 // less than reading the peers' inputs whole (AMD EPYC, 2 ranks: 4 KiB 0.77 against 0.95 us,
-// 8 KiB 0.96 against 1.66; docs/results/shm.md, "The latency path's limit"). `crowded` must be
-// the same on every rank (ShmState::spin == 0 is).
+// 8 KiB 0.96 against 1.66; at 2 KiB even in the VM's fast spells and 1.46-1.58 against
+// 1.84-1.89 us in its slow ones; at 1 KiB the latency path wins in both; docs/results/shm.md,
+// "The latency path's limit"). `crowded` must be the same on every rank (ShmState::spin == 0
+// is).
 inline constexpr std::size_t kShmSmallCrowdedBytes = std::size_t{8} << 10;
-inline constexpr std::size_t kShmSmallOwnCpuBytes = std::size_t{2} << 10;
+inline constexpr std::size_t kShmSmallOwnCpuBytes = std::size_t{1} << 10;
 constexpr std::size_t shm_small_limit(bool crowded) {
   return crowded ? kShmSmallCrowdedBytes : kShmSmallOwnCpuBytes;
 }
