@@ -1047,7 +1047,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
                                                             std::vector<at::Tensor> outputs,
                                                             std::function<void()> body, bool async,
                                                             std::shared_ptr<DeviceCall> device) {
-  ++sequence_;
+  ++sequence_;  // collectives only: send and recv (point_to_point) do not come here, as on gloo
   auto work = c10::make_intrusive<GradcommWork>(
       type, title, std::move(outputs),
       device ? std::optional<c10::Device>(device->device()) : std::nullopt);

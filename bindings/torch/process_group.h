@@ -206,7 +206,7 @@ class ProcessGroupGradcomm : public BackendBase {
       const c10d::ReduceScatterOptions& opts) override;
 #endif
 
-  // The number of calls submitted on this rank so far. torch's ProcessGroupWrapper
+  // The number of collectives submitted on this rank so far. torch's ProcessGroupWrapper
   // (TORCH_DISTRIBUTED_DEBUG=DETAIL) sets it when it wraps the group and compares it between
   // ranks before each call, as it does gloo's. Every rank starts at 0, so they agree.
   void setSequenceNumberForGroup() override {

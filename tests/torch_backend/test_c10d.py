@@ -517,10 +517,25 @@ def test_debug_level_detail():
         t = torch.full((7,), float(RANK))
         dist.all_reduce(t, group=group)
         assert torch.all(t == sum(range(SIZE)))
+    if SIZE > 2:  # a send and its receive count on neither rank (the others make none)
+        if RANK in (0, 1):
+            peer_t = torch.full((2,), 5.0)
+            if RANK == 0:
+                dist.send(peer_t, 1, group=group)
+            else:
+                dist.recv(peer_t, 0, group=group)
+                assert torch.all(peer_t == 5.0)
+        t = torch.ones(2)
+        dist.all_reduce(t, group=group)
+        assert torch.all(t == SIZE)
     if hasattr(group, "_get_backend"):
         backend = group._get_backend(torch.device("cpu"))
         if hasattr(backend, "_get_sequence_number_for_group"):
-            assert backend._get_sequence_number_for_group() >= 3
+            sequence = backend._get_sequence_number_for_group()
+            assert sequence >= 3
+            every = [None] * SIZE
+            dist.all_gather_object(every, sequence)
+            assert every == [sequence] * SIZE  # the same on every rank, as on gloo
     if SIZE > 1:
         with pytest.raises(RuntimeError, match="mismatch|disagree"):
             dist.all_reduce(torch.ones(3 + (RANK == 1)), group=group)
