@@ -28,6 +28,7 @@ where a test fails that F does not list, and reports a listed test that passes.
 """
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -255,12 +256,10 @@ def _launch(args, env, left, launches):
 
 def driver(args):
     os.makedirs(args.out, exist_ok=True)
-    for r in range(max(args.np, 64)):  # a previous run's records
-        if os.path.exists(os.path.join(args.out, f"rank{r}.jsonl")):
-            os.remove(os.path.join(args.out, f"rank{r}.jsonl"))
-    for stale in ("launches.log", "results.json"):
-        if os.path.exists(os.path.join(args.out, stale)):
-            os.remove(os.path.join(args.out, stale))
+    for stale in glob.glob(os.path.join(args.out, "rank*.jsonl")) + [
+            os.path.join(args.out, "launches.log"), os.path.join(args.out, "results.json")]:
+        if os.path.exists(stale):  # a previous run's
+            os.remove(stale)
     shutil.rmtree(os.path.join(args.out, "work"), ignore_errors=True)
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
