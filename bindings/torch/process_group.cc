@@ -1224,7 +1224,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tens
       [&comm, t, root, root_rank, r, options] {
         // Every rank reduces; only the root's tensor receives the result. Scratch is made here,
         // on the stream that uses it.
-        reduce_into(comm, r, t, root ? t : at::empty_like(t), options, root_rank);
+        reduce_into(comm, r, t, root ? t : at::empty_like(t), options, CallMark{root_rank});
       },
       async_op(opts), device);
 }
@@ -1279,9 +1279,34 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
       async_op(opts), device);
 }
 
+std::function<void()> ProcessGroupGradcomm::in_list(const ListCall& list,
+                                                    std::function<void()> body) {
+  if (!list.failure) return body;
+  return [failure = list.failure, body = std::move(body)] {
+    {
+      const std::lock_guard<std::mutex> lock(failure->mutex);
+      if (failure->error) std::rethrow_exception(failure->error);
+    }
+    try {
+      body();
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(failure->mutex);
+      failure->error = std::current_exception();
+      throw;
+    }
+  };
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  return allgather_into(output, input, opts, {});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_into(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts,
+    const ListCall& list) {
   const std::string call = "all_gather_into_tensor";
+  const CallMark mark{-1, collectives::CallKind::allreduce, list.mark};
   check_tensor(call, rank_, input, "input");
   check_tensor(call, rank_, output, "output");
   if (output.scalar_type() != input.scalar_type() ||
@@ -1298,23 +1323,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_allgather_base(
   if (device && on_nccl) {  // ncclAllGather; FSDP's in-place form (input the rank's slice) included
     const AllreduceOptions options = reduce_options(device);
     at::Tensor in = input, out = output;
-    return submit(
-        c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
-        [&comm, in, out, w = *words, options] {
-          const auto note = annotation_of(in);
-          collectives::nccl_allgather(comm, in.data_ptr(), out.data_ptr(), w.second, w.first,
-                                      options.stream, true);
-        },
-        async_op(opts), device);
+    return submit(c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
+                  in_list(list,
+                          [&comm, in, out, w = *words, options, mark] {
+                            const auto note = annotation_of(in, mark);
+                            collectives::nccl_allgather(comm, in.data_ptr(), out.data_ptr(),
+                                                        w.second, w.first, options.stream, true);
+                          }),
+                  async_op(opts), device);
   }
   at::Tensor in = on_host(device, input, true, false), out = on_host(device, output, false, true);
-  return submit(
-      c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
-      [&comm, in, out] {
-        const auto note = annotation_of(in);
-        allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in));
-      },
-      async_op(opts), device);
+  return submit(c10d::OpType::_ALLGATHER_BASE, "gradcomm:all_gather_into_tensor", {output},
+                in_list(list,
+                        [&comm, in, out, mark] {
+                          const auto note = annotation_of(in, mark);
+                          allgather_bytes(comm, in.data_ptr(), out.data_ptr(), bytes_of(in));
+                        }),
+                async_op(opts), device);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
@@ -1352,12 +1377,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
     flats.push_back(at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options()));
   }
   Communicator& comm = *comm_;
+  const CallMark mark{-1, collectives::CallKind::allreduce, list_mark(inputs)};
   return submit(
       c10d::OpType::ALLGATHER_COALESCED, "gradcomm:all_gather_coalesced", all_outs,
-      [&comm, ins, flats, outs] {
+      [&comm, ins, flats, outs, mark] {
         for (std::size_t i = 0; i < ins.size(); ++i) {
           {
-            const auto note = annotation_of(ins[i]);
+            const auto note = annotation_of(ins[i], mark);
             allgather_bytes(comm, ins[i].data_ptr(), flats[i].data_ptr(), bytes_of(ins[i]));
           }
           for (std::size_t r = 0; r < outs.size(); ++r) {
@@ -1472,7 +1498,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
           flat.narrow(0, static_cast<int64_t>(k) * out.numel(), out.numel())
               .copy_(ins[k].view({-1}));
         }
-        reduce_into(comm, r, flat, flat, options);
+        reduce_into(comm, r, flat, flat, options,
+                    CallMark{-1, collectives::CallKind::reduce_scatter});
         out.view({-1}).copy_(flat.narrow(0, me * out.numel(), out.numel()));
       },
       async_op(opts), device);
@@ -1480,7 +1507,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  return reduce_scatter_into(output, input, opts, {});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_into(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts,
+    const ListCall& list) {
   const std::string call = "reduce_scatter_tensor";
+  const CallMark mark{-1, collectives::CallKind::reduce_scatter, list.mark};
   check_tensor(call, rank_, input, "input");
   check_tensor(call, rank_, output, "output");
   if (output.scalar_type() != input.scalar_type() ||
@@ -1497,24 +1531,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::_reduce_scatter_base(
   const int64_t me = rank_;
   Communicator& comm = *comm_;
   if (device && nccl_elements(r, out)) {  // ncclReduceScatter (FSDP's gradient reduction)
-    return submit(
-        c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
-        [&comm, in, out, r, options] {
-          const at::Tensor from = *nccl_elements(r, in), into = *nccl_elements(r, out);
-          const auto note = annotation_of(out);
-          collectives::nccl_reduce_scatter(comm, from.data_ptr(), into.data_ptr(),
-                                           static_cast<std::size_t>(into.numel()), r.dtype, r.op,
-                                           options.stream, true);
-        },
-        async_op(opts), device);
+    return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
+                  in_list(list,
+                          [&comm, in, out, r, options, mark] {
+                            const at::Tensor from = *nccl_elements(r, in),
+                                             into = *nccl_elements(r, out);
+                            const auto note = annotation_of(out, mark);
+                            collectives::nccl_reduce_scatter(comm, from.data_ptr(), into.data_ptr(),
+                                                             static_cast<std::size_t>(into.numel()),
+                                                             r.dtype, r.op, options.stream, true);
+                          }),
+                  async_op(opts), device);
   }
   return submit(
       c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
-      [&comm, in, out, r, me, options] {
-        at::Tensor flat = at::empty_like(in);
-        reduce_into(comm, r, in, flat, options);
-        out.view({-1}).copy_(flat.view({-1}).narrow(0, me * out.numel(), out.numel()));
-      },
+      in_list(list,
+              [&comm, in, out, r, me, options, mark] {
+                at::Tensor flat = at::empty_like(in);
+                reduce_into(comm, r, in, flat, options, mark);
+                out.view({-1}).copy_(flat.view({-1}).narrow(0, me * out.numel(), out.numel()));
+              }),
       async_op(opts), device);
 }
 
@@ -1719,9 +1755,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_into_tensor_coale
             std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +
                 " outputs");
   }
+  // Each call carries the list's mark: ranks whose lists differ disagree at the first.
+  const ListCall list{list_mark(inputs), std::make_shared<ListFailure>()};
   c10::intrusive_ptr<c10d::Work> last;
   for (std::size_t i = 0; i < inputs.size(); ++i)
-    last = _allgather_base(outputs[i], inputs[i], opts);
+    last = allgather_into(outputs[i], inputs[i], opts, list);
   // The calls run in order: the last one's end is the end of all.
   return last ? last : barrier(c10d::BarrierOptions());
 }
@@ -1734,9 +1772,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_tensor_coale
             std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +
                 " outputs");
   }
+  const ListCall list{list_mark(inputs), std::make_shared<ListFailure>()};
   c10::intrusive_ptr<c10d::Work> last;
   for (std::size_t i = 0; i < inputs.size(); ++i)
-    last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+    last = reduce_scatter_into(outputs[i], inputs[i], opts, list);
   return last ? last : barrier(c10d::BarrierOptions());
 }
 #endif

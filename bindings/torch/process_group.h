@@ -31,6 +31,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -235,6 +236,28 @@ class ProcessGroupGradcomm : public BackendBase {
                                         std::shared_ptr<DeviceCall> device = nullptr);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool sending, at::Tensor& tensor, int peer,
                                                 int tag);
+  // One call of a coalesced list (torch's *_tensor_coalesced): `mark`, the list's list_mark,
+  // compared with each of its calls; `failure`, the error of the first call of the list that
+  // fails, which the rest then throw without communicating (so the list's last work, which
+  // torch waits for, says what went wrong). Else a rank whose list is longer than another's
+  // would leave calls behind, to meet that rank's next call. A call of its own: 0 and null.
+  struct ListFailure {
+    std::mutex mutex;
+    std::exception_ptr error;
+  };
+  struct ListCall {
+    std::uint64_t mark = 0;
+    std::shared_ptr<ListFailure> failure;
+  };
+  // `body` as a call of `list`.
+  static std::function<void()> in_list(const ListCall& list, std::function<void()> body);
+  // all_gather_into_tensor and reduce_scatter_tensor, alone or as a call of `list`.
+  c10::intrusive_ptr<c10d::Work> allgather_into(at::Tensor& output, at::Tensor& input,
+                                                const c10d::AllgatherOptions& opts,
+                                                const ListCall& list);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_into(at::Tensor& output, at::Tensor& input,
+                                                     const c10d::ReduceScatterOptions& opts,
+                                                     const ListCall& list);
   // Where a call's tensors live: nullptr for CPU tensors; for CUDA tensors (all on one device,
   // else InvalidArgument), the call's place on the group's stream of that device. Called on the
   // caller's thread, after the call's checks: it records the caller's current stream. `nccl`:

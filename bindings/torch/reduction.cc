@@ -116,8 +116,20 @@ Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
   unsupported(call, rank, "reductions of " + std::string(c10::toString(type)) + " tensors");
 }
 
-collectives::CallAnnotation annotation_of(const at::Tensor& t, int root) {
-  return collectives::CallAnnotation(static_cast<int>(t.scalar_type()), root);
+collectives::CallAnnotation annotation_of(const at::Tensor& t, const CallMark& mark) {
+  return collectives::CallAnnotation(static_cast<int>(t.scalar_type()), mark.root, mark.as,
+                                     mark.list);
+}
+
+std::uint64_t list_mark(const std::vector<at::Tensor>& tensors) {
+  std::uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a over the list's shape
+  const auto add = [&h](std::uint64_t v) { h = (h ^ v) * 0x100000001b3ULL; };
+  add(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    add(static_cast<std::uint64_t>(t.scalar_type()));
+    add(static_cast<std::uint64_t>(t.numel()));
+  }
+  return h != 0 ? h : 1;
 }
 
 namespace {
@@ -164,8 +176,8 @@ std::string torch_dtype_name(int element) {
 }
 
 void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
-                 const at::Tensor& out, const AllreduceOptions& options, int root) {
-  const collectives::CallAnnotation note = annotation_of(in, root);
+                 const at::Tensor& out, const AllreduceOptions& options, const CallMark& mark) {
+  const collectives::CallAnnotation note = annotation_of(in, mark);
   switch (r.via) {
     case Reduction::Via::native:
       allreduce(comm, in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(in.numel()), r.dtype,

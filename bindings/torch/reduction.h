@@ -8,7 +8,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "collectives/allreduce.h"
 #include "collectives/check/call_info.h"
@@ -29,17 +31,33 @@ struct Reduction {
 Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
                          const c10d::ReduceOp& op);
 
+// What a torch call is, beyond its tensors, for the comparison across ranks
+// (collectives::CallAnnotation):
+// - `root` >= 0: torch's reduce, run as an all-reduce of which only the root keeps the result;
+// - `as` CallKind::reduce_scatter: torch's reduce_scatter run as an all-reduce on the host;
+// - `list` != 0: one call of a coalesced list (list_mark), the same on every call of it.
+struct CallMark {
+  int root = -1;
+  collectives::CallKind as = collectives::CallKind::allreduce;
+  std::uint64_t list = 0;
+};
+
+// The `list` of a CallMark for the calls of a coalesced list of `tensors`: their number, dtypes
+// and element counts (never 0).
+std::uint64_t list_mark(const std::vector<at::Tensor>& tensors);
+
 // Reduces `in` across `comm` into `out` (the same tensor for in place), by the plan. On the
 // engine: the tensors' data is read and written here only. CUDA tensors: `options` names the
 // stream, which must be current (the conversions of a plan run on torch's current stream).
-// `root` >= 0: torch's reduce, compared across ranks as one (only the root keeps the result).
 void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
-                 const at::Tensor& out, const AllreduceOptions& options = {}, int root = -1);
+                 const at::Tensor& out, const AllreduceOptions& options = {},
+                 const CallMark& mark = {});
 
 // The torch dtype of `t`, for the comparison of every call made while the result lives (ranks
 // whose tensors differ in dtype differ in the call, even where gradcomm moves bytes or reduces
-// the dtype as another). Made on the thread that makes the calls, inside the call's body.
-collectives::CallAnnotation annotation_of(const at::Tensor& t, int root = -1);
+// the dtype as another), with `mark`. Made on the thread that makes the calls, inside the call's
+// body.
+collectives::CallAnnotation annotation_of(const at::Tensor& t, const CallMark& mark = {});
 
 // The annotation of a sparse all_reduce's steps, whose values are `values`: their dtype marked
 // sparse ("sparse torch.float32"), so that no dense call of the same bytes passes for a step.

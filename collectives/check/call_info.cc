@@ -85,13 +85,19 @@ std::string describe(const CallInfo& call) {
                   static_cast<unsigned long long>(call.detail & 0xffffffffu));
     text.append(call.kind == CallKind::grouped_allreduce ? ", tensor list " : ", counts ");
     text.append(hash);
+  } else if (call.detail != 0) {  // one of a coalesced list of calls (CallAnnotation)
+    char hash[24];
+    std::snprintf(hash, sizeof hash, "%08llx",
+                  static_cast<unsigned long long>(call.detail & 0xffffffffu));
+    text.append(", of list ").append(hash);
   }
   if (call.device) text.append(", GPU buffers");
   return text;
 }
 
-CallAnnotation::CallAnnotation(int element_type, int root_rank)
-    : element(element_type), root(root_rank), outer_(t_annotation) {
+CallAnnotation::CallAnnotation(int element_type, int root_rank, CallKind as_kind,
+                               std::uint64_t list_hash)
+    : element(element_type), root(root_rank), as(as_kind), list(list_hash), outer_(t_annotation) {
   t_annotation = this;
 }
 
@@ -107,10 +113,15 @@ void annotate(CallInfo& call) {
   const CallAnnotation* a = t_annotation;
   if (a == nullptr) return;
   call.element = static_cast<std::int16_t>(a->element);
-  if (a->root >= 0 && call.kind == CallKind::allreduce) {
-    call.kind = CallKind::reduce;
-    call.root = a->root;
+  if (call.kind == CallKind::allreduce) {
+    if (a->root >= 0) {
+      call.kind = CallKind::reduce;
+      call.root = a->root;
+    } else {
+      call.kind = a->as;
+    }
   }
+  if (a->list != 0) call.detail = (call.detail ^ a->list) * 0x100000001b3ULL;
 }
 
 void set_element_namer(std::string (*namer)(int element)) {

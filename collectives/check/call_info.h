@@ -47,12 +47,20 @@ struct CallInfo {
 //   int64, a complex64 one as float32 pairs, and gathers, scatters and broadcasts move bytes, so
 //   gradcomm's own fields cannot tell such a tensor from another dtype's), -1 for none;
 // - `root`, for a reduce that runs as an all-reduce of which only the root keeps the result
-//   (the call is then described and compared as a reduce), -1 for none.
+//   (the call is then described and compared as a reduce), -1 for none;
+// - `as`, for an all-reduce that runs another collective whose result each rank takes part of
+//   (torch's reduce_scatter on host tensors: CallKind::reduce_scatter), so that it disagrees
+//   with a plain all-reduce of the same size on another rank; CallKind::allreduce for none;
+// - `list`, for a call that is one of a front end's coalesced list of calls (torch's
+//   all_gather_coalesced), a hash of the whole list, 0 for none: ranks whose lists differ in
+//   length or shapes then disagree at the list's first call. Without it the rank with the
+//   shorter list would complete its list and meet the difference only at its next call, if any.
 // Lives on the thread that makes the calls, for every call it begins meanwhile (not for the
 // calls gradcomm makes inside them).
 class CallAnnotation {
  public:
-  explicit CallAnnotation(int element, int root = -1);
+  explicit CallAnnotation(int element, int root = -1, CallKind as = CallKind::allreduce,
+                          std::uint64_t list = 0);
   ~CallAnnotation();
   CallAnnotation(const CallAnnotation&) = delete;
   CallAnnotation& operator=(const CallAnnotation&) = delete;
@@ -61,6 +69,8 @@ class CallAnnotation {
   static const CallAnnotation* current();
 
   const int element, root;
+  const CallKind as;
+  const std::uint64_t list;
 
  private:
   const CallAnnotation* const outer_;

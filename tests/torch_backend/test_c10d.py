@@ -6,6 +6,7 @@ disagree, bad arguments). Every rank checks its own result."""
 
 import datetime
 import os
+import warnings
 
 import pytest
 import torch
@@ -177,7 +178,6 @@ def test_all_reduce_coalesced():
     if not hasattr(dist, "all_reduce_coalesced"):
         pytest.skip("this torch has no all_reduce_coalesced")
     ts = [values(RANK, torch.float32, n) for n in (3, 0, 101)] + [values(RANK, torch.int64, 5)]
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dist.all_reduce_coalesced(ts[:3])
@@ -221,7 +221,6 @@ def test_all_gather_coalesced(inputs):
     ins = [values(RANK, d, int(torch.Size(s).numel())).reshape(s) + i + 10 * RANK
            for i, (s, d) in enumerate(zip(shapes, dtypes))]
     outs = [[torch.empty_like(t) for t in ins] for _ in range(SIZE)]
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dist.all_gather_coalesced(outs, ins)
@@ -259,13 +258,24 @@ def test_coalescing_manager_gathers_and_reduce_scatters():
     cm.wait()
     for o, k in zip(rs_outs, sizes):
         assert torch.equal(o, sum(values(r, torch.int64, k) for r in range(SIZE)) * (RANK + 1))
-    if SIZE > 1:  # one rank's second tensor is longer: an error on every rank
+    if SIZE > 1:  # one rank's third tensor is longer: an error on every rank
         with pytest.raises(RuntimeError, match="disagree|differ"):
             with dist._coalescing_manager(async_ops=True) as cm:
                 for j, k in enumerate(sizes):
                     k += j == 2 and RANK == 1
                     dist.all_gather_into_tensor(torch.empty(SIZE * k), torch.ones(k))
             cm.wait()
+        # One rank's list is one call longer: the others fail too, though their lists match
+        # the first calls of its list (each call carries a hash of the whole list).
+        for coalesced in (dist.all_gather_into_tensor, dist.reduce_scatter_tensor):
+            with pytest.raises(RuntimeError, match="tensor list or counts differ"):
+                with dist._coalescing_manager(async_ops=True) as cm:
+                    for _ in range(2 + (RANK == 1)):
+                        if coalesced is dist.all_gather_into_tensor:
+                            coalesced(torch.empty(SIZE * 5), torch.ones(5))
+                        else:
+                            coalesced(torch.empty(5), torch.ones(SIZE * 5))
+                cm.wait()
     dist.barrier()
 
 
@@ -491,6 +501,21 @@ def test_ranks_calling_different_collectives_fail_on_every_rank():
     # torch's reduce runs as an all-reduce: the root is compared too.
     with pytest.raises(RuntimeError, match=r"root differ.*reduce #"):
         dist.reduce(torch.ones(6), dst=RANK % 2)
+    # gradcomm runs torch's reduce_scatter of host tensors as an all-reduce of the whole input,
+    # compared as a reduce_scatter: against an all-reduce of the same size it is another call.
+    reduce_scatter = getattr(dist, "reduce_scatter_tensor", None) or dist._reduce_scatter_base
+    with pytest.raises(RuntimeError, match=r"kind of call differ.*reduce_scatter #"):
+        if RANK == 1:
+            reduce_scatter(torch.empty(4), torch.ones(4 * SIZE))
+        else:
+            dist.all_reduce(torch.ones(4 * SIZE))
+    # Coalesced gathers whose lists differ in length: each call of a list carries a hash of the
+    # whole list, so the rank with the shorter list fails as well (it would complete its list).
+    inputs = [torch.ones(3)] * (1 + (RANK == 1))
+    with warnings.catch_warnings(), \
+            pytest.raises(RuntimeError, match="tensor list or counts differ"):
+        warnings.simplefilter("ignore")
+        dist.all_gather_coalesced([[torch.empty(3) for _ in inputs] for _ in range(SIZE)], inputs)
     # Rank 0 expects two elements from rank 1, which sends it one.
     out_splits = [1 + (RANK == 0 and j == 1) for j in range(SIZE)]
     with pytest.raises(RuntimeError, match="rank 1 sends 4 bytes to rank 0, which expects 8"):
