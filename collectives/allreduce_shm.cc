@@ -16,12 +16,12 @@
 namespace gradcomm::collectives {
 namespace {
 
-// A staged round's bytes per rank: one stage slot, or all of them where ranks share CPUs.
 constexpr std::size_t round_bytes(bool crowded) {
-  return crowded ? kShmRoundBytes * kShmStageSlots : kShmRoundBytes;
+  return shm_round_bytes(crowded);
 }
 
-// result = src[0] op src[1] op ... in rank order, over `n` elements; avg divides at the end.
+}  // namespace
+
 void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sources, std::size_t n,
                     const AllreduceArgs& args, int ranks) {
   if (n == 0) return;
@@ -31,8 +31,6 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
     reduce_into(result, sources[j], n, args.dtype, op);
   if (args.op == ReduceOp::avg) divide_by(result, n, args.dtype, ranks);
 }
-
-}  // namespace
 
 bool AllreduceShm::proves_call(const AllreduceArgs& args, Communicator& comm) const {
   // Not before the segment is made: making it is collective, and the check before an

@@ -1492,14 +1492,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
   }
   return submit(
       c10d::OpType::REDUCE_SCATTER, "gradcomm:reduce_scatter", outputs,
-      [&comm, out, ins, r, me, n, options] {
+      [&comm, out, ins, r, me, n, options, device = device != nullptr] {
         at::Tensor flat = at::empty({n * out.numel()}, out.options());
         for (std::size_t k = 0; k < ins.size(); ++k) {
           flat.narrow(0, static_cast<int64_t>(k) * out.numel(), out.numel())
               .copy_(ins[k].view({-1}));
         }
-        reduce_into(comm, r, flat, flat, options,
-                    CallMark{-1, collectives::CallKind::reduce_scatter});
+        const CallMark mark{-1, collectives::CallKind::reduce_scatter};
+        if (!device) return reduce_scatter_host(comm, r, flat, out, options, mark);
+        // CUDA tensors whose plan converts the dtype: an all-reduce, then this rank's block.
+        reduce_into(comm, r, flat, flat, options, mark);
         out.view({-1}).copy_(flat.narrow(0, me * out.numel(), out.numel()));
       },
       async_op(opts), device);
@@ -1546,7 +1548,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_into(
   return submit(
       c10d::OpType::_REDUCE_SCATTER_BASE, "gradcomm:reduce_scatter_tensor", {output},
       in_list(list,
-              [&comm, in, out, r, me, options, mark] {
+              [&comm, in, out, r, me, options, mark, device = device != nullptr] {
+                if (!device) return reduce_scatter_host(comm, r, in, out, options, mark);
+                // CUDA tensors whose plan converts the dtype: an all-reduce, then this rank's
+                // block.
                 at::Tensor flat = at::empty_like(in);
                 reduce_into(comm, r, in, flat, options, mark);
                 out.view({-1}).copy_(flat.view({-1}).narrow(0, me * out.numel(), out.numel()));

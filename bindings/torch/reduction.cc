@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "collectives/allreduce.h"
+#include "collectives/reduce_scatter.h"
 #include "core/error.h"
 
 namespace gradcomm::torch_backend {
@@ -114,6 +115,37 @@ Reduction plan_reduction(const std::string& call, int rank, at::ScalarType type,
     return r;
   }
   unsupported(call, rank, "reductions of " + std::string(c10::toString(type)) + " tensors");
+}
+
+void reduce_scatter_host(Communicator& comm, const Reduction& r, const at::Tensor& in,
+                         const at::Tensor& out, const AllreduceOptions& options,
+                         const CallMark& mark) {
+  const collectives::CallAnnotation note = annotation_of(in, mark);
+  const auto in_bytes = static_cast<std::size_t>(in.numel()) * in.element_size();
+  const auto* from = static_cast<const std::byte*>(in.data_ptr());
+  const auto* into = static_cast<const std::byte*>(out.data_ptr());
+  const bool overlap = into < from + in_bytes && from < into + out.numel() * out.element_size();
+  const at::Tensor source = overlap ? in.clone() : in;
+  switch (r.via) {
+    case Reduction::Via::native:
+      reduce_scatter(comm, source.data_ptr(), out.data_ptr(), static_cast<std::size_t>(out.numel()),
+                     r.dtype, r.op, options);
+      return;
+    case Reduction::Via::complex_parts: {
+      const at::Tensor parts_in = at::view_as_real(source), parts_out = at::view_as_real(out);
+      reduce_scatter(comm, parts_in.data_ptr(), parts_out.data_ptr(),
+                     static_cast<std::size_t>(parts_out.numel()), r.dtype, r.op, options);
+      return;
+    }
+    case Reduction::Via::widened: {
+      const at::Tensor wide = in.to(scalar_type_of(r.dtype));
+      at::Tensor wide_out = at::empty({out.numel()}, wide.options());
+      reduce_scatter(comm, wide.data_ptr(), wide_out.data_ptr(),
+                     static_cast<std::size_t>(out.numel()), r.dtype, r.op, options);
+      out.view({-1}).copy_(wide_out);
+      return;
+    }
+  }
 }
 
 collectives::CallAnnotation annotation_of(const at::Tensor& t, const CallMark& mark) {

@@ -53,6 +53,14 @@ void reduce_into(Communicator& comm, const Reduction& r, const at::Tensor& in,
                  const at::Tensor& out, const AllreduceOptions& options = {},
                  const CallMark& mark = {});
 
+// Reduce-scatters host tensor `in` (group size times `out`'s elements) across `comm` by the plan:
+// this rank's block into `out`, through gradcomm::reduce_scatter (shm reads only this rank's block
+// of every rank's input). A plan that converts the dtype converts both ways around the call; an
+// `out` that lies inside `in` gets a copy of `in` first.
+void reduce_scatter_host(Communicator& comm, const Reduction& r, const at::Tensor& in,
+                         const at::Tensor& out, const AllreduceOptions& options = {},
+                         const CallMark& mark = {});
+
 // The torch dtype of `t`, for the comparison of every call made while the result lives (ranks
 // whose tensors differ in dtype differ in the call, even where gradcomm moves bytes or reduces
 // the dtype as another), with `mark`. Made on the thread that makes the calls, inside the call's

@@ -62,12 +62,17 @@ static_assert(kShmSmallCrowdedBytes <= kShmSmallBytes && kShmSmallOwnCpuBytes <=
 inline constexpr std::size_t kShmRoundBytes = std::size_t{256} << 10;
 inline constexpr std::size_t kShmStageSlots = 4;
 inline constexpr std::size_t kShmLine = 64;
+// A staged round's bytes per rank: one stage slot, or all of them where ranks share CPUs.
+constexpr std::size_t shm_round_bytes(bool crowded) {
+  return crowded ? kShmRoundBytes * kShmStageSlots : kShmRoundBytes;
+}
 
 using ShmCounter = std::atomic<std::uint64_t>;
 static_assert(ShmCounter::is_always_lock_free, "counters must work across processes");
 
-// small and staged: the all-reduce's two paths; columns: hierarchical's intra-group phases.
-enum class ShmPath : std::uint32_t { small = 1, staged = 2, columns = 3 };
+// small and staged: the all-reduce's two paths; columns: hierarchical's intra-group phases;
+// scatter: the reduce-scatter (reduce_scatter_shm.cc).
+enum class ShmPath : std::uint32_t { small = 1, staged = 2, columns = 3, scatter = 4 };
 
 // ShmDescriptor::registered's bits.
 inline constexpr std::uint32_t kShmInputRegistered = 1, kShmOutputRegistered = 2;
@@ -172,6 +177,11 @@ struct ShmPeers {
 // buffers lie here, or, when the ranks disagree, leaves the counters where every rank expects
 // them and throws on every rank.
 ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& call);
+
+// result = sources[0] op sources[1] op ... in rank order, over `n` elements of args.dtype with
+// args.op (at least two sources); avg divides by `ranks` at the end.
+void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sources, std::size_t n,
+                    const AllreduceArgs& args, int ranks);
 
 // True on every rank when shm can run on `comm`: more than one rank, all on one host, and its
 // segment could be created (collective on first use, which creates the segment; cached).
