@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "collectives/check/consistency.h"
+#include "collectives/shm/segment.h"
 #include "core/error.h"
 
 namespace gradcomm {
@@ -81,7 +82,12 @@ void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size
   check_buffer(call, comm, recv, bytes, "recv");
   CallScope scope(comm, info_of(comm, CallKind::allgather, bytes, -1), call);
   scope.check_now();
-  if (bytes > 0) {
+  const std::string_view algorithm = comm.config().algorithm;
+  if (comm.size() > 1 &&
+      bytes * static_cast<std::size_t>(comm.size()) >= collectives::kShmGatherMinBytes &&
+      (algorithm == "auto" || algorithm == "shm") && collectives::shm_available(comm)) {
+    collectives::allgather_shm(comm, scope.context(), send, recv, bytes);
+  } else if (bytes > 0) {
     check_mpi(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm.mpi_comm()),
               "allgather: MPI_Allgather", comm.rank());
   }

@@ -2,7 +2,8 @@
 // The data-movement collectives besides broadcast and allgatherv, on bytes: gather, scatter,
 // all-to-all and the barrier. Each is checked like every front door (the call check compares
 // kind, sizes and root across ranks before any data moves, and the watchdog sees the call), and
-// runs on MPI's own collectives over the communicator's private duplicate. They serve the
+// runs on MPI's own collectives over the communicator's private duplicate (the all-gather on one
+// host through shm's segment from kShmGatherMinBytes of output). They serve the
 // torch.distributed backend, whose tensors of any dtype travel as bytes.
 
 #include <cstddef>
@@ -17,6 +18,9 @@ namespace gradcomm {
 void gather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes, int root);
 
 // Concatenates `bytes` from every rank into every rank's `recv` (size() * bytes, rank order).
+// On one host, with the communicator's algorithm `auto` or `shm`, from kShmGatherMinBytes of
+// output (kShmGatherMinBytesTwoRanks between two ranks): through shm's segment
+// (allgather_shm.cc); otherwise MPI_Allgather.
 void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes);
 
 // Concatenates counts[r] bytes from each rank r into every rank's `recv` (sum(counts), rank
@@ -37,5 +41,22 @@ void alltoallv_bytes(Communicator& comm, const void* send, std::span<const std::
 
 // Returns once every rank has called it.
 void barrier(Communicator& comm);
+
+namespace collectives {
+class CallContext;
+// Where allgather_bytes goes through shm (bytes of output, all ranks' blocks). Below it
+// MPI_Allgather is as fast: the staged lines are only read by the peers, and writing them again
+// at the next call waits for each peer's copy to be invalidated (reduce_scatter.h,
+// kShmScatterMinBytes). Between two ranks Open MPI's exchange is one copy from the peer's
+// buffer (vader's single copy), where shm's is two (into the segment, out of it), and shm
+// wins only once the blocks no longer stay in the caches: AMD EPYC, 2 ranks, shm against
+// MPI_Allgather 1.42-1.45x at 2-6 MiB, 1.08 at 8, 0.77-0.87 at 12-16, 0.62-0.70 at 64; 3 or 4
+// ranks 0.54-0.86 from 1 MiB (docs/results/reduce_scatter.md).
+inline constexpr std::size_t kShmGatherMinBytes = std::size_t{512} << 10;
+inline constexpr std::size_t kShmGatherMinBytesTwoRanks = std::size_t{16} << 20;
+// shm's all-gather (the front door has checked the arguments and compared the call).
+void allgather_shm(Communicator& comm, const CallContext& call, const void* send, void* recv,
+                   std::size_t bytes);
+}  // namespace collectives
 
 }  // namespace gradcomm

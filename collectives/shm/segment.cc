@@ -28,6 +28,8 @@ class MachineRanks : public Attachment {
 };
 
 std::string describe_descriptor(const ShmDescriptor& d) {
+  if (d.path == static_cast<std::uint32_t>(ShmPath::gather))
+    return std::to_string(d.count) + " bytes (an all-gather)";
   return std::to_string(d.count) + " x " + std::string(to_string(static_cast<DataType>(d.dtype))) +
          " " + std::string(to_string(static_cast<ReduceOp>(d.op))) +
          (d.path == static_cast<std::uint32_t>(ShmPath::scatter) ? " (a reduce-scatter)" : "");

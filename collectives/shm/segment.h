@@ -71,8 +71,8 @@ using ShmCounter = std::atomic<std::uint64_t>;
 static_assert(ShmCounter::is_always_lock_free, "counters must work across processes");
 
 // small and staged: the all-reduce's two paths; columns: hierarchical's intra-group phases;
-// scatter: the reduce-scatter (reduce_scatter_shm.cc).
-enum class ShmPath : std::uint32_t { small = 1, staged = 2, columns = 3, scatter = 4 };
+// scatter: the reduce-scatter (reduce_scatter_shm.cc); gather: the all-gather (allgather_shm.cc).
+enum class ShmPath : std::uint32_t { small = 1, staged = 2, columns = 3, scatter = 4, gather = 5 };
 
 // ShmDescriptor::registered's bits.
 inline constexpr std::uint32_t kShmInputRegistered = 1, kShmOutputRegistered = 2;

@@ -4,6 +4,7 @@
 #include "collectives/allgather.h"
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/exchange.h"
 #include "collectives/reduce_scatter.h"
 #include "collectives/registry.h"
 #include "core/communicator.h"

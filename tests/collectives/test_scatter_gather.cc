@@ -1,8 +1,11 @@
+// The two halves of FSDP's step on the host: reduce_scatter and the all-gather
+// (allgather_bytes), both through shm's segment on one host from 512 KiB.
 // reduce_scatter against a serial reference computed on every rank (dtypes, ops, counts from 0
 // to many of shm's rounds, every path: shm, the all-reduce of other algorithms, reproducible
 // mode), against the same block of an all-reduce bit for bit (shm: both reduce in rank order),
 // calls interleaved with shm all-reduces (the segment's slots and rounds shared), ranks that
-// disagree, and bad input.
+// disagree, and bad input. The all-gather: every rank's blocks on every rank, on shm's path and
+// MPI's, interleaved with the other shm calls, and ranks that disagree.
 
 #include <gmock/gmock.h>
 
@@ -13,6 +16,7 @@
 #include <vector>
 
 #include "collectives/allreduce.h"
+#include "collectives/exchange.h"
 #include "collectives/reduce_scatter.h"
 #include "core/error.h"
 #include "tests/mpi_test.h"
@@ -210,6 +214,80 @@ TEST_F(ReduceScatter, BadInputFailsBeforeAnyCommunication) {
       "overflows");
   reduce_scatter(comm, send.data(), recv.data(), 4, DataType::float32, ReduceOp::sum);
   EXPECT_EQ(recv[3], static_cast<float>(n));  // still usable
+}
+
+std::byte pattern(int rank, std::size_t i) {
+  return static_cast<std::byte>((static_cast<std::size_t>(rank) * 31 + i * 7 + i / 251) & 0xff);
+}
+
+// Every rank's block on every rank, in rank order; `bytes` per rank.
+void check_allgather(Communicator& comm, std::size_t bytes, const std::string& where) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<std::byte> send(bytes), recv(bytes * static_cast<std::size_t>(n) + 1);
+  for (std::size_t i = 0; i < bytes; ++i)
+    send[i] = pattern(me, i);
+  recv.back() = std::byte{0x5a};
+  allgather_bytes(comm, send.data(), recv.data(), bytes);
+  std::size_t wrong = 0;
+  for (int r = 0; r < n; ++r) {
+    for (std::size_t i = 0; i < bytes; ++i)
+      wrong += recv[static_cast<std::size_t>(r) * bytes + i] != pattern(r, i);
+  }
+  EXPECT_EQ(wrong, 0u) << where << ", " << bytes << " bytes per rank";
+  EXPECT_EQ(recv.back(), std::byte{0x5a}) << "written past the output";
+}
+
+class Allgather : public MpiTest {};
+
+// Both paths (MPI's below 512 KiB of output, 16 MiB between two ranks, or with algorithm mpi;
+// shm's above, in one round and in many, with odd sizes), each followed by the other shm calls
+// sharing the segment.
+TEST_F(Allgather, EveryRanksBlocksOnEveryRankOnBothPaths) {
+  Config config = world().config();
+  config.algorithm = "mpi";
+  Communicator mpi(MPI_COMM_WORLD, config);
+  Communicator& comm = world();
+  const int n = comm.size();
+  std::vector<std::size_t> sizes = {0, 1, 4093, 262147, 1000003};
+  if (n == 2) sizes.push_back(8388617);  // shm's path between two ranks: 16 MiB of output
+  for (std::size_t bytes : sizes) {
+    check_allgather(comm, bytes, "auto");
+    check_allgather(mpi, bytes, "mpi");
+    std::vector<float> send(static_cast<std::size_t>(n) * 140000, 1.0f), block(140000);
+    reduce_scatter(comm, send.data(), block.data(), block.size(), DataType::float32, ReduceOp::sum);
+    EXPECT_EQ(block[139999], static_cast<float>(n));
+    allreduce(comm, send.data(), send.data(), send.size(), DataType::float32, ReduceOp::sum);
+    EXPECT_EQ(send[0], static_cast<float>(n));
+  }
+}
+
+// An all-gather against a reduce-scatter of the same bytes, or of another size: an error on
+// every rank; the next call works.
+TEST_F(Allgather, RanksThatDisagreeFailOnEveryRank) {
+  Communicator& comm = world();
+  const int n = comm.size(), me = comm.rank();
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  const bool odd = me == n - 1;
+  const std::size_t bytes = 400000;
+  std::vector<std::byte> send(bytes), recv(bytes * static_cast<std::size_t>(n));
+  try {
+    if (odd) {
+      reduce_scatter(comm, send.data(), recv.data(), bytes / 4 / static_cast<std::size_t>(n),
+                     DataType::float32, ReduceOp::sum);
+    } else {
+      allgather_bytes(comm, send.data(), recv.data(), bytes);
+    }
+    ADD_FAILURE() << "no error for an all-gather against a reduce-scatter";
+  } catch (const MismatchError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("ranks disagree"));
+  }
+  try {
+    allgather_bytes(comm, send.data(), recv.data(), bytes - (odd ? 8 : 0));
+    ADD_FAILURE() << "no error for other sizes";
+  } catch (const MismatchError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("allgather #"));
+  }
+  check_allgather(comm, bytes, "after the errors");
 }
 
 }  // namespace

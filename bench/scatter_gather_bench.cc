@@ -1,9 +1,11 @@
-// reduce_scatter against the all-reduce of the same buffers and against the MPI's own
-// MPI_Reduce_scatter_block, float32 sum, timed call by call in turn (round after round, so the
-// machine's drift falls on all three alike); each time is the slowest rank's, each figure the
-// median over rounds, and every result is checked against the serial sum once per size.
+// FSDP's two halves on the host: reduce_scatter against the all-reduce of the same buffers and
+// against the MPI's own MPI_Reduce_scatter_block (float32 sum), and the all-gather of the blocks
+// back (allgather_bytes) against MPI_Allgather; timed in turn, round after round, so the
+// machine's drift falls on all alike. Each time is the slowest rank's, each figure the median
+// over rounds; every result is checked against the serial sum (the gathered input) once per
+// size. Sizes are the reduce-scatter's input, the all-gather's output.
 // malloc is set as gradcomm-bench sets it (docs/benchmarking.md: the MPI reuses its buffers).
-// usage: mpirun -np N gradcomm-reduce-scatter-bench [-n ROUNDS] [-a ALGORITHM] [-s BYTES]
+// usage: mpirun -np N gradcomm-scatter-gather-bench [-n ROUNDS] [-a ALGORITHM] [-s BYTES]
 // (-s: that input size alone)
 
 #include <gradcomm/gradcomm.h>
@@ -55,8 +57,9 @@ int main(int argc, char** argv) {
       std::printf(
           "# reduce_scatter(%s), %d ranks, float32 sum, median of %d rounds (slowest rank)\n",
           algorithm.c_str(), n, rounds);
-      std::printf("# %10s %14s %14s %14s %9s %9s\n", "in bytes", "reduce_scatter", "allreduce",
-                  "MPI_Red_sc_bl", "rs/ar", "rs/mpi");
+      std::printf("# %10s %14s %14s %14s %9s %9s %12s %12s %9s\n", "bytes", "reduce_scatter",
+                  "allreduce", "MPI_Red_sc_bl", "rs/ar", "rs/mpi", "allgather", "MPI_Allgath",
+                  "ag/mpi");
     }
     std::vector<std::size_t> sizes;
     for (std::size_t bytes = std::size_t{4} << 10; bytes <= (std::size_t{64} << 20); bytes *= 4)
@@ -81,7 +84,18 @@ int main(int argc, char** argv) {
                                        MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
               "MPI_Reduce_scatter_block");
       };
-      const std::function<void()> variants[] = {rs, ar, mpi};
+      std::vector<float> gathered(count * nn);
+      auto ag = [&] {
+        gradcomm::allgather_bytes(comm, send.data() + static_cast<std::size_t>(me) * count,
+                                  gathered.data(), count * sizeof(float));
+      };
+      auto mpi_ag = [&] {
+        check(MPI_Allgather(send.data() + static_cast<std::size_t>(me) * count,
+                            static_cast<int>(count), MPI_FLOAT, gathered.data(),
+                            static_cast<int>(count), MPI_FLOAT, MPI_COMM_WORLD),
+              "MPI_Allgather");
+      };
+      const std::function<void()> variants[] = {rs, ar, mpi, ag, mpi_ag};
       // Checked once: every variant's block against the serial sum.
       for (int v = 0; v < 3; ++v) {
         std::fill(block.begin(), block.end(), -1.0f);
@@ -101,10 +115,26 @@ int main(int argc, char** argv) {
           }
         }
       }
-      std::vector<double> times[3];
+      for (int v = 3; v < 5; ++v) {
+        std::fill(gathered.begin(), gathered.end(), -1.0f);
+        variants[v]();
+        for (int r = 0; r < n; ++r) {
+          for (std::size_t i = 0; i < count; ++i) {
+            const std::size_t at = static_cast<std::size_t>(r) * count + i;
+            const auto want = static_cast<float>((static_cast<std::size_t>(r) * 7 + at * 13) % 97);
+            if (gathered[at] != want) {
+              std::fprintf(stderr, "rank %d: variant %d, %zu bytes: element %zu is %g, not %g\n",
+                           me, v, bytes, at, static_cast<double>(gathered[at]),
+                           static_cast<double>(want));
+              MPI_Abort(MPI_COMM_WORLD, 1);
+            }
+          }
+        }
+      }
+      std::vector<double> times[5];
       const int calls = bytes <= (std::size_t{1} << 20) ? 20 : 3;
       for (int round = 0; round < rounds; ++round) {
-        for (int v = 0; v < 3; ++v) {
+        for (int v = 0; v < 5; ++v) {
           check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
           const auto t0 = std::chrono::steady_clock::now();
           for (int c = 0; c < calls; ++c)
@@ -120,7 +150,9 @@ int main(int argc, char** argv) {
       }
       if (me == 0) {
         const double a = median(times[0]), b = median(times[1]), c = median(times[2]);
-        std::printf("%12zu %14.1f %14.1f %14.1f %9.2f %9.2f\n", bytes, a, b, c, a / b, a / c);
+        const double d = median(times[3]), e = median(times[4]);
+        std::printf("%12zu %14.1f %14.1f %14.1f %9.2f %9.2f %12.1f %12.1f %9.2f\n", bytes, a, b, c,
+                    a / b, a / c, d, e, d / e);
         std::fflush(stdout);
       }
     }
