@@ -73,7 +73,7 @@ build() {
 # the tests whose behaviour can differ between MPI libraries. No Python, benchmarks or GPU module.
 MPICH_BUILD_DIR=${GRADCOMM_MPICH_BUILD_DIR:-$ROOT/build-mpich}
 MPICH_TARGETS=(test_consistency test_grouped_allreduce test_lifecycle test_bad_input
-               test_nonblocking test_shm test_preload gradcomm_mpi)
+               test_nonblocking test_shm test_scatter_gather test_preload gradcomm_mpi)
 # build_mpi_family DIR MPICC MPICXX MPIEXEC: those targets against another MPI.
 build_mpi_family() {
   echo "== configuring and building against $2 in $1"
@@ -105,7 +105,7 @@ build_impi() {
 }
 
 # The tests the MPI-family legs run, and at which rank counts.
-MPI_FAMILY_TESTS='(test_consistency|test_grouped_allreduce|test_lifecycle\.[a-z]+|test_bad_input|test_nonblocking|test_shm|mpi_preload[a-z_]*)\.np2$|test_lifecycle\.[a-z]+\.np3$'
+MPI_FAMILY_TESTS='(test_consistency|test_grouped_allreduce|test_lifecycle\.[a-z]+|test_bad_input|test_nonblocking|test_shm|test_scatter_gather|mpi_preload[a-z_]*)\.np2$|test_lifecycle\.[a-z]+\.np3$'
 run_mpi_family_tests() {
   (cd "$1" && GTEST_FILTER='-*GroupedWorkload*:*GroupedCompression*' \
     ctest --output-on-failure -R "$MPI_FAMILY_TESTS")
