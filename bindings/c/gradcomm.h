@@ -83,6 +83,15 @@ gradcomm_status gradcomm_grouped_allreduce(gradcomm_comm comm, void* const* buff
                                            size_t n, gradcomm_op op, const char* algorithm,
                                            size_t fusion_threshold);
 
+/* Reduces recv_count * size elements of send over all ranks with op and leaves block r
+ * (elements [r * recv_count, (r + 1) * recv_count)) in recv on rank r, as
+ * MPI_Reduce_scatter_block does. The buffers must not overlap. algorithm as for
+ * gradcomm_allreduce: on one host with "auto" or "shm" it runs shm's reduce-scatter from 512 KiB
+ * of input, otherwise that algorithm's all-reduce of the input. */
+gradcomm_status gradcomm_reduce_scatter(gradcomm_comm comm, const void* send, void* recv,
+                                        size_t recv_count, gradcomm_dtype dtype, gradcomm_op op,
+                                        const char* algorithm);
+
 /* Copies count elements of buffer on root to every rank. A buffer in GPU memory is staged
  * through pinned host memory; the call returns once it holds the data. */
 gradcomm_status gradcomm_broadcast(gradcomm_comm comm, void* buffer, size_t count,

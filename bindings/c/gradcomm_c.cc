@@ -18,6 +18,7 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/reduce_scatter.h"
 #include "core/communicator.h"
 #include "core/error.h"
 #include "packing/gradient_packer.h"
@@ -290,6 +291,17 @@ gradcomm_status gradcomm_grouped_allreduce(gradcomm_comm comm, void* const* buff
     o.algorithm = algorithm ? std::string_view(algorithm) : std::string_view();
     if (fusion_threshold > 0) o.fusion_threshold = fusion_threshold;
     gradcomm::grouped_allreduce(c, tensors, static_cast<gradcomm::ReduceOp>(op), o);
+  });
+}
+
+gradcomm_status gradcomm_reduce_scatter(gradcomm_comm comm, const void* send, void* recv,
+                                        size_t recv_count, gradcomm_dtype dtype, gradcomm_op op,
+                                        const char* algorithm) {
+  return guarded([&] {
+    gradcomm::reduce_scatter(
+        unwrap(comm, "gradcomm_reduce_scatter"), send, recv, recv_count,
+        static_cast<gradcomm::DataType>(dtype), static_cast<gradcomm::ReduceOp>(op),
+        {.algorithm = algorithm ? std::string_view(algorithm) : std::string_view()});
   });
 }
 

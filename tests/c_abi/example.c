@@ -63,6 +63,28 @@ int main(int argc, char** argv) {
         GRADCOMM_SUCCESS);
   CHECK(big == (int64_t)(size - 1) * 1000);
 
+  /* Reduce-scatter: block r of the sum on rank r, on both of its paths (an all-reduce below
+   * 512 KiB of input, shm's reduce-scatter from there where the ranks share a host). */
+  {
+    const size_t counts[2] = {3, 262147};
+    for (int c = 0; c < 2; ++c) {
+      const size_t n = counts[c];
+      float* in = malloc(sizeof(float) * n * (size_t)size);
+      float* out = malloc(sizeof(float) * n);
+      CHECK(in != NULL && out != NULL);
+      for (size_t i = 0; i < n * (size_t)size; ++i)
+        in[i] = (float)(my_rank + (int)(i % 5));
+      CHECK(gradcomm_reduce_scatter(comm, in, out, n, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL) ==
+            GRADCOMM_SUCCESS);
+      for (size_t i = 0; i < n; ++i) {
+        const size_t at = (size_t)my_rank * n + i;
+        CHECK(out[i] == (float)(size * (size - 1) / 2 + size * (int)(at % 5)));
+      }
+      free(in);
+      free(out);
+    }
+  }
+
   /* Rejected input: a status, a message naming the problem, no communication, still usable. */
   CHECK(gradcomm_allreduce(comm, x, y, 4, GRADCOMM_FLOAT32, GRADCOMM_SUM, "nope") ==
         GRADCOMM_ERROR_INVALID_ARGUMENT);
@@ -103,6 +125,10 @@ int main(int argc, char** argv) {
           "recvbuf is null");
   REJECTS(gradcomm_allreduce(comm, x, x + 1, 8, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
           "overlap partially");
+  REJECTS(gradcomm_reduce_scatter(comm, x, x, 1, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
+          "overlaps sendbuf");
+  REJECTS(gradcomm_reduce_scatter(NULL, x, y, 1, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL),
+          "comm is NULL");
   CHECK(gradcomm_allreduce(comm, NULL, NULL, 0, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL) ==
         GRADCOMM_SUCCESS); /* nothing to reduce: NULL is fine */
   REJECTS(gradcomm_comm_create_world(NULL), "out is NULL");
