@@ -22,6 +22,7 @@
 #include "collectives/allreduce_nccl.h"
 #include "collectives/broadcast.h"
 #include "collectives/exchange.h"
+#include "collectives/reduce_scatter.h"
 #include "collectives/registry.h"
 #include "core/communicator.h"
 #include "core/error.h"
@@ -229,6 +230,44 @@ class PyCommunicator {
                           {.algorithm = alg});
     }
     return p.result;
+  }
+
+  // Block rank() of the reduction of `array` (size() equal blocks) into `out` or a new 1-D array.
+  py::object reduce_scatter(const py::object& array, const std::string& op,
+                            const std::optional<std::string>& algorithm, const py::object& out) {
+    const std::string call = "reduce_scatter";
+    std::shared_ptr<Communicator> held = get();
+    Communicator& c = *held;
+    const ReduceOp rop = parse_op(op, call, c.rank());
+    View send = view_of(array, false, call, "array", c.rank());
+    const auto n = static_cast<std::size_t>(c.size());
+    if (send.count % n != 0) {
+      invalid(call,
+              "array has " + std::to_string(send.count) + " elements, not a multiple of the " +
+                  std::to_string(n) + " ranks",
+              c.rank());
+    }
+    const std::size_t block = send.count / n;
+    py::object result =
+        out.is_none()
+            ? py::object(py::array(py::dtype(send.info),
+                                   std::vector<py::ssize_t>{static_cast<py::ssize_t>(block)}))
+            : out;
+    View recv = view_of(result, true, call, "out", c.rank());
+    if (recv.dtype != send.dtype || recv.count != block) {
+      invalid(call,
+              "out has " + std::to_string(recv.count) + " elements of " +
+                  std::string(to_string(recv.dtype)) + ", a block of array is " +
+                  std::to_string(block) + " of " + std::string(to_string(send.dtype)),
+              c.rank());
+    }
+    const std::string alg = algorithm.value_or("");
+    {
+      py::gil_scoped_release release;
+      gradcomm::reduce_scatter(c, send.info.ptr, recv.info.ptr, block, send.dtype, rop,
+                               {.algorithm = alg});
+    }
+    return result;
   }
 
   // The non-blocking form: the handle keeps the arrays exported and the communicator alive.
@@ -604,6 +643,9 @@ PYBIND11_MODULE(_gradcomm, m) {
            py::arg("op") = "average", py::arg("algorithm") = py::none(),
            py::arg("fusion_threshold") = py::none())
       .def("broadcast", &PyCommunicator::broadcast, py::arg("array"), py::arg("root") = 0)
+      .def("reduce_scatter", &PyCommunicator::reduce_scatter, py::arg("array"),
+           py::arg("op") = "average", py::arg("algorithm") = py::none(),
+           py::arg("out") = py::none())
       .def("allreduce_async", &PyCommunicator::allreduce_async, py::arg("array"),
            py::arg("op") = "average", py::arg("algorithm") = py::none(),
            py::arg("out") = py::none())

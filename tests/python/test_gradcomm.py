@@ -67,6 +67,29 @@ def test_every_dtype_and_op_against_numpy(dtype, op):
     assert not failures, failures[:5]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", ["sum", "average", "max"])
+def test_reduce_scatter_against_numpy(dtype, op):
+    # Per block: 0, 1, 7 and 65537 elements (at 2+ ranks 65537 x 4+ bytes per block takes shm's
+    # reduce-scatter), with algorithm auto and ring, into a new array and into `out`.
+    for count in [0, 1, 7, 65537]:
+        for algorithm in [None, "ring"]:
+            x = values(RANK, count * SIZE, dtype, op).reshape(SIZE, count)  # any shape
+            want = reference(count * SIZE, dtype, op)[RANK * count:(RANK + 1) * count]
+            got = gradcomm.reduce_scatter(x, op=op, algorithm=algorithm)
+            assert got.dtype == np.dtype(dtype) and got.shape == (count,)
+            assert np.allclose(got.astype(np.float64), want, rtol=1e-6, atol=0), (count, algorithm)
+            into = np.empty(count, dtype=dtype)
+            assert gradcomm.reduce_scatter(x, op=op, algorithm=algorithm, out=into) is into
+            assert np.array_equal(into, got)
+    if SIZE > 1:
+        expect_error(gradcomm.InvalidArgument, "not a multiple of the",
+                     lambda: gradcomm.reduce_scatter(np.ones(SIZE * 3 + 1, dtype=np.float32)))
+    expect_error(gradcomm.InvalidArgument, "out has 2 elements",
+                 lambda: gradcomm.reduce_scatter(np.ones(SIZE * 3, dtype=np.float32),
+                                                 out=np.empty(2, dtype=np.float32)))
+
+
 def test_shapes_are_kept_and_views_work():
     x = np.arange(24, dtype=np.float32).reshape(2, 3, 4) * (RANK + 1)
     out = gradcomm.allreduce(x, op="sum")

@@ -36,7 +36,8 @@ from ._gradcomm import (  # noqa: F401
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "allreduce", "allreduce_async", "grouped_allreduce", "broadcast", "world", "Communicator", "GradientPacker",
+    "allreduce", "allreduce_async", "grouped_allreduce", "broadcast", "reduce_scatter", "world",
+    "Communicator", "GradientPacker",
     "Request", "Error", "InvalidArgument", "Unsupported", "CommError", "MismatchError", "algorithm_names",
 ]
 
@@ -120,6 +121,13 @@ def grouped_allreduce(arrays, op="average", algorithm=None, fusion_threshold=Non
     """All-reduces every array of the list in place, fused into buckets of at most
     fusion_threshold bytes (default GRADCOMM_FUSION_THRESHOLD). Returns the list."""
     return (comm or world()).grouped_allreduce(list(arrays), op, algorithm, fusion_threshold)
+
+
+def reduce_scatter(array, op="average", algorithm=None, out=None, comm=None):
+    """Reduces `array` over all ranks with op and returns block rank() of the result: the
+    array's elements split into size() equal blocks (MPI_Reduce_scatter_block), into `out` or a
+    new 1-D array. The element count must be a multiple of size()."""
+    return (comm or world()).reduce_scatter(array, op, algorithm, out)
 
 
 def broadcast(array, root=0, comm=None):
