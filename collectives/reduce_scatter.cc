@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/allreduce_algorithm.h"
 #include "collectives/allreduce_nccl.h"
 #include "collectives/check/consistency.h"
 #include "collectives/registry.h"
@@ -100,29 +101,44 @@ void reduce_scatter(Communicator& comm, const void* sendbuf, void* recvbuf, std:
     std::memcpy(recvbuf, sendbuf, block);  // avg over one rank divides by 1
     return scope.finish();
   }
-  // Below kShmScatterMinBytes shm's all-reduce is faster (reduce_scatter.h).
-  const bool shm = !comm.config().deterministic && total >= collectives::kShmScatterMinBytes &&
-                   (requested == "auto" || requested == "shm");
-  if (shm) scope.before_first_use("shm");  // the segment is made collectively on first use
-  if (shm && collectives::shm_available(comm)) {
+  // On one host: shm, its reduce-scatter from kShmScatterMinBytes, below that its all-reduce,
+  // which is faster there (reduce_scatter.h).
+  const bool shm_named =
+      !comm.config().deterministic && (requested == "auto" || requested == "shm");
+  if (shm_named) scope.before_first_use("shm");  // the segment is made collectively on first use
+  const bool on_shm = shm_named && collectives::shm_available(comm);
+  timeline::Span span("reduce_scatter", "collective");
+  if (span.on()) {
+    span.args("\"algorithm\":\"" + std::string(on_shm ? "shm" : requested) + "\",\"bytes\":" +
+              std::to_string(total) + ",\"sequence\":" + std::to_string(info.sequence));
+  }
+  if (on_shm && total >= collectives::kShmScatterMinBytes) {
     scope.start("shm", /*polls_check=*/true);
-    timeline::Span span("reduce_scatter", "collective");
-    if (span.on()) {
-      span.args("\"algorithm\":\"shm\",\"bytes\":" + std::to_string(total) +
-                ",\"sequence\":" + std::to_string(info.sequence));
-    }
     collectives::reduce_scatter_shm(comm, scope.context(), sendbuf, recvbuf, recv_count, dtype, op);
     return scope.finish();  // (no output hash: every rank's block differs)
   }
-  // Another algorithm, several hosts or reproducible mode: the all-reduce of the whole input
-  // (part of this call), then this rank's block.
-  scope.check_now();
+  // The all-reduce of the whole input as part of this call, then this rank's block.
   std::vector<std::byte>& whole = comm.attachment<ReduceScatterBuffer>().bytes;
   if (whole.size() < total) whole.resize(total);
-  AllreduceOptions inner = options;
-  inner.algorithm = requested;
-  collectives::allreduce_within(scope.context(), comm, sendbuf, whole.data(), recv_count * n, dtype,
-                                op, inner);
+  if (on_shm) {
+    // shm's all-reduce run directly under this call: its latency path's packets carry this
+    // call's fingerprint (a reduce_scatter), so they prove it as they prove an all-reduce, with
+    // no comparison round of its own.
+    collectives::AllreduceAlgorithm* algorithm =
+        comm.attachment<collectives::AlgorithmCache>().find("shm");
+    collectives::AllreduceArgs args{sendbuf, whole.data(), recv_count * n,
+                                    dtype,   op,           info.sequence};
+    scope.start("shm", algorithm->capabilities().polls_check, algorithm->proves_call(args, comm));
+    args.call = scope.context();
+    algorithm->run(args, comm);
+  } else {
+    // Another algorithm, several hosts or reproducible mode.
+    scope.check_now();
+    AllreduceOptions inner = options;
+    inner.algorithm = requested;
+    collectives::allreduce_within(scope.context(), comm, sendbuf, whole.data(), recv_count * n,
+                                  dtype, op, inner);
+  }
   std::memcpy(recvbuf, whole.data() + static_cast<std::size_t>(comm.rank()) * block, block);
   scope.finish();
 }
