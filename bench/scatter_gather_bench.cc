@@ -1,7 +1,8 @@
 // FSDP's two halves on the host: reduce_scatter against the all-reduce of the same buffers and
 // against the MPI's own MPI_Reduce_scatter_block (float32 sum), and the all-gather of the blocks
-// back (allgather_bytes) against MPI_Allgather; timed in turn, round after round, so the
-// machine's drift falls on all alike. Each time is the slowest rank's, each figure the median
+// back (allgather_bytes) against MPI_Allgather; timed in turn, round after round, each round
+// starting at the next variant, so the machine's drift and each call's effect on the next fall
+// on all alike. Each time is the slowest rank's, each figure the median
 // over rounds; every result is checked against the serial sum (the gathered input) once per
 // size. Sizes are the reduce-scatter's input, the all-gather's output.
 // malloc is set as gradcomm-bench sets it (docs/benchmarking.md: the MPI reuses its buffers).
@@ -133,8 +134,12 @@ int main(int argc, char** argv) {
       }
       std::vector<double> times[5];
       const int calls = bytes <= (std::size_t{1} << 20) ? 20 : 3;
+      // Each round starts at the next variant: a call runs faster or slower after some others
+      // (4 MiB on 2 ranks: either all-gather took 1.4-2x as long right after
+      // MPI_Reduce_scatter_block), so every variant takes every place in turn.
       for (int round = 0; round < rounds; ++round) {
-        for (int v = 0; v < 5; ++v) {
+        for (int place = 0; place < 5; ++place) {
+          const int v = (round + place) % 5;
           check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
           const auto t0 = std::chrono::steady_clock::now();
           for (int c = 0; c < calls; ++c)

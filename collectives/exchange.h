@@ -48,10 +48,10 @@ class CallContext;
 // MPI_Allgather is as fast: the staged lines are only read by the peers, and writing them again
 // at the next call waits for each peer's copy to be invalidated (reduce_scatter.h,
 // kShmScatterMinBytes). Between two ranks Open MPI's exchange is one copy from the peer's
-// buffer (vader's single copy), where shm's is two (into the segment, out of it), and shm
-// wins only once the blocks no longer stay in the caches: AMD EPYC, 2 ranks, shm against
-// MPI_Allgather 1.42-1.45x at 2-6 MiB, 1.08 at 8, 0.77-0.87 at 12-16, 0.62-0.70 at 64; 3 or 4
-// ranks 0.54-0.86 from 1 MiB (docs/results/reduce_scatter.md).
+// buffer (vader's single copy), where shm's is two (into the segment, out of it): AMD EPYC, 2
+// ranks, shm against MPI_Allgather 0.75-0.79 at 1 MiB, 1.09-1.33x at 2-8 MiB, 1.02 at 12,
+// 0.68-0.81 at 16, 0.58-0.72 at 64; 3 or 4 ranks 0.47-0.92 from 1 MiB
+// (docs/results/reduce_scatter.md).
 inline constexpr std::size_t kShmGatherMinBytes = std::size_t{512} << 10;
 inline constexpr std::size_t kShmGatherMinBytesTwoRanks = std::size_t{16} << 20;
 // shm's all-gather (the front door has checked the arguments and compared the call).
