@@ -19,8 +19,8 @@ void gather_bytes(Communicator& comm, const void* send, void* recv, std::size_t 
 
 // Concatenates `bytes` from every rank into every rank's `recv` (size() * bytes, rank order).
 // On one host, with the communicator's algorithm `auto` or `shm`, from kShmGatherMinBytes of
-// output (kShmGatherMinBytesTwoRanks between two ranks): through shm's segment
-// (allgather_shm.cc); otherwise MPI_Allgather.
+// output: through shm's segment (allgather_shm.cc) or MPI_Allgather, whichever measured faster
+// here; otherwise MPI_Allgather.
 void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes);
 
 // Concatenates counts[r] bytes from each rank r into every rank's `recv` (sum(counts), rank
@@ -44,16 +44,16 @@ void barrier(Communicator& comm);
 
 namespace collectives {
 class CallContext;
-// Where allgather_bytes goes through shm (bytes of output, all ranks' blocks). Below it
+// Where allgather_bytes may go through shm (bytes of output, all ranks' blocks). Below it
 // MPI_Allgather is as fast: the staged lines are only read by the peers, and writing them again
 // at the next call waits for each peer's copy to be invalidated (reduce_scatter.h,
-// kShmScatterMinBytes). Between two ranks Open MPI's exchange is one copy from the peer's
-// buffer (vader's single copy), where shm's is two (into the segment, out of it): AMD EPYC, 2
-// ranks, shm against MPI_Allgather 0.75-0.79 at 1 MiB, 1.09-1.33x at 2-8 MiB, 1.02 at 12,
-// 0.68-0.81 at 16, 0.58-0.72 at 64; 3 or 4 ranks 0.47-0.92 from 1 MiB
-// (docs/results/reduce_scatter.md).
+// kShmScatterMinBytes). From it, shm's all-gather and MPI_Allgather are measured against each
+// other per size class and the faster kept (select/two_paths.h). Between two ranks Open MPI's
+// exchange is one copy out of the peer's buffer, where shm's is two (into the segment, out of
+// it): AMD EPYC, 2 ranks, shm against MPI_Allgather 0.75-0.79 at 1 MiB, 1.09-1.33x at 2-8 MiB,
+// 0.68-0.81 at 16 and 64 MiB in one spell, 1.85-1.96x at 16 MiB in another; 4 ranks sharing
+// the 2 CPUs 0.46-0.92 from 1 MiB (docs/results/reduce_scatter.md).
 inline constexpr std::size_t kShmGatherMinBytes = std::size_t{512} << 10;
-inline constexpr std::size_t kShmGatherMinBytesTwoRanks = std::size_t{16} << 20;
 // shm's all-gather (the front door has checked the arguments and compared the call).
 void allgather_shm(Communicator& comm, const CallContext& call, const void* send, void* recv,
                    std::size_t bytes);

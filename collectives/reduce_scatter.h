@@ -21,7 +21,9 @@ namespace gradcomm {
 // How it runs:
 // - host buffers on one host, `auto` or `shm`, from kShmScatterMinBytes of input: shm's staged
 //   rounds, in which each rank reads only its own block from every rank's input
-//   (reduce_scatter_shm.cc): about half the time of an all-reduce of the same buffers;
+//   (reduce_scatter_shm.cc), about half the time of an all-reduce of the same buffers where the
+//   ranks' CPUs share a cache; or, where that measured slower here (select/two_paths.h: per size
+//   class, the first calls try both), shm's all-reduce and this rank's block;
 // - GPU buffers (auto, nccl): ncclReduceScatter on options.stream (allreduce_nccl.h);
 // - otherwise (smaller inputs, other host algorithms, ranks on several hosts,
 //   GRADCOMM_DETERMINISTIC=1): an all-reduce of the whole input with that algorithm into a

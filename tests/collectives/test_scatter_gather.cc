@@ -18,6 +18,7 @@
 #include "collectives/allreduce.h"
 #include "collectives/exchange.h"
 #include "collectives/reduce_scatter.h"
+#include "collectives/select/two_paths.h"
 #include "core/error.h"
 #include "tests/mpi_test.h"
 
@@ -239,18 +240,17 @@ void check_allgather(Communicator& comm, std::size_t bytes, const std::string& w
 
 class Allgather : public MpiTest {};
 
-// Both paths (MPI's below 512 KiB of output, 16 MiB between two ranks, or with algorithm mpi;
-// shm's above, in one round and in many, with odd sizes), each followed by the other shm calls
-// sharing the segment.
+// Both paths (MPI's below 512 KiB of output or with algorithm mpi; from 512 KiB shm's or MPI's,
+// whichever measured faster: see the next test), in one round and in many, with odd sizes, each
+// followed by the other shm calls sharing the segment.
 TEST_F(Allgather, EveryRanksBlocksOnEveryRankOnBothPaths) {
   Config config = world().config();
   config.algorithm = "mpi";
   Communicator mpi(MPI_COMM_WORLD, config);
   Communicator& comm = world();
   const int n = comm.size();
-  std::vector<std::size_t> sizes = {0, 1, 4093, 262147, 1000003};
-  if (n == 2) sizes.push_back(8388617);  // shm's path between two ranks: 16 MiB of output
-  for (std::size_t bytes : sizes) {
+  for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{4093}, std::size_t{262147},
+                            std::size_t{1000003}}) {
     check_allgather(comm, bytes, "auto");
     check_allgather(mpi, bytes, "mpi");
     std::vector<float> send(static_cast<std::size_t>(n) * 140000, 1.0f), block(140000);
@@ -258,6 +258,34 @@ TEST_F(Allgather, EveryRanksBlocksOnEveryRankOnBothPaths) {
     EXPECT_EQ(block[139999], static_cast<float>(n));
     allreduce(comm, send.data(), send.data(), send.size(), DataType::float32, ReduceOp::sum);
     EXPECT_EQ(send[0], static_cast<float>(n));
+  }
+}
+
+// From 512 KiB both calls try their two ways in turn for a size class, agree on the faster
+// (one MPI_Allreduce of the times) and keep it: every call of the window and after it gives the
+// right result on every rank, with other calls of other classes in between.
+TEST_F(Allgather, BothWaysAndTheChosenOneGiveEveryResult) {
+  Communicator& comm = world();
+  const int n = comm.size(), me = comm.rank();
+  const std::size_t count = 200003;  // floats per block: 800 KB x ranks
+  for (int call = 0; call < 2 * collectives::TwoPaths::kTrials + 3; ++call) {
+    check_allgather(comm, count * 4, "call " + std::to_string(call));
+    std::vector<float> send(count * static_cast<std::size_t>(n)), block(count);
+    for (std::size_t i = 0; i < send.size(); ++i)
+      send[i] = static_cast<float>((static_cast<std::size_t>(me) + i) % 7);
+    reduce_scatter(comm, send.data(), block.data(), count, DataType::float32, ReduceOp::sum);
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      float want = 0;
+      for (int r = 0; r < n; ++r)
+        want += static_cast<float>(
+            (static_cast<std::size_t>(r) + static_cast<std::size_t>(me) * count + i) % 7);
+      wrong += block[i] != want;
+    }
+    EXPECT_EQ(wrong, 0u) << "reduce_scatter call " << call;
+    std::vector<float> small(3, 1.0f);  // another class between
+    allreduce(comm, small.data(), small.data(), 3, DataType::float32, ReduceOp::sum);
+    EXPECT_EQ(small[2], static_cast<float>(n));
   }
 }
 
