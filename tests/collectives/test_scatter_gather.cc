@@ -268,7 +268,7 @@ TEST_F(Allgather, BothWaysAndTheChosenOneGiveEveryResult) {
   Communicator& comm = world();
   const int n = comm.size(), me = comm.rank();
   const std::size_t count = 200003;  // floats per block: 800 KB x ranks
-  for (int call = 0; call < 2 * collectives::TwoPaths::kTrials + 3; ++call) {
+  for (int call = 0; call < collectives::TwoPaths::kWindow + 3; ++call) {
     check_allgather(comm, count * 4, "call " + std::to_string(call));
     std::vector<float> send(count * static_cast<std::size_t>(n)), block(count);
     for (std::size_t i = 0; i < send.size(); ++i)
