@@ -2,14 +2,12 @@
 
 #include <mpi.h>
 
-#include <chrono>
 #include <climits>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "collectives/check/consistency.h"
-#include "collectives/select/two_paths.h"
 #include "collectives/shm/segment.h"
 #include "core/error.h"
 
@@ -19,12 +17,6 @@ namespace {
 using collectives::CallInfo;
 using collectives::CallKind;
 using collectives::CallScope;
-
-// Which way the all-gather takes from kShmGatherMinBytes on one host: 0 shm's, 1 MPI_Allgather.
-struct AllgatherWays : Attachment {
-  explicit AllgatherWays(Communicator&) {}
-  collectives::TwoPaths ways;
-};
 
 int int_bytes(const char* call, const Communicator& comm, std::size_t bytes, std::size_t ranks) {
   if (bytes > static_cast<std::size_t>(INT_MAX) ||
@@ -91,23 +83,15 @@ void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size
   CallScope scope(comm, info_of(comm, CallKind::allgather, bytes, -1), call);
   scope.check_now();
   const std::string_view algorithm = comm.config().algorithm;
-  const std::size_t total = bytes * static_cast<std::size_t>(comm.size());
-  // From kShmGatherMinBytes on one host: shm's all-gather or MPI_Allgather, whichever measured
-  // faster here (collectives/select/two_paths.h).
-  const bool measured = comm.size() > 1 && total >= collectives::kShmGatherMinBytes &&
-                        (algorithm == "auto" || algorithm == "shm") &&
-                        collectives::shm_available(comm);
-  collectives::TwoPaths* ways = measured ? &comm.attachment<AllgatherWays>().ways : nullptr;
-  const auto started = std::chrono::steady_clock::now();
-  if (ways && ways->pick(total) == 0) {
+  // With `shm` named, from kShmGatherMinBytes on one host: shm's all-gather (exchange.h says
+  // why only then).
+  if (algorithm == "shm" && comm.size() > 1 &&
+      bytes * static_cast<std::size_t>(comm.size()) >= collectives::kShmGatherMinBytes &&
+      collectives::shm_available(comm)) {
     collectives::allgather_shm(comm, scope.context(), send, recv, bytes);
   } else if (bytes > 0) {
     check_mpi(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm.mpi_comm()),
               "allgather: MPI_Allgather", comm.rank());
-  }
-  if (ways) {
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-    ways->took(total, took.count(), comm.mpi_comm(), call, comm.rank());
   }
   scope.finish(recv, bytes * static_cast<std::size_t>(comm.size()));
 }

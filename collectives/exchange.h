@@ -3,7 +3,7 @@
 // all-to-all and the barrier. Each is checked like every front door (the call check compares
 // kind, sizes and root across ranks before any data moves, and the watchdog sees the call), and
 // runs on MPI's own collectives over the communicator's private duplicate (the all-gather on one
-// host through shm's segment from kShmGatherMinBytes of output). They serve the
+// host through shm's segment with algorithm `shm`). They serve the
 // torch.distributed backend, whose tensors of any dtype travel as bytes.
 
 #include <cstddef>
@@ -18,9 +18,8 @@ namespace gradcomm {
 void gather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes, int root);
 
 // Concatenates `bytes` from every rank into every rank's `recv` (size() * bytes, rank order).
-// On one host, with the communicator's algorithm `auto` or `shm`, from kShmGatherMinBytes of
-// output: through shm's segment (allgather_shm.cc) or MPI_Allgather, whichever measured faster
-// here; otherwise MPI_Allgather.
+// With the communicator's algorithm `shm`, from kShmGatherMinBytes of output on one host:
+// through shm's segment (allgather_shm.cc); otherwise MPI_Allgather.
 void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes);
 
 // Concatenates counts[r] bytes from each rank r into every rank's `recv` (sum(counts), rank
@@ -44,15 +43,15 @@ void barrier(Communicator& comm);
 
 namespace collectives {
 class CallContext;
-// Where allgather_bytes may go through shm (bytes of output, all ranks' blocks). Below it
-// MPI_Allgather is as fast: the staged lines are only read by the peers, and writing them again
-// at the next call waits for each peer's copy to be invalidated (reduce_scatter.h,
-// kShmScatterMinBytes). From it, shm's all-gather and MPI_Allgather are measured against each
-// other per size class and the faster kept (select/two_paths.h). Between two ranks Open MPI's
-// exchange is one copy out of the peer's buffer, where shm's is two (into the segment, out of
-// it): AMD EPYC, 2 ranks, shm against MPI_Allgather 0.75-0.79 at 1 MiB, 1.09-1.33x at 2-8 MiB,
-// 0.68-0.81 at 16 and 64 MiB in one spell, 1.85-1.96x at 16 MiB in another; 4 ranks sharing
-// the 2 CPUs 0.46-0.92 from 1 MiB (docs/results/reduce_scatter.md).
+// Where allgather_bytes goes through shm when the communicator's algorithm is `shm` (bytes of
+// output, all ranks' blocks); otherwise it is MPI_Allgather. Not under `auto`: which is faster
+// changes with where the ranks run. The staged lines are only read by the peers, and writing
+// them again at the next call waits for each peer's copy to be invalidated, slowly between CPUs
+// that share no cache; between two ranks Open MPI's exchange is also one copy out of the peer's
+// buffer where shm's is two. AMD EPYC VM, shm against MPI_Allgather: 2 ranks 0.75-0.81 at
+// 1 MiB and 0.58-0.81 at 16-64 MiB in one spell, 1.09-1.33x at 2-8 MiB, and 1.85-1.96x at
+// 16 MiB in another; 4 ranks sharing the 2 CPUs 0.43-0.92 from 1 MiB
+// (docs/results/reduce_scatter.md).
 inline constexpr std::size_t kShmGatherMinBytes = std::size_t{512} << 10;
 // shm's all-gather (the front door has checked the arguments and compared the call).
 void allgather_shm(Communicator& comm, const CallContext& call, const void* send, void* recv,

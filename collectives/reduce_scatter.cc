@@ -3,7 +3,6 @@
 
 #include "collectives/reduce_scatter.h"
 
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -14,7 +13,6 @@
 #include "collectives/allreduce_nccl.h"
 #include "collectives/check/consistency.h"
 #include "collectives/registry.h"
-#include "collectives/select/two_paths.h"
 #include "collectives/shm/segment.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
@@ -23,13 +21,11 @@
 namespace gradcomm {
 namespace {
 
-// The whole input's all-reduce for the other paths, kept by the communicator (fresh memory is
-// expensive to touch, and a training loop makes the same call every step), and which of shm's
-// two ways is faster here from kShmScatterMinBytes: 0 its reduce-scatter, 1 its all-reduce.
-struct ReduceScatterState : Attachment {
-  explicit ReduceScatterState(Communicator&) {}
+// The whole input's all-reduce, kept by the communicator: fresh memory is expensive to touch,
+// and a training loop makes the same call every step.
+struct ReduceScatterBuffer : Attachment {
+  explicit ReduceScatterBuffer(Communicator&) {}
   std::vector<std::byte> bytes;
-  collectives::TwoPaths ways;
 };
 
 }  // namespace
@@ -105,8 +101,8 @@ void reduce_scatter(Communicator& comm, const void* sendbuf, void* recvbuf, std:
     std::memcpy(recvbuf, sendbuf, block);  // avg over one rank divides by 1
     return scope.finish();
   }
-  // On one host: shm. Below kShmScatterMinBytes its all-reduce, which is faster there; from it
-  // its reduce-scatter or its all-reduce, whichever measured faster here (reduce_scatter.h).
+  // On one host with `auto` or `shm`: shm's all-reduce of the whole input; with `shm` named,
+  // from kShmScatterMinBytes, shm's reduce-scatter (reduce_scatter.h says why only then).
   const bool shm_named =
       !comm.config().deterministic && (requested == "auto" || requested == "shm");
   if (shm_named) scope.before_first_use("shm");  // the segment is made collectively on first use
@@ -116,22 +112,13 @@ void reduce_scatter(Communicator& comm, const void* sendbuf, void* recvbuf, std:
     span.args("\"algorithm\":\"" + std::string(on_shm ? "shm" : requested) + "\",\"bytes\":" +
               std::to_string(total) + ",\"sequence\":" + std::to_string(info.sequence));
   }
-  ReduceScatterState& state = comm.attachment<ReduceScatterState>();
-  const bool measured = on_shm && total >= collectives::kShmScatterMinBytes;
-  const auto started = std::chrono::steady_clock::now();
-  auto measure = [&] {
-    if (!measured) return;
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-    state.ways.took(total, took.count(), comm.mpi_comm(), "reduce_scatter", comm.rank());
-  };
-  if (measured && state.ways.pick(total) == 0) {
+  if (on_shm && requested == "shm" && total >= collectives::kShmScatterMinBytes) {
     scope.start("shm", /*polls_check=*/true);
     collectives::reduce_scatter_shm(comm, scope.context(), sendbuf, recvbuf, recv_count, dtype, op);
-    measure();
     return scope.finish();  // (no output hash: every rank's block differs)
   }
   // The all-reduce of the whole input as part of this call, then this rank's block.
-  std::vector<std::byte>& whole = state.bytes;
+  std::vector<std::byte>& whole = comm.attachment<ReduceScatterBuffer>().bytes;
   if (whole.size() < total) whole.resize(total);
   if (on_shm) {
     // shm's all-reduce run directly under this call: its latency path's packets carry this
@@ -153,7 +140,6 @@ void reduce_scatter(Communicator& comm, const void* sendbuf, void* recvbuf, std:
                                   dtype, op, inner);
   }
   std::memcpy(recvbuf, whole.data() + static_cast<std::size_t>(comm.rank()) * block, block);
-  measure();
   scope.finish();
 }
 

@@ -63,8 +63,8 @@ int main(int argc, char** argv) {
         GRADCOMM_SUCCESS);
   CHECK(big == (int64_t)(size - 1) * 1000);
 
-  /* Reduce-scatter: block r of the sum on rank r, on both of its paths (an all-reduce below
-   * 512 KiB of input, shm's reduce-scatter from there where the ranks share a host). */
+  /* Reduce-scatter: block r of the sum on rank r, on both of its paths (an all-reduce with the
+   * default algorithm, shm's reduce-scatter with "shm" from 512 KiB of input). */
   {
     const size_t counts[2] = {3, 262147};
     for (int c = 0; c < 2; ++c) {
@@ -74,8 +74,8 @@ int main(int argc, char** argv) {
       CHECK(in != NULL && out != NULL);
       for (size_t i = 0; i < n * (size_t)size; ++i)
         in[i] = (float)(my_rank + (int)(i % 5));
-      CHECK(gradcomm_reduce_scatter(comm, in, out, n, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL) ==
-            GRADCOMM_SUCCESS);
+      CHECK(gradcomm_reduce_scatter(comm, in, out, n, GRADCOMM_FLOAT32, GRADCOMM_SUM,
+                                    c == 1 ? "shm" : NULL) == GRADCOMM_SUCCESS);
       for (size_t i = 0; i < n; ++i) {
         const size_t at = (size_t)my_rank * n + i;
         CHECK(out[i] == (float)(size * (size - 1) / 2 + size * (int)(at % 5)));

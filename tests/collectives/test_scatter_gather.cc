@@ -18,7 +18,6 @@
 #include "collectives/allreduce.h"
 #include "collectives/exchange.h"
 #include "collectives/reduce_scatter.h"
-#include "collectives/select/two_paths.h"
 #include "core/error.h"
 #include "tests/mpi_test.h"
 
@@ -240,19 +239,19 @@ void check_allgather(Communicator& comm, std::size_t bytes, const std::string& w
 
 class Allgather : public MpiTest {};
 
-// Both paths (MPI's below 512 KiB of output or with algorithm mpi; from 512 KiB shm's or MPI's,
-// whichever measured faster: see the next test), in one round and in many, with odd sizes, each
-// followed by the other shm calls sharing the segment.
+// Both paths (shm's from 512 KiB of output with algorithm shm, in one round and in many, with
+// odd sizes; MPI's below that and with auto), each followed by the other shm calls sharing the
+// segment.
 TEST_F(Allgather, EveryRanksBlocksOnEveryRankOnBothPaths) {
   Config config = world().config();
-  config.algorithm = "mpi";
-  Communicator mpi(MPI_COMM_WORLD, config);
-  Communicator& comm = world();
+  config.algorithm = "shm";
+  Communicator comm(MPI_COMM_WORLD, config);  // shm's all-gather from 512 KiB of output
+  Communicator& mpi = world();                // auto: MPI_Allgather
   const int n = comm.size();
   for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{4093}, std::size_t{262147},
                             std::size_t{1000003}}) {
-    check_allgather(comm, bytes, "auto");
-    check_allgather(mpi, bytes, "mpi");
+    check_allgather(comm, bytes, "shm");
+    check_allgather(mpi, bytes, "auto");
     std::vector<float> send(static_cast<std::size_t>(n) * 140000, 1.0f), block(140000);
     reduce_scatter(comm, send.data(), block.data(), block.size(), DataType::float32, ReduceOp::sum);
     EXPECT_EQ(block[139999], static_cast<float>(n));
@@ -261,14 +260,16 @@ TEST_F(Allgather, EveryRanksBlocksOnEveryRankOnBothPaths) {
   }
 }
 
-// From 512 KiB both calls try their two ways in turn for a size class, agree on the faster
-// (one MPI_Allreduce of the times) and keep it: every call of the window and after it gives the
-// right result on every rank, with other calls of other classes in between.
-TEST_F(Allgather, BothWaysAndTheChosenOneGiveEveryResult) {
-  Communicator& comm = world();
+// Many calls of one size on shm's paths (reduce-scatter and all-gather with algorithm shm):
+// the segment's rounds and slots go round, each call's staging after the peers read the last;
+// every call gives the right result on every rank, with a latency-path call in between.
+TEST_F(Allgather, ShmPathsCallAfterCall) {
+  Config config = world().config();
+  config.algorithm = "shm";
+  Communicator comm(MPI_COMM_WORLD, config);
   const int n = comm.size(), me = comm.rank();
   const std::size_t count = 200003;  // floats per block: 800 KB x ranks
-  for (int call = 0; call < collectives::TwoPaths::kWindow + 3; ++call) {
+  for (int call = 0; call < 10; ++call) {
     check_allgather(comm, count * 4, "call " + std::to_string(call));
     std::vector<float> send(count * static_cast<std::size_t>(n)), block(count);
     for (std::size_t i = 0; i < send.size(); ++i)
@@ -276,14 +277,14 @@ TEST_F(Allgather, BothWaysAndTheChosenOneGiveEveryResult) {
     reduce_scatter(comm, send.data(), block.data(), count, DataType::float32, ReduceOp::sum);
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < count; ++i) {
+      const std::size_t at = static_cast<std::size_t>(me) * count + i;
       float want = 0;
       for (int r = 0; r < n; ++r)
-        want += static_cast<float>(
-            (static_cast<std::size_t>(r) + static_cast<std::size_t>(me) * count + i) % 7);
+        want += static_cast<float>((static_cast<std::size_t>(r) + at) % 7);
       wrong += block[i] != want;
     }
     EXPECT_EQ(wrong, 0u) << "reduce_scatter call " << call;
-    std::vector<float> small(3, 1.0f);  // another class between
+    std::vector<float> small(3, 1.0f);
     allreduce(comm, small.data(), small.data(), 3, DataType::float32, ReduceOp::sum);
     EXPECT_EQ(small[2], static_cast<float>(n));
   }

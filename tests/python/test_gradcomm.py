@@ -71,9 +71,9 @@ def test_every_dtype_and_op_against_numpy(dtype, op):
 @pytest.mark.parametrize("op", ["sum", "average", "max"])
 def test_reduce_scatter_against_numpy(dtype, op):
     # Per block: 0, 1, 7 and 65537 elements (at 2+ ranks 65537 x 4+ bytes per block takes shm's
-    # reduce-scatter), with algorithm auto and ring, into a new array and into `out`.
+    # reduce-scatter with algorithm "shm"), with auto, ring and shm, into a new array and `out`.
     for count in [0, 1, 7, 65537]:
-        for algorithm in [None, "ring"]:
+        for algorithm in [None, "ring", "shm"]:
             x = values(RANK, count * SIZE, dtype, op).reshape(SIZE, count)  # any shape
             want = reference(count * SIZE, dtype, op)[RANK * count:(RANK + 1) * count]
             got = gradcomm.reduce_scatter(x, op=op, algorithm=algorithm)
