@@ -86,8 +86,8 @@ gradcomm_status gradcomm_grouped_allreduce(gradcomm_comm comm, void* const* buff
 /* Reduces recv_count * size elements of send over all ranks with op and leaves block r
  * (elements [r * recv_count, (r + 1) * recv_count)) in recv on rank r, as
  * MPI_Reduce_scatter_block does. The buffers must not overlap. algorithm as for
- * gradcomm_allreduce: on one host with "auto" or "shm" it runs shm's reduce-scatter from 512 KiB
- * of input, otherwise that algorithm's all-reduce of the input. */
+ * gradcomm_allreduce: that algorithm's all-reduce of the input, then the block; "shm" runs shm's
+ * own reduce-scatter from 512 KiB of input. */
 gradcomm_status gradcomm_reduce_scatter(gradcomm_comm comm, const void* send, void* recv,
                                         size_t recv_count, gradcomm_dtype dtype, gradcomm_op op,
                                         const char* algorithm);
