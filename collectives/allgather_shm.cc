@@ -29,16 +29,7 @@ void allgather_shm(Communicator& comm, const CallContext& call, const void* send
 
   // The first round's packet and descriptor say this is an all-gather: a peer in another shm
   // call of this round finds the difference and every rank throws alike.
-  SmallPacket& packet = mine.packet[first % 2];
-  packet.count = static_cast<std::uint32_t>(bytes);
-  packet.sequence = info ? static_cast<std::uint32_t>(info->sequence) : 0;
-  packet.fingerprint = call.fingerprint();
-  packet.dtype = 0;
-  packet.op = 0;
-  packet.path = static_cast<std::uint8_t>(ShmPath::gather);
-  packet.in_call = info ? 1u : 0u;
-  packet.algorithm = static_cast<std::int16_t>(info ? info->algorithm : -1);
-  packet.round.store(first, std::memory_order_release);
+  fill_packet(s, first, args, ShmPath::gather).round.store(first, std::memory_order_release);
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::gather, std::nullopt);
 
   // As the all-reduce's rounds: one slot each, or all of them where ranks share CPUs.

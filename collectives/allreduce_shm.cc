@@ -64,16 +64,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   // No gate before reusing round first - 2's halves (descriptor, packet, small slot): this rank's
   // last round, first - 1, waited until every peer had begun it, so every peer is done with them.
   const ShmPath path = bytes <= shm_small_limit(s.spin == 0) ? ShmPath::small : ShmPath::staged;
-  SmallPacket& packet = mine.packet[first % 2];
-  const CallInfo* info = args.call.info();
-  packet.count = static_cast<std::uint32_t>(args.count);  // (the staged path does not compare it)
-  packet.sequence = info ? static_cast<std::uint32_t>(info->sequence) : 0;
-  packet.fingerprint = args.call.fingerprint();
-  packet.dtype = static_cast<std::uint8_t>(args.dtype);
-  packet.op = static_cast<std::uint8_t>(args.op);
-  packet.path = static_cast<std::uint8_t>(path);
-  packet.in_call = info ? 1u : 0u;
-  packet.algorithm = static_cast<std::int16_t>(info ? info->algorithm : -1);
+  SmallPacket& packet = fill_packet(s, first, args, path);
 
   if (path == ShmPath::small) {  // latency path: one flag round, in one line where it fits
     const bool inline_data = bytes <= kShmInlineBytes;

@@ -32,16 +32,7 @@ void reduce_scatter_shm(Communicator& comm, const CallContext& call, const void*
 
   // The first round's packet and descriptor say this is a reduce-scatter: a peer in an
   // all-reduce of this round (either path) finds the difference and every rank throws alike.
-  SmallPacket& packet = mine.packet[first % 2];
-  packet.count = static_cast<std::uint32_t>(args.count);
-  packet.sequence = info ? static_cast<std::uint32_t>(info->sequence) : 0;
-  packet.fingerprint = call.fingerprint();
-  packet.dtype = static_cast<std::uint8_t>(dtype);
-  packet.op = static_cast<std::uint8_t>(op);
-  packet.path = static_cast<std::uint8_t>(ShmPath::scatter);
-  packet.in_call = info ? 1u : 0u;
-  packet.algorithm = static_cast<std::int16_t>(info ? info->algorithm : -1);
-  packet.round.store(first, std::memory_order_release);
+  fill_packet(s, first, args, ShmPath::scatter).round.store(first, std::memory_order_release);
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::scatter, std::nullopt);
 
   // As the all-reduce's rounds: one slot each, or all of them where ranks share CPUs. A round

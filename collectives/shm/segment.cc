@@ -145,6 +145,21 @@ ShmState& usable_state(Communicator& group) {
   return s;
 }
 
+SmallPacket& fill_packet(ShmState& s, std::uint64_t first, const AllreduceArgs& args,
+                         ShmPath path) {
+  SmallPacket& packet = s.control(s.rank).packet[first % 2];
+  const CallInfo* info = args.call.info();
+  packet.count = static_cast<std::uint32_t>(args.count);
+  packet.sequence = info ? static_cast<std::uint32_t>(info->sequence) : 0;
+  packet.fingerprint = args.call.fingerprint();
+  packet.dtype = static_cast<std::uint8_t>(args.dtype);
+  packet.op = static_cast<std::uint8_t>(args.op);
+  packet.path = static_cast<std::uint8_t>(path);
+  packet.in_call = info ? 1u : 0u;
+  packet.algorithm = static_cast<std::int16_t>(info ? info->algorithm : -1);
+  return packet;
+}
+
 ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
                             const std::optional<RegisteredLocation>& input,
                             const std::optional<RegisteredLocation>& output) {

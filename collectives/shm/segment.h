@@ -160,6 +160,11 @@ class ShmState : public Attachment {
 // The communicator's shm state; throws Unsupported (why) where shm cannot run.
 ShmState& usable_state(Communicator& group);
 
+// This rank's packet of round `first`, filled with the call of `args` on `path`: all but the
+// round, which the caller stores last (it is the flag). A peer on the latency path compares it
+// (the count only there: a staged path's count is in the descriptor).
+SmallPacket& fill_packet(ShmState& s, std::uint64_t first, const AllreduceArgs& args, ShmPath path);
+
 // The descriptor of this rank's call: its fingerprint (args.call), where a registered input and
 // a registered output lie.
 ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
