@@ -56,22 +56,8 @@ void allgather_shm(Communicator& comm, const CallContext& call, const void* send
       std::byte* to = recv + static_cast<std::size_t>(j) * bytes + b0;
       std::memcpy(to, j == me ? send + b0 : slot_of(j, r), m);
     }
-    mine.reduced.store(r, std::memory_order_release);  // done reading the peers' round r
-    const bool last = k + 1 == rounds;
-    // The next round's piece goes into the next slot while the peers still read this one: a
-    // peer that has staged round r + 1 has read every slot of round r and before. Where the
-    // round takes every slot, or at the call's end, the peers must first be done with it.
-    if (!last && !whole) {
-      stage_in(k + 1);
-      mine.copied.store(r + 1, std::memory_order_release);
-    } else {
-      s.wait_all(&RankControl::reduced, r, "copy-out", call);
-    }
-    mine.drained.store(r, std::memory_order_release);
-    if (!last && whole) {
-      stage_in(k + 1);
-      mine.copied.store(r + 1, std::memory_order_release);
-    }
+    end_read_round(
+        s, r, k + 1 == rounds, [&] { stage_in(k + 1); }, "copy-out", call);
   }
   s.round = first + rounds - 1;
 }

@@ -71,22 +71,8 @@ void reduce_scatter_shm(Communicator& comm, const CallContext& call, const void*
                             : slot_of(j, r) + static_cast<std::size_t>(me) * piece * es;
     }
     reduce_sources(recv + e0 * es, sources, m, args, n);
-    mine.reduced.store(r, std::memory_order_release);
-    const bool last = k + 1 == rounds;
-    // The next round's pieces go into the next slot while the peers still read this one: a peer
-    // that has staged round r + 1 has read every slot of round r - 1 and before. Where the round
-    // takes every slot, or at the call's end, the peers must first be done with this round.
-    if (!last && !whole) {
-      stage_in(k + 1);
-      mine.copied.store(r + 1, std::memory_order_release);
-    } else {
-      s.wait_all(&RankControl::reduced, r, "reduce", call);
-    }
-    mine.drained.store(r, std::memory_order_release);
-    if (!last && whole) {
-      stage_in(k + 1);
-      mine.copied.store(r + 1, std::memory_order_release);
-    }
+    end_read_round(
+        s, r, k + 1 == rounds, [&] { stage_in(k + 1); }, "reduce", call);
   }
   s.round = first + rounds - 1;
 }

@@ -165,6 +165,32 @@ ShmState& usable_state(Communicator& group);
 // (the count only there: a staged path's count is in the descriptor).
 SmallPacket& fill_packet(ShmState& s, std::uint64_t first, const AllreduceArgs& args, ShmPath path);
 
+// The end of this rank's round r of a staged call whose peers only read its slot (the
+// reduce-scatter, the all-gather), once it has read its peers' round r: marks it `reduced`, and
+// unless `last` stages the next round (`stage_next`) and marks it `copied`. The next round goes
+// into the next slot while the peers may still read this one: every peer has staged round r,
+// so it has read round r - 1 and before, and slot r + 1 was last used by round r + 1 -
+// kShmStageSlots. Where a round takes every slot (spin 0), or at the call's end, this rank first
+// waits until every peer is done with round r.
+template <class StageNext>
+void end_read_round(ShmState& s, std::uint64_t r, bool last, StageNext&& stage_next,
+                    const char* stage_name, const CallContext& call) {
+  RankControl& mine = s.control(s.rank);
+  const bool whole = s.spin == 0;
+  mine.reduced.store(r, std::memory_order_release);
+  if (!last && !whole) {
+    stage_next();
+    mine.copied.store(r + 1, std::memory_order_release);
+  } else {
+    s.wait_all(&RankControl::reduced, r, stage_name, call);
+  }
+  mine.drained.store(r, std::memory_order_release);
+  if (!last && whole) {
+    stage_next();
+    mine.copied.store(r + 1, std::memory_order_release);
+  }
+}
+
 // The descriptor of this rank's call: its fingerprint (args.call), where a registered input and
 // a registered output lie.
 ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
