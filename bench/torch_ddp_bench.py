@@ -13,6 +13,9 @@ variants' steps alternated so all see the same machine state:
   torch-ddp-gradcomm  torch.nn.parallel.DistributedDataParallel on the gradcomm backend
                  (torch.distributed's "gradcomm": the same DDP as torch-ddp, another backend)
   torch-ddp-nccl torch's DDP on torch's own nccl backend (--device cuda)
+  torch-ddp-gradcomm-registered  the same with DDP_DISABLE_COMM_MEM=0 (torch 2.x): DDP takes its
+                 buckets from the backend, which gives them gradcomm's registered memory (shm
+                 reduces them in place); -bucket-view adds gradient_as_bucket_view=True
 
 With --device cuda (torch 2.x on a GPU machine) the model and batches live on the GPU and a step
 ends with torch.cuda.synchronize(); run compute,torch-ddp-nccl,torch-ddp-gradcomm there (the
@@ -39,6 +42,7 @@ batch 32 per rank: with Debian's torch (generic BLAS, one thread) its backward t
 """
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -142,6 +146,22 @@ def sgd(params):  # (no momentum for sparse gradients)
     return torch.optim.SGD(params, lr=1e-3, momentum=0 if args.model == "embedding" else 0.9)
 
 
+@contextlib.contextmanager
+def bucket_memory(name):
+    """DDP asks the backend for its bucket memory where DDP_DISABLE_COMM_MEM=0, when it makes
+    its buckets (at construction, and again at its second step): set for the -registered
+    variants while they build and step, unset for the others."""
+    saved = os.environ.get("DDP_DISABLE_COMM_MEM")
+    os.environ["DDP_DISABLE_COMM_MEM"] = "0" if "-registered" in name else "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DDP_DISABLE_COMM_MEM")
+        else:
+            os.environ["DDP_DISABLE_COMM_MEM"] = saved
+
+
 runs = {}
 for name in variants:
     model = make_model().to(device)
@@ -197,13 +217,15 @@ for name in variants:
             init_gloo()
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         runs[name] = (ddp, sgd(ddp.parameters()))
-    elif name in ("torch-ddp-gradcomm", "torch-ddp-nccl"):
+    elif name in ("torch-ddp-gradcomm", "torch-ddp-nccl", "torch-ddp-gradcomm-registered",
+                  "torch-ddp-gradcomm-registered-bucket-view"):
         if not dist.is_initialized():
             init_gloo()
-        group = dist.new_group(backend=name[len("torch-ddp-"):])
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
-                                                        process_group=group,
-                                                        device_ids=device_ids)
+        group = dist.new_group(backend=name.split("-")[2])
+        with bucket_memory(name):
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=args.bucket_cap_mb, process_group=group,
+                device_ids=device_ids, gradient_as_bucket_view=name.endswith("-bucket-view"))
         runs[name] = (ddp, sgd(ddp.parameters()))
     else:
         raise SystemExit(f"unknown variant {name}")
@@ -236,11 +258,13 @@ for step in range(args.warmup + args.steps):
             real_hvd.init()
         if args.lead_in:  # untimed: the timed step follows a step of its own variant
             world.Barrier()
-            train_step(model, opt)
+            with bucket_memory(name):
+                train_step(model, opt)
         world.Barrier()
-        t0 = time.perf_counter()
-        train_step(model, opt)
-        elapsed = time.perf_counter() - t0
+        with bucket_memory(name):
+            t0 = time.perf_counter()
+            train_step(model, opt)
+            elapsed = time.perf_counter() - t0
         if name.endswith("-no-negotiator"):
             hvd._negotiator(hvd.world())
         if name == "horovod-scoped":
@@ -276,10 +300,11 @@ if rank == 0:
             exposed = max(0.0, (med[name] - med["compute"]) / med[name])
             line += f"  exposed comm {100 * exposed:5.1f}%"
             entry["exposed"] = exposed
-        if "torch-ddp-nccl" in med and name == "torch-ddp-gradcomm":
+        if "torch-ddp-nccl" in med and name.startswith("torch-ddp-gradcomm"):
             line += f"  / torch-ddp-nccl {med[name] / med['torch-ddp-nccl']:.2f}"
             entry["vs_torch_ddp_nccl"] = med[name] / med["torch-ddp-nccl"]
-        if "torch-ddp" in med and (name.startswith("gradcomm") or name == "torch-ddp-gradcomm"):
+        if "torch-ddp" in med and (name.startswith("gradcomm") or
+                                  name.startswith("torch-ddp-gradcomm")):
             line += f"  / torch-ddp {med[name] / med['torch-ddp']:.2f}"
             entry["vs_torch_ddp"] = med[name] / med["torch-ddp"]
         reference = "horovod" if "horovod" in med else "horovod-scoped"

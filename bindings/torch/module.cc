@@ -18,6 +18,9 @@ PYBIND11_MODULE(GRADCOMM_TORCH_MODULE_NAME, m) {
   // torch.distributed registers c10d's types (ProcessGroup or Backend, Store) with pybind11.
   py::module_::import("torch.distributed");
   m.attr("torch_version") = TORCH_VERSION;
+  // Whether torch's DDP can take its host buckets from gradcomm's registered memory
+  // (ProcessGroupGradcomm::allocateTensor; torch asks only where DDP_DISABLE_COMM_MEM=0).
+  m.attr("allocates_buckets") = static_cast<bool>(GRADCOMM_TORCH_TENSOR_ALLOC);
   py::class_<ProcessGroupGradcomm, BackendBase, c10::intrusive_ptr<ProcessGroupGradcomm>>(
       m, "ProcessGroupGradcomm")
       .def("algorithm",

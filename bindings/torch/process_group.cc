@@ -1677,6 +1677,41 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::barrier(const c10d::Barrier
       async_op(opts));
 }
 
+#if GRADCOMM_TORCH_TENSOR_ALLOC
+bool ProcessGroupGradcomm::supportsTensorAlloc(c10::DeviceIndex device) {
+  // torch passes its options' device index: -1 for the host (a CUDA bucket's index is its
+  // device's). allocateTensor gives a device's tensors torch's own memory anyway.
+  return device < 0;
+}
+
+at::Tensor ProcessGroupGradcomm::allocateTensor(long size, at::TensorOptions options) {
+  const std::string call = "allocateTensor";
+  if (size < 0) invalid(call, rank_, "size " + std::to_string(size) + " is negative");
+  options = options.requires_grad(false);
+  if (options.device().type() != c10::DeviceType::CPU) return at::empty({size}, options);
+  const auto bytes =
+      static_cast<std::size_t>(size) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  std::unique_ptr<RegisteredBuffer> buffer;
+  Communicator& comm = *comm_;
+  comm.engine().run_exclusive([&] {
+    // The call check first, as a call of its own kind: Communicator::allocate compares the sizes
+    // with MPI, which a rank making another collective would never meet.
+    std::int64_t asked = static_cast<std::int64_t>(bytes);
+    {
+      const collectives::CallAnnotation note(-1, -1, collectives::CallKind::allocate);
+      gradcomm::allreduce(comm, &asked, &asked, 1, DataType::int64, ReduceOp::max);
+    }
+    buffer = std::make_unique<RegisteredBuffer>(comm.allocate(bytes));  // throws on other sizes
+  });
+  if (!*buffer) return at::empty({size}, options);
+  void* data = buffer->data();
+  // The memory goes with the tensor's storage (released without communicating, on any thread).
+  return at::from_blob(
+      data, {size}, [held = std::shared_ptr<RegisteredBuffer>(std::move(buffer))](void*) {},
+      options);
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending,
                                                                     at::Tensor& tensor, int peer,
                                                                     int tag) {

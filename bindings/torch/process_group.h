@@ -207,6 +207,17 @@ class ProcessGroupGradcomm : public BackendBase {
       const c10d::ReduceScatterOptions& opts) override;
 #endif
 
+#if GRADCOMM_TORCH_TENSOR_ALLOC
+  // torch's DDP (2.x, where DDP_DISABLE_COMM_MEM=0) asks the group for its gradient buckets.
+  // Host buckets come from gradcomm's registered memory (Communicator::allocate), so shm
+  // reduces them in place, as gradcomm's own DDP does its buckets. Collective: every rank asks
+  // in the same order with the same size (DDP's buckets are the same on every rank), behind the
+  // group's earlier calls; a rank whose next call is another collective, or another size, gets
+  // an error on every rank. Other devices get torch's own memory.
+  bool supportsTensorAlloc(c10::DeviceIndex device) override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options) override;
+#endif
+
   // The number of collectives submitted on this rank so far. torch's ProcessGroupWrapper
   // (TORCH_DISTRIBUTED_DEBUG=DETAIL) sets it when it wraps the group and compares it between
   // ranks before each call, as it does gloo's. Every rank starts at 0, so they agree.

@@ -52,6 +52,8 @@ std::string_view to_string(CallKind kind) {
       return "reduce_scatter";
     case CallKind::reduce:
       return "reduce";
+    case CallKind::allocate:
+      return "allocate";
   }
   return "collective";
 }

@@ -23,7 +23,8 @@ enum class CallKind : std::uint8_t {
   alltoall = 8,
   barrier = 9,
   reduce_scatter = 10,
-  reduce = 11,  // an all-reduce whose result one rank keeps (a front end's, CallAnnotation)
+  reduce = 11,    // an all-reduce whose result one rank keeps (a front end's, CallAnnotation)
+  allocate = 12,  // the check before a front end's collective allocation (CallAnnotation)
 };
 std::string_view to_string(CallKind kind);
 
@@ -50,7 +51,10 @@ struct CallInfo {
 //   (the call is then described and compared as a reduce), -1 for none;
 // - `as`, for an all-reduce that runs another collective whose result each rank takes part of
 //   (torch's reduce_scatter on host tensors: CallKind::reduce_scatter), so that it disagrees
-//   with a plain all-reduce of the same size on another rank; CallKind::allreduce for none;
+//   with a plain all-reduce of the same size on another rank; CallKind::allocate for the
+//   all-reduce that checks a front end's collective allocation (torch's DDP buckets), so that
+//   a rank whose next call is another collective gets a MismatchError, not a hang;
+//   CallKind::allreduce for none;
 // - `list`, for a call that is one of a front end's coalesced list of calls (torch's
 //   all_gather_coalesced), a hash of the whole list, 0 for none: ranks whose lists differ in
 //   length or shapes then disagree at the list's first call. Without it the rank with the

@@ -787,3 +787,89 @@ def test_tensors_that_require_grad():
     dist.all_gather(out, torch.full((5,), float(RANK)))
     assert [o[0].item() for o in out] == [float(r) for r in range(SIZE)]
     assert all(o.grad_fn is None for o in out)
+
+
+# --- DDP's buckets in gradcomm's registered memory (torch 2.x, DDP_DISABLE_COMM_MEM=0) ----------
+ALLOCATES = gradcomm.torch._c10d.compiled().allocates_buckets
+
+
+def shared_mapping(tensor):
+    """The file behind the mapping holding `tensor`'s data ('[heap]', a /dev/shm path, ...)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return " ".join(fields[5:])
+    return None
+
+
+def registered(tensor):
+    return "/dev/shm/gradcomm-" in (shared_mapping(tensor) or "")
+
+
+def cpu_backend():
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not ALLOCATES, reason="this torch's DDP cannot ask a backend for buckets")
+def test_allocate_tensor_gives_registered_memory_every_rank_reduces_in_place():
+    backend = cpu_backend()
+    assert backend.supports_tensor_alloc(torch.device("cpu"))
+    for dtype, count in ((torch.float32, 100003), (torch.float64, 7), (torch.bfloat16, 1)):
+        t = backend.allocate_tensor(count, dtype=dtype, device=torch.device("cpu"))
+        assert t.shape == (count,) and t.dtype == dtype and registered(t)
+        t.copy_(values(RANK, dtype, count))
+        dist.all_reduce(t)
+        check(t, expected(R.SUM, dtype, count), dtype)
+        del t  # freed without communicating
+    assert backend.allocate_tensor(0, dtype=torch.float32, device=torch.device("cpu")).numel() == 0
+
+
+@pytest.mark.skipif(not ALLOCATES, reason="this torch's DDP cannot ask a backend for buckets")
+def test_allocations_that_differ_fail_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    backend = cpu_backend()
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="different sizes"):
+        backend.allocate_tensor(64 + RANK, dtype=torch.float32, device=cpu)
+    # An allocation on one rank against another collective on the others: an error on every
+    # rank, not a hang (the allocation compares the sizes with MPI, which nothing else meets).
+    with pytest.raises(RuntimeError, match=r"kind of call.*differ.*allocate #"):
+        if RANK == 0:
+            backend.allocate_tensor(8, dtype=torch.float32, device=cpu)
+        else:
+            dist.all_reduce(torch.ones(1, dtype=torch.int64), op=R.MAX)
+    with pytest.raises(RuntimeError, match="negative"):
+        backend.allocate_tensor(-1, dtype=torch.float32, device=cpu)
+    t = torch.full((10,), 1.0)
+    dist.all_reduce(t)  # the group is still usable
+    assert torch.all(t == SIZE)
+
+
+@pytest.mark.skipif(not ALLOCATES, reason="this torch's DDP cannot ask a backend for buckets")
+@pytest.mark.parametrize("case", ["plain", "bucket_view", "unused"])
+def test_ddp_buckets_in_registered_memory_match_gloo(case, monkeypatch):
+    """With DDP_DISABLE_COMM_MEM=0, torch's DDP takes its buckets from the backend (at
+    construction, and again when it rebuilds them after the first step): every bucket it reduces
+    lies in gradcomm's registered memory, and training ends where DDP over gloo does. (DDP makes
+    the same buckets on every rank: one at construction, then rank 0's plan; ranks that would
+    ask for others fail as test_allocations_that_differ_fail_on_every_rank shows.)"""
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(registered(bucket.buffer()))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    kwargs = {"plain": {}, "bucket_view": {"gradient_as_bucket_view": True},
+              "unused": {"find_unused": True}}[case]
+    monkeypatch.setenv("DDP_DISABLE_COMM_MEM", "0")
+    ours = flat(train(None, hook=hook, **kwargs))
+    assert seen and all(seen), f"buckets outside registered memory: {seen}"
+    seen.clear()
+    theirs = flat(train(GLOO, hook=hook, **kwargs))  # gloo's buckets: torch's own memory
+    assert seen and not any(seen)
+    assert same_on_every_rank(ours), "replicas differ across ranks"
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
