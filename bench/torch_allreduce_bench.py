@@ -5,6 +5,9 @@ call (no torch in between), in one run, rounds alternated, results checked:
   gradcomm        dist.all_reduce on a gradcomm group (the torch.distributed backend)
   gradcomm-native gradcomm's C++ all-reduce through its Python module (the same communicator
                   kind, no c10d, no progress engine)
+  gradcomm-registered  dist.all_reduce on the gradcomm group of a tensor the backend allocated
+                  (allocate_tensor, torch 2.x: gradcomm's registered memory, where torch's DDP
+                  keeps its buckets with DDP_DISABLE_COMM_MEM=0; shm reduces it in place)
   nccl            dist.all_reduce on torch's own nccl backend (--device cuda)
   gradcomm-nonblocking  the gradcomm backend with GRADCOMM_NCCL_BLOCKING=0 (--device cuda): its
                   NCCL communicator non-blocking, as gradcomm made them before 2026-11-28
@@ -57,7 +60,7 @@ device = bench_device(args.device, rank)
 default_variants = "nccl,gradcomm" if cuda else "gloo,gradcomm,gradcomm-native"
 variants = (args.variants or default_variants).split(",")
 dist.init_process_group("gradcomm")
-groups = {"gradcomm": dist.group.WORLD}
+groups = {"gradcomm": dist.group.WORLD, "gradcomm-registered": dist.group.WORLD}
 if "gradcomm-nonblocking" in variants:  # a group's settings are read when it is made
     os.environ["GRADCOMM_NCCL_BLOCKING"] = "0"
     groups["gradcomm-nonblocking"] = dist.new_group(backend="gradcomm")
@@ -93,10 +96,16 @@ for size_bytes in [parse(s) for s in args.sizes.split(",")]:
     base = (torch.arange(n, dtype=torch.float32) % 7 + rank).to(device)
     want = ((torch.arange(n, dtype=torch.float32) % 7) * size + size * (size - 1) / 2).to(device)
     t = torch.empty(n, device=device)
+    tensors = {v: t for v in variants}
+    if "gradcomm-registered" in variants:  # collective: every rank allocates here
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        tensors["gradcomm-registered"] = backend.allocate_tensor(n, dtype=torch.float32,
+                                                                 device=torch.device("cpu"))
     rounds = {v: [] for v in variants}
     for r in range(args.rounds):
         order = variants if r % 2 == 0 else variants[::-1]
         for name in order:
+            t = tensors[name]
             t.copy_(base)
             call(name, t)  # the lead-in
             times = []
@@ -132,6 +141,10 @@ for size_bytes in [parse(s) for s in args.sizes.split(",")]:
             row["nonblocking_over_nccl"] = (row["gradcomm-nonblocking"]["median_us"] /
                                             row["nccl"]["median_us"])
             line += f"  nonblocking/nccl {row['nonblocking_over_nccl']:.2f}"
+        if "gradcomm-registered" in row and "gradcomm" in row:
+            row["registered_over_gradcomm"] = (row["gradcomm-registered"]["median_us"] /
+                                               row["gradcomm"]["median_us"])
+            line += f"  registered/gradcomm {row['registered_over_gradcomm']:.2f}"
         if "gradcomm-native" in row and "gradcomm" in row:
             row["gradcomm_over_native"] = (row["gradcomm"]["median_us"] /
                                            row["gradcomm-native"]["median_us"])
@@ -144,5 +157,6 @@ if rank == 0 and args.json:
                             "results": results}) + "\n")
 # The groups go while this thread still holds the tensors their workers last used: a gloo worker
 # that dropped the last reference to one at interpreter exit would need the GIL then (an abort).
+tensors.clear()
 groups.clear()
 dist.destroy_process_group()
