@@ -1701,7 +1701,15 @@ at::Tensor ProcessGroupGradcomm::allocateTensor(long size, at::TensorOptions opt
       const collectives::CallAnnotation note(-1, -1, collectives::CallKind::allocate);
       gradcomm::allreduce(comm, &asked, &asked, 1, DataType::int64, ReduceOp::max);
     }
-    buffer = std::make_unique<RegisteredBuffer>(comm.allocate(bytes));  // throws on other sizes
+    try {
+      buffer = std::make_unique<RegisteredBuffer>(comm.allocate(bytes));  // throws on other sizes
+    } catch (const CommError& error) {
+      // No shared segment (every rank throws alike): a /dev/shm too small for the buckets, as
+      // containers' often are. DDP gets torch's memory, and shm copies the bucket in and out.
+      TORCH_WARN("gradcomm: DDP's bucket of ", bytes,
+                 " bytes is in torch's memory, not gradcomm's registered memory: ", error.what());
+      buffer = std::make_unique<RegisteredBuffer>();
+    }
   });
   if (!*buffer) return at::empty({size}, options);
   void* data = buffer->data();
