@@ -15,6 +15,7 @@
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
 #include "collectives/exchange.h"
+#include "collectives/reduce_scatter.h"
 #include "core/error.h"
 #include "core/gpu_runtime.h"
 #include "core/half.h"
@@ -54,6 +55,8 @@ std::string_view kind_name(NegotiatedKind kind) {
       return "barrier";
     case NegotiatedKind::join:
       return "join";
+    case NegotiatedKind::reducescatter:
+      return "reducescatter";
   }
   return "?";
 }
@@ -325,6 +328,19 @@ std::shared_ptr<NegotiatedState> Negotiator::submit(NegotiatedCall call) {
                                         "alltoall needs one split per rank (" +
                                             std::to_string(call.splits.size()) + " for " +
                                             std::to_string(size_) + " ranks)"));
+  }
+  if (call.kind == NegotiatedKind::reducescatter) {
+    std::uint64_t total = 0;
+    for (std::uint64_t share : call.splits)
+      total += share;
+    if (call.splits.size() != static_cast<std::size_t>(size_) || total != call.count) {
+      throw InvalidArgument(error_message(
+          name, rank_,
+          "reducescatter needs each of the " + std::to_string(size_) +
+              " ranks' share, summing to the count (" + std::to_string(call.splits.size()) +
+              " shares summing to " + std::to_string(total) + " for " + std::to_string(call.count) +
+              " elements)"));
+    }
   }
   if (call.device && (call.kind != NegotiatedKind::allreduce || call.prescale != 1.0 ||
                       call.postscale != 1.0 || call.gpu < 0)) {
@@ -679,10 +695,11 @@ void Negotiator::run_ready(std::vector<Entry*>& ready) {
     const std::string who = "rank" + std::string(standing_in.size() > 1 ? "s " : " ") +
                             rank_list(standing_in) + " joined";
     if (first->kind == NegotiatedKind::alltoall) {
-      e->error = std::make_exception_ptr(MismatchError("'" + e->name + "': " + who +
-                                                       "; alltoall cannot run while ranks have "
-                                                       "joined (only allreduce, allgather, "
-                                                       "broadcast and barrier can)"));
+      e->error =
+          std::make_exception_ptr(MismatchError("'" + e->name + "': " + who +
+                                                "; alltoall cannot run while ranks have "
+                                                "joined (only allreduce, allgather, reducescatter, "
+                                                "broadcast and barrier can)"));
     } else if (first->kind == NegotiatedKind::broadcast &&
                !e->offers[static_cast<std::size_t>(first->root)]) {
       e->error = std::make_exception_ptr(MismatchError(
@@ -998,6 +1015,40 @@ void Negotiator::run_one(Entry& e, NegotiatedState* mine) {
         std::vector<std::size_t> send(splits.begin(), splits.end());
         std::vector<std::size_t> recv(counts.begin(), counts.end());
         alltoallv_bytes(*data_, mine->call.data, send, result.data(), recv);
+        break;
+      }
+      case NegotiatedKind::reducescatter: {
+        const DataType dtype = first->dtype;
+        const std::size_t bytes = element_size(dtype);
+        const auto& shares = first->splits;  // the same on every rank (the shape decides them)
+        std::size_t before = 0;
+        for (int r = 0; r < rank_; ++r)
+          before += shares[static_cast<std::size_t>(r)];
+        const std::size_t share = shares[static_cast<std::size_t>(rank_)];
+        // The input: the caller's (never written), a prescaled copy of it, or a joined rank's
+        // neutral values.
+        const void* input = mine ? mine->call.data : nullptr;
+        if (!mine || mine->call.prescale != 1.0) {
+          if (scratch_.size() < first->count * bytes) scratch_.resize(first->count * bytes);
+          if (mine) {
+            if (first->count > 0) std::memcpy(scratch_.data(), input, first->count * bytes);
+            scale(scratch_.data(), first->count, dtype, mine->call.prescale);
+          } else {
+            fill_neutral(scratch_.data(), first->count, dtype, first->op);
+          }
+          input = scratch_.data();
+        }
+        result.resize(share * bytes);
+        if (std::all_of(shares.begin(), shares.end(), [&](auto s) { return s == shares[0]; })) {
+          reduce_scatter(*data_, input, result.data(), share, dtype, first->op);
+        } else {  // the whole reduction, of which this rank keeps its share
+          if (whole_.size() < first->count * bytes) whole_.resize(first->count * bytes);
+          allreduce(*data_, input, whole_.data(), first->count, dtype, first->op);
+          if (share > 0) std::memcpy(result.data(), whole_.data() + before * bytes, share * bytes);
+        }
+        if (mine) scale(result.data(), share, dtype, mine->call.postscale);
+        counts.assign(shares.begin(), shares.end());
+        if (!mine) result.clear();
         break;
       }
       case NegotiatedKind::join: {

@@ -45,6 +45,10 @@ enum class NegotiatedKind : std::uint8_t {
   alltoall = 4,   // this rank sends splits[j] bytes to rank j, consecutive at `data`
   barrier = 5,
   join = 6,  // this rank has no more data: it stands in for the others' operations
+  // `data`: this rank's `count` elements of `dtype` (read, never written), reduced with `op`
+  // across the ranks (scaled as an allreduce's); the result holds this rank's share, the
+  // splits[rank] elements after the shares of the ranks before it (Horovod's reducescatter)
+  reducescatter = 7,
 };
 
 struct NegotiatedCall {
@@ -78,7 +82,7 @@ struct NegotiatedCall {
   // broadcast: the receivers do not know the size; the root's `count` decides, and the bytes
   // land in the result (the root's stay at `data`).
   bool sized_by_root = false;
-  std::vector<std::uint64_t> splits;  // alltoall
+  std::vector<std::uint64_t> splits;  // alltoall (bytes); reducescatter (each rank's elements)
 };
 
 // One submitted operation: filled in by the negotiation thread, then `done` is set.
@@ -153,6 +157,7 @@ class Negotiator {
   int quiet_cycles_ = 0;            // consecutive cycles in which nothing happened
   bool recording_ = false;          // a wait is on the watchdog's recorder
   std::vector<std::byte> scratch_;  // joined ranks' stand-in buffers
+  std::vector<std::byte> whole_;    // a reducescatter of uneven shares: the whole reduction
   struct DeviceBuffers;             // the GPU all-reduces' stream and buffers
   std::unique_ptr<DeviceBuffers> device_;
   std::atomic<int> last_gpu_{-1};    // the device of this rank's last GPU all-reduce submitted

@@ -20,9 +20,13 @@ namespace {
 
 NegotiatedKind parse_kind(const std::string& kind, int rank) {
   static const std::pair<const char*, NegotiatedKind> kinds[] = {
-      {"allreduce", NegotiatedKind::allreduce}, {"broadcast", NegotiatedKind::broadcast},
-      {"allgather", NegotiatedKind::allgather}, {"alltoall", NegotiatedKind::alltoall},
-      {"barrier", NegotiatedKind::barrier},     {"join", NegotiatedKind::join}};
+      {"allreduce", NegotiatedKind::allreduce},
+      {"broadcast", NegotiatedKind::broadcast},
+      {"allgather", NegotiatedKind::allgather},
+      {"alltoall", NegotiatedKind::alltoall},
+      {"barrier", NegotiatedKind::barrier},
+      {"join", NegotiatedKind::join},
+      {"reducescatter", NegotiatedKind::reducescatter}};
   for (const auto& [name, value] : kinds) {
     if (kind == name) return value;
   }

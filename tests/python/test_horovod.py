@@ -148,6 +148,62 @@ def test_allgather_objects_and_barrier():
     assert uint8.tolist() == [[r, r] for r in range(SIZE) for _ in range(2)]
 
 
+def split_rows(rows):
+    """Horovod's split of a first dimension: the first rows % SIZE ranks one row more."""
+    per, extra = divmod(rows, SIZE)
+    return [per + (r < extra) for r in range(SIZE)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reducescatter_every_form(dtype):
+    """Sum and Average (with Horovod's scale arithmetic: input_of's values scaled by 2 and 0.5
+    stay exact), blocking, async and grouped, against the reference; this rank keeps its rows."""
+    for rows in (0, 1, SIZE, 2 * SIZE + 1, 101):
+        x = input_of(RANK, rows * 3, dtype).view(rows, 3)
+        before = x.clone()
+        start = sum(split_rows(rows)[:RANK])
+        mine = slice(start, start + split_rows(rows)[RANK])
+        for op in (hvd.Sum, hvd.Average):
+            want = reference(op, rows * 3, dtype).view(rows, 3)[mine]
+            out = hvd.reducescatter(x, op=op)
+            assert out.dtype == dtype and out.shape == want.shape and close(out, want), (rows, op)
+            out = hvd.synchronize(hvd.reducescatter_async(x, name=f"rs.{rows}.{op}", op=op,
+                                                          prescale_factor=2.0,
+                                                          postscale_factor=0.5))
+            assert close(out, want), (rows, op, "scaled")
+        assert torch.equal(x, before)  # the input is not written
+    a, b = input_of(RANK, 7, dtype), input_of(RANK, 4 * SIZE, dtype).view(2 * SIZE, 2)
+    outs = hvd.grouped_reducescatter([a, b], op=hvd.Sum)
+    assert close(outs[0], reference(hvd.Sum, 7, dtype)[sum(split_rows(7)[:RANK]):][
+        :split_rows(7)[RANK]])
+    assert close(outs[1], reference(hvd.Sum, 4 * SIZE, dtype).view(2 * SIZE, 2)[
+        2 * RANK:2 * RANK + 2])
+    handle = hvd.grouped_reducescatter_async([a, b], name="grs", op=hvd.Sum)
+    assert all(close(p, q) for p, q in zip(hvd.synchronize(handle), outs))
+    rows = [input_of(RANK, 2 * RANK, dtype).view(RANK, 2), input_of(RANK, 1, dtype)]
+    gathered = hvd.grouped_allgather(rows)
+    assert torch.equal(gathered[0], torch.cat([input_of(r, 2 * r, dtype).view(r, 2)
+                                               for r in range(SIZE)]))
+    assert torch.equal(gathered[1], torch.cat([input_of(r, 1, dtype) for r in range(SIZE)]))
+
+
+def test_reducescatter_errors_and_mismatches():
+    with pytest.raises(ValueError, match="scalar"):
+        hvd.reducescatter(torch.tensor(2.0))
+    with pytest.raises(hvd.HorovodInternalError, match="Average and Sum"):  # as Horovod
+        hvd.reducescatter(torch.ones(4), op=hvd.Max)
+    with pytest.raises(ValueError, match="unsupported dtype torch.uint8"):
+        hvd.reducescatter(torch.ones(4, dtype=torch.uint8))
+    if SIZE > 1:  # shapes, ops or factors that differ: an error on every rank, not a hang
+        with pytest.raises(hvd.HorovodInternalError, match="must agree"):
+            hvd.reducescatter(torch.ones(2 * SIZE + RANK), name="rs.shape")
+        with pytest.raises(hvd.MismatchError):
+            hvd.reducescatter(torch.ones(4), name="rs.op", op=hvd.Sum if RANK else hvd.Average)
+        with pytest.raises(hvd.MismatchError):
+            hvd.grouped_reducescatter([torch.ones(4)] * (1 + (RANK == 1)), name="rs.list")
+    assert hvd.reducescatter(torch.ones(SIZE), op=hvd.Sum).tolist() == [float(SIZE)]
+
+
 def test_autograd():
     x = torch.full((4,), float(RANK + 1), requires_grad=True)
     (hvd.allreduce(x, op=hvd.Sum) * (RANK + 1)).sum().backward()
@@ -169,6 +225,20 @@ def test_autograd():
     mine = torch.arange(4 * RANK, 4 * RANK + 4).float()
     assert torch.allclose(x.grad, mine)
     assert not hvd.allreduce(x, op=hvd.Max).requires_grad
+    # reducescatter, as Horovod's: the allgather of the output gradient, times SIZE for Sum
+    x.grad = None
+    y = hvd.reducescatter(x.view(4, 1).expand(4, SIZE).contiguous(), op=hvd.Sum)
+    (y * (RANK + 1)).sum().backward()  # row i's gradient: SIZE x (its owner + 1), SIZE columns
+    owners = [r for r, k in enumerate(split_rows(4)) for _ in range(k)]
+    assert torch.allclose(x.grad, torch.tensor([SIZE * SIZE * (o + 1.0) for o in owners]))
+    x.grad = None
+    z = x.repeat(SIZE)  # 4 * SIZE rows: rank r keeps rows 4r..4r+3
+    hvd.grouped_reducescatter([z])[0].mul(RANK + 1).sum().backward()
+    assert torch.allclose(x.grad, torch.full((4,), float(SIZE * (SIZE + 1) / 2)))
+    x.grad = None
+    g = hvd.grouped_allgather([x.view(2, 2)])[0]  # as allgather's: averaged, this rank's rows
+    (g * torch.arange(g.numel()).view_as(g)).sum().backward()
+    assert torch.allclose(x.grad, mine)
 
 
 def test_errors_and_refusals():
@@ -178,8 +248,6 @@ def test_errors_and_refusals():
         hvd.ProcessSet([0])
     with pytest.raises(NotImplementedError, match="process sets"):
         hvd.allreduce(torch.ones(3), process_set=object())
-    with pytest.raises(NotImplementedError):
-        hvd.reducescatter(torch.ones(3))
     with pytest.raises(NotImplementedError, match="elastic"):
         hvd.elastic.run
     assert hvd.synchronize(123456) is None  # as Horovod: a handle not in flight
@@ -390,7 +458,9 @@ grouped_allreduce_ grouped_allreduce_async grouped_allreduce_async_ broadcast br
 broadcast_async broadcast_async_ allgather allgather_async synchronize poll barrier join
 broadcast_object allgather_object broadcast_parameters broadcast_optimizer_state
 DistributedOptimizer ProcessSet global_process_set add_process_set remove_process_set alltoall
-reducescatter SyncBatchNorm elastic sparse_allreduce_async""".split()
+reducescatter reducescatter_async grouped_reducescatter grouped_reducescatter_async
+grouped_allgather grouped_allgather_async alltoall_async SyncBatchNorm elastic
+sparse_allreduce_async""".split()
 
 
 def test_import_line_is_the_only_change():
@@ -514,9 +584,10 @@ def test_a_rank_without_data_joins_before_the_first_step():
 
 
 def test_join_stands_in_for_broadcast_and_allgather_and_refuses_alltoall():
-    """While rank 0 has joined, the others broadcast (from a rank still training) and gather
-    (rank 0 adds no rows); their alltoall fails on them, and rank 0 stays in join() until they
-    join too. Ranks 1.. race to join last; every rank names the same one."""
+    """While rank 0 has joined, the others broadcast (from a rank still training), gather
+    (rank 0 adds no rows) and reducescatter (rank 0 adds zeros); their alltoall fails on them,
+    and rank 0 stays in join() until they join too. Ranks 1.. race to join last; every rank
+    names the same one."""
     if SIZE == 1:
         assert hvd.join() == 0
         return
@@ -528,6 +599,9 @@ def test_join_stands_in_for_broadcast_and_allgather_and_refuses_alltoall():
         with pytest.raises(hvd.HorovodInternalError, match="joined"):
             hvd.alltoall(torch.ones(SIZE))
         assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE - 1] * 2
+        # rank 0 stands in with zeros, and keeps no rows
+        assert hvd.reducescatter(torch.ones(2 * SIZE + 1), op=hvd.Sum).tolist() == [
+            float(SIZE - 1)] * split_rows(2 * SIZE + 1)[RANK]
         last = hvd.join()
     assert hvd.allgather(torch.tensor([last])).tolist() == [last] * SIZE
     assert 1 <= last < SIZE

@@ -20,7 +20,7 @@ of dtype float32, float64, float16, bfloat16, int32 or int64. CUDA tensors go th
 copies (as Horovod's MPI operations where the MPI cannot read GPU memory): the copy waits for
 the work queued on the device's current stream, and the result comes back on that stream.
 What Horovod has and gradcomm cannot honour (Adasum, process sets, elastic training,
-reducescatter) raises NotImplementedError or InvalidArgument naming it; nothing silently does
+SyncBatchNorm) raises NotImplementedError or InvalidArgument naming it; nothing silently does
 something else. docs/coming-from-horovod.md lists the differences.
 """
 
@@ -65,7 +65,9 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "allgather", "allgather_async",
     "synchronize", "poll", "barrier", "join", "broadcast_object", "allgather_object",
-    "alltoall", "alltoall_async", "sparse_allreduce_async",
+    "alltoall", "alltoall_async", "sparse_allreduce_async", "grouped_allgather",
+    "grouped_allgather_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "broadcast_parameters", "broadcast_optimizer_state",
     # training
     "DistributedOptimizer", "DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
@@ -75,7 +77,7 @@ __all__ = [
     "HorovodInternalError",
     # refused
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "reducescatter", "SyncBatchNorm", "elastic",
+    "SyncBatchNorm", "elastic",
 ]
 
 # ---- ops -----------------------------------------------------------------------------------
@@ -882,18 +884,21 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, *, c
     return broadcast_(out, root_rank, name, comm=c)
 
 
-def _allgather_start(tensor, name, c, call):
-    """Submits an allgather; returns (handle, state)."""
+def _allgather_submit(tensor, full_name, c, call):
+    """Submits an allgather of `tensor` under `full_name`; returns (state, finish, host copy)."""
     dtype = _check_bytes_tensor(tensor, call, rows=True)
     src = staged(tensor.detach())
-    handle = next(_next_handle)
-    state = _negotiator(c).submit(_op_name("allgather", name, c), "allgather",
-                                  _rows_signature("allgather", dtype, src), src.data_ptr(),
-                                  src.numel() * src.element_size())
+    state = _negotiator(c).submit(full_name, "allgather", _rows_signature("allgather", dtype, src),
+                                  src.data_ptr(), src.numel() * src.element_size())
     trailing = tuple(src.shape[1:])
-    _register(handle, [state],
-              lambda: _on_device(_result_tensor(state, src.dtype, trailing), tensor), (src,))
-    return handle, state
+    return state, lambda: _on_device(_result_tensor(state, src.dtype, trailing), tensor), src
+
+
+def _allgather_start(tensor, name, c, call):
+    """Submits an allgather; returns (handle, state)."""
+    _check_bytes_tensor(tensor, call, rows=True)
+    state, finish, src = _allgather_submit(tensor, _op_name("allgather", name, c), c, call)
+    return _register(next(_next_handle), [state], finish, (src,)), state
 
 
 def _on_device(result, like):
@@ -940,6 +945,67 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=N
     """Starts an allgather; returns a handle (synchronize() returns the gathered tensor)."""
     _check_process_set(process_set, "allgather_async")
     return _allgather_start(tensor, name, _comm(comm), "allgather_async")[0]
+
+
+def _submit_each(c, tensors, base, submit):
+    """Submits `submit(tensor, "<base>_<i>of<n>")` for each tensor, as Horovod names a grouped
+    call's tensors; returns a handle whose synchronize() gives the list of results. Where a
+    submission fails, those made run anyway (their peers may wait for them), under a handle
+    nobody holds."""
+    n = len(tensors)
+    states, finishes, keep = [], [], list(tensors)
+    try:
+        for i, t in enumerate(tensors):
+            state, finish, host = submit(t, f"{base}_{i + 1}of{n}")
+            states.append(state)
+            finishes.append(finish)
+            keep.append(host)
+    except Exception:
+        _register(next(_next_handle), states, lambda: None, keep)
+        raise
+    return _register(next(_next_handle), states, lambda: [f() for f in finishes], keep)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set, *, comm=None):
+    """Starts an allgather of every tensor of the list (each negotiated under
+    "<name>_<i>of<n>", as Horovod's); synchronize() returns the list of gathered tensors."""
+    call = "grouped_allgather_async"
+    _check_process_set(process_set, call)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        _check_bytes_tensor(t, f"{call} (tensor {i})", rows=True)
+    c = _comm(comm)
+    return _submit_each(c, tensors, _op_name("grouped_allgather", name, c),
+                        lambda t, full: _allgather_submit(t, full, c, call))
+
+
+class _GroupedAllgatherGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, c, name, *tensors):
+        handle = grouped_allgather_async(tensors, name, comm=c)
+        states = _handles[handle].states
+        outs = synchronize(handle)
+        ctx.rows = [_rows_of(s, t) for s, t in zip(states, tensors)]
+        ctx.rank, ctx.comm = c.rank(), c
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # as Horovod: average the gradients, keep this rank's rows
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=Average, comm=ctx.comm)
+        return (None, None, *[r.narrow(0, sum(rows[:ctx.rank]), rows[ctx.rank])
+                              for r, rows in zip(reduced, ctx.rows)])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set, *, comm=None):
+    """Horovod's grouped_allgather: the allgather of every tensor of the list (first dimensions
+    may differ between ranks; the rest and the dtype must agree). Differentiable."""
+    call = "grouped_allgather"
+    _check_process_set(process_set, call)
+    tensors = list(tensors)
+    c = _comm(comm)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_GroupedAllgatherGrad.apply(c, name, *tensors))
+    return synchronize(grouped_allgather_async(tensors, name, comm=c))
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
@@ -1062,8 +1128,161 @@ def _refused(name, why):
     return refuse
 
 
-reducescatter = _refused("reducescatter", "not implemented by gradcomm")
-reducescatter_async = _refused("reducescatter_async", "not implemented by gradcomm")
+# ---- reducescatter: Horovod's, Sum and Average ---------------------------------------------------
+def _reducescatter_op(op, call):
+    opname = _resolve_op(op, None, call)
+    if opname not in ("sum", "average"):
+        raise _internal(InvalidArgument(f"{call}: op {op!r} is not supported; reducescatter "
+                                        "takes Average and Sum, as Horovod's does"))
+    return opname
+
+
+def _reducescatter_rows(rows, ranks):
+    """Each rank's rows of a first dimension of `rows`, as Horovod splits it: the first
+    rows % ranks ranks get one more."""
+    per, extra = divmod(rows, ranks)
+    return [per + (r < extra) for r in range(ranks)]
+
+
+def _check_reducescatter_tensor(tensor, call, what="the tensor"):
+    dtype = check_tensor(tensor, call, what)
+    if tensor.dim() == 0:
+        raise InvalidArgument(f"{call}: {what} is a scalar (0-d); reducescatter splits its first "
+                              "dimension between the ranks")
+    return dtype
+
+
+def _reducescatter_submit(tensor, full_name, opname, prescale, postscale, c, call):
+    """Submits the reducescatter of `tensor` (never written) under `full_name`; returns (state,
+    finish, host copy)."""
+    dtype = _check_reducescatter_tensor(tensor, call)
+    src = staged(tensor.detach())
+    rows = _reducescatter_rows(src.shape[0], c.size())
+    row = math.prod(src.shape[1:])
+    signature = (f"reducescatter {dtype} {list(src.shape)} {opname}, factors "
+                 f"({float(prescale)!r}, {float(postscale)!r})")
+    state = _negotiator(c).submit(full_name, "reducescatter", signature, src.data_ptr(),
+                                  src.numel(), dtype, _WIRE_OPS[opname],
+                                  splits=[r * row for r in rows], prescale=float(prescale),
+                                  postscale=float(_average_factor(c, opname, postscale)))
+    trailing = tuple(src.shape[1:])
+    return state, lambda: _on_device(_result_tensor(state, src.dtype, trailing), tensor), src
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0, *, comm=None):
+    """Starts Horovod's reducescatter: every rank's `tensor` (same shape and dtype everywhere;
+    not modified) reduced with Sum or Average, this rank keeping its rows of the first
+    dimension (split as Horovod splits it: the first rows % size ranks get one more).
+    synchronize() returns them."""
+    call = "reducescatter_async"
+    _check_process_set(process_set, call)
+    opname = _reducescatter_op(op, call)
+    c = _comm(comm)
+    _check_reducescatter_tensor(tensor, call)
+    state, finish, src = _reducescatter_submit(tensor, _op_name("reducescatter", name, c), opname,
+                                               prescale_factor, postscale_factor, c, call)
+    return _register(next(_next_handle), [state], finish, (src,))
+
+
+def _reducescatter_grads(grads, opname, prescale, postscale, c):
+    """Horovod's gradient of a reducescatter: each rank's output gradient (times the rank
+    count for Sum, and the scale factors), gathered."""
+    factor = (c.size() if opname == "sum" else 1) * prescale * postscale
+    scaled = [g.contiguous() * factor if factor != 1 else g.contiguous() for g in grads]
+    return synchronize(grouped_allgather_async(scaled, comm=c))
+
+
+class _ReducescatterGrad(torch.autograd.Function):
+    """Horovod's gradient: the allgather of each output's gradient (times the rank count for
+    Sum, and the scale factors)."""
+
+    @staticmethod
+    def forward(ctx, c, name, opname, prescale, postscale, *tensors):
+        ctx.args = (opname, prescale, postscale, c)
+        return tuple(synchronize(grouped_reducescatter_async(
+            tensors, name, opname, prescale_factor=prescale, postscale_factor=postscale,
+            comm=c)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, None, None, *_reducescatter_grads(grads, *ctx.args))
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, *,
+                  comm=None):
+    """Horovod's reducescatter (reducescatter_async, waited for). Differentiable as Horovod's:
+    the gradient is the allgather of the output's gradient (times the rank count for Sum)."""
+    call = "reducescatter"
+    _check_process_set(process_set, call)
+    opname = _reducescatter_op(op, call)
+    c = _comm(comm)
+    _check_reducescatter_tensor(tensor, call)
+    compressed, ctx = compression.compress(tensor)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        # One tensor, under the name the call would have alone.
+        out = _ReducescatterOneGrad.apply(c, name, opname, prescale_factor, postscale_factor,
+                                          compressed)
+    else:
+        out = synchronize(reducescatter_async(compressed, name, opname, prescale_factor=
+                                              prescale_factor, postscale_factor=postscale_factor,
+                                              comm=c))
+    return compression.decompress(out, ctx)
+
+
+class _ReducescatterOneGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, c, name, opname, prescale, postscale, tensor):
+        ctx.args = (opname, prescale, postscale, c)
+        return synchronize(reducescatter_async(tensor.detach(), name, opname,
+                                               prescale_factor=prescale,
+                                               postscale_factor=postscale, comm=c))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, None, None, *_reducescatter_grads([grad], *ctx.args))
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0, *, comm=None):
+    """Starts the reducescatter of every tensor of the list (each negotiated under
+    "<name>_<i>of<n>", as Horovod's); synchronize() returns the list of this rank's parts."""
+    call = "grouped_reducescatter_async"
+    _check_process_set(process_set, call)
+    opname = _reducescatter_op(op, call)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        _check_reducescatter_tensor(t, call, f"tensor {i}")
+    c = _comm(comm)
+    return _submit_each(c, tensors, _op_name("grouped_reducescatter", name, c),
+                        lambda t, full: _reducescatter_submit(t, full, opname, prescale_factor,
+                                                              postscale_factor, c, call))
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0, *, comm=None):
+    """Horovod's grouped_reducescatter: reducescatter of every tensor of the list, returned as a
+    list. Differentiable as reducescatter."""
+    call = "grouped_reducescatter"
+    _check_process_set(process_set, call)
+    opname = _reducescatter_op(op, call)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        _check_reducescatter_tensor(t, call, f"tensor {i}")
+    c = _comm(comm)
+    compressed = [compression.compress(t) for t in tensors]
+    inputs = [t for t, _ in compressed]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        outs = list(_ReducescatterGrad.apply(c, name, opname, prescale_factor, postscale_factor,
+                                             *inputs))
+    else:
+        outs = synchronize(grouped_reducescatter_async(inputs, name, opname,
+                                                       prescale_factor=prescale_factor,
+                                                       postscale_factor=postscale_factor,
+                                                       comm=c))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, *, comm=None):

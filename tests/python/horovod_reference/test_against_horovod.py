@@ -66,6 +66,47 @@ def test_broadcast_allgather_alltoall(dtype):
     assert torch.equal(horovod.alltoall(x), gc.alltoall(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float16, torch.float32,
+                                   torch.float64])
+@pytest.mark.parametrize("rows", [0, 1, 2 * SIZE, 2 * SIZE + 1, 7 * SIZE + SIZE - 1])
+def test_reducescatter(dtype, rows):
+    """Whole numbers (exact in any order), every split of the first dimension (even, one row
+    more on the first ranks, fewer rows than ranks), both ops, with and without factors."""
+    x = inputs(dtype, rows * 3, whole=True).view(rows, 3)
+    for op in ("Sum", "Average"):
+        for kw in ({}, dict(prescale_factor=0.5, postscale_factor=3.0)):
+            a = horovod.reducescatter(x, op=getattr(horovod, op), **kw)
+            b = gc.reducescatter(x, op=getattr(gc, op), **kw)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (op, kw)
+    vector = inputs(dtype, 2 * SIZE + 1, whole=True)  # 1-d: rows of one element
+    assert torch.equal(horovod.reducescatter(vector, op=horovod.Sum),
+                       gc.reducescatter(vector, op=gc.Sum))
+
+
+def test_grouped_reducescatter_and_allgather():
+    xs = [inputs(torch.float32, 3 * SIZE + 1, True),
+          inputs(torch.int64, 4 * SIZE, True).view(-1, 2)]
+    a = horovod.grouped_reducescatter(xs, op=horovod.Sum)
+    b = gc.grouped_reducescatter(xs, op=gc.Sum)
+    assert len(a) == len(b) == 2 and all(torch.equal(p, q) for p, q in zip(a, b))
+    a = horovod.synchronize(horovod.grouped_reducescatter_async(xs, name="rs"))
+    b = gc.synchronize(gc.grouped_reducescatter_async(xs, name="rs"))
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    rows = [inputs(torch.float64, 2 * (RANK + 1)).view(-1, 2), torch.full((RANK,), RANK)]
+    a, b = horovod.grouped_allgather(rows), gc.grouped_allgather(rows)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_reducescatter_errors():
+    for lib in (horovod, gc):
+        with pytest.raises(ValueError):  # a scalar
+            lib.reducescatter(torch.tensor(3.0))
+    for lib in (horovod, gc):  # ops other than Sum and Average: HorovodInternalError
+        with pytest.raises(RuntimeError) as e:
+            lib.reducescatter(torch.ones(2 * SIZE), op=lib.Max)
+        assert any(c.__name__ == "HorovodInternalError" for c in type(e.value).__mro__)
+
+
 def test_objects_and_join():
     obj = {"rank": RANK, "x": list(range(RANK))}
     assert horovod.broadcast_object(obj, root_rank=0) == gc.broadcast_object(obj, root_rank=0)
