@@ -141,6 +141,24 @@ def test_broadcast_allgather_alltoall():
     assert received.tolist() == [1 + (r + RANK) % 2 for r in range(SIZE)]
 
 
+def test_reducescatter_and_grouped_allgather():
+    """Through pinned host copies, as the other non-all-reduce calls: each rank's rows of the
+    sum, on the tensor's device; grouped_allgather's list."""
+    d = torch.float32
+    rows = 2 * SIZE + 1  # the first rank gets a row more
+    x = torch.stack([values(RANK, d, 4)] * rows).to(DEV) * torch.arange(
+        1, rows + 1, device=DEV, dtype=d).unsqueeze(1)
+    out = hvd.reducescatter(x, op=hvd.Sum)
+    assert out.device == x.device
+    mine = 2 + (RANK == 0)
+    start = 0 if RANK == 0 else 3 + 2 * (RANK - 1)
+    total = sum(values(r, d, 4) for r in range(SIZE))
+    check(out, torch.stack([total * (start + i + 1) for i in range(mine)]), d)
+    got = hvd.grouped_allgather([torch.full((RANK + 1, 2), float(RANK), device=DEV)])
+    assert got[0].device == x.device
+    check(got[0], torch.cat([torch.full((r + 1, 2), float(r)) for r in range(SIZE)]), d)
+
+
 def test_the_copy_in_waits_for_the_callers_stream():
     side = torch.cuda.Stream(device=DEV)
     t = torch.zeros(1 << 16, device=DEV)
