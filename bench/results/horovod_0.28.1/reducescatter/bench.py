@@ -3,7 +3,8 @@ processes, calls alternating round by round (7 rounds of 10 calls each, the medi
 round at its slowest rank), results compared bit for bit. Horovod stays initialized throughout,
 so its background thread runs during gradcomm's calls too (docs/results/torch.md: it slows what
 else the process does). Run with the interpreter of bench/horovod/env.sh's environment:
-    mpirun -np 2 --bind-to core $(bench/horovod/env.sh) bench/results/horovod_0.28.1/reducescatter/bench.py
+    mpirun -np 2 --bind-to core $(bench/horovod/env.sh) \
+        bench/results/horovod_0.28.1/reducescatter/bench.py
 """
 import statistics
 import time
