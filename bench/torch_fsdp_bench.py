@@ -4,6 +4,10 @@ variants' steps alternated so all see the same machine state (torch 2.x, CPU ten
   compute        the model alone, no communication
   fsdp-gloo      FullyShardedDataParallel over a gloo group
   fsdp-gradcomm  the same FSDP over a gradcomm group
+  (with --fsdp2) fsdp2-gradcomm  FSDP2 (fully_shard) on the gradcomm group, and
+                 fsdp2-gradcomm-alloc the same with set_allocate_memory_from_process_group_for_comm
+                 (each all-gather output and reduce-scatter input from the backend's
+                 allocate_tensor: gradcomm's registered memory)
 
 FSDP all-gathers each unit's parameters before its forward and backward, and reduce-scatters
 its gradients after backward (reduce_scatter_tensor: gradcomm's reduce_scatter, shm's staged
@@ -31,6 +35,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--layers", default="1024,2048,2048,1024,10", help="MLP widths")
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--fsdp2", action="store_true", help="add the FSDP2 variants")
 args = parser.parse_args()
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -59,7 +64,22 @@ def wrap(group):
     return FSDP(model, process_group=group, device_id=torch.device("cpu"))
 
 
+def shard(allocate):
+    from torch.distributed.fsdp import fully_shard
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    if allocate:
+        model.set_allocate_memory_from_process_group_for_comm(True)
+    return model
+
+
 variants = {"compute": mlp(), "fsdp-gloo": wrap(GLOO), "fsdp-gradcomm": wrap(None)}
+if args.fsdp2:
+    variants["fsdp2-gradcomm"] = shard(False)
+    variants["fsdp2-gradcomm-alloc"] = shard(True)
 optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in variants.items()}
 times = {k: [] for k in variants}
 
@@ -87,11 +107,16 @@ with FSDP.summon_full_params(variants["fsdp-gradcomm"]):
     got = torch.cat([p.detach().reshape(-1) for p in variants["fsdp-gradcomm"].parameters()])
 difference = ((got - want).norm() / want.norm()).item()
 assert difference < 1e-4, difference
+for name in ("fsdp2-gradcomm", "fsdp2-gradcomm-alloc"):
+    if name in variants:
+        got = torch.cat([p.full_tensor().detach().reshape(-1) for p in variants[name].parameters()])
+        difference = max(difference, ((got - want).norm() / want.norm()).item())
+        assert difference < 1e-4, (name, difference)
 if RANK == 0:
     print(f"# FSDP, MLP {args.layers}, batch {args.batch}, {SIZE} ranks, torch "
           f"{torch.__version__}, {args.steps} steps; parameters within {difference:.1e}")
     gloo = statistics.median(times["fsdp-gloo"])
     for name, t in times.items():
         m = statistics.median(t)
-        print(f"{name:14s} {m * 1e3:8.2f} ms  ({min(t) * 1e3:.2f}-{max(t) * 1e3:.2f})"
+        print(f"{name:20s} {m * 1e3:8.2f} ms  ({min(t) * 1e3:.2f}-{max(t) * 1e3:.2f})"
               f"  / fsdp-gloo {m / gloo:.2f}")

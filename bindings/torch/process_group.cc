@@ -28,6 +28,7 @@
 #include "collectives/allreduce_nccl.h"
 #include "collectives/broadcast.h"
 #include "collectives/exchange.h"
+#include "collectives/shm/segment.h"
 #include "core/error.h"
 #include "core/progress_engine.h"
 #include "core/request.h"
@@ -1701,6 +1702,10 @@ at::Tensor ProcessGroupGradcomm::allocateTensor(long size, at::TensorOptions opt
       const collectives::CallAnnotation note(-1, -1, collectives::CallKind::allocate);
       gradcomm::allreduce(comm, &asked, &asked, 1, DataType::int64, ReduceOp::max);
     }
+    // shm's own segment first (collective, made once): buckets that filled a small /dev/shm
+    // before it would leave the group without shm, and themselves without the reader they are
+    // for.
+    collectives::shm_available(comm);
     try {
       buffer = std::make_unique<RegisteredBuffer>(comm.allocate(bytes));  // throws on other sizes
     } catch (const CommError& error) {

@@ -213,7 +213,10 @@ class ProcessGroupGradcomm : public BackendBase {
   // reduces them in place, as gradcomm's own DDP does its buckets. Collective: every rank asks
   // in the same order with the same size (DDP's buckets are the same on every rank), behind the
   // group's earlier calls; a rank whose next call is another collective, or another size, gets
-  // an error on every rank. Other devices get torch's own memory.
+  // an error on every rank (with the call check on: GRADCOMM_CHECK=off drops that guarantee, as
+  // for every call). Other devices get torch's own memory. torch's FSDP2 asks too, for every
+  // collective, where set_allocate_memory_from_process_group_for_comm(True) was called: each
+  // such call then makes a segment of its own (about even with torch's memory there).
   bool supportsTensorAlloc(c10::DeviceIndex device) override;
   at::Tensor allocateTensor(long size, at::TensorOptions options) override;
 #endif

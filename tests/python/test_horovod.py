@@ -156,8 +156,8 @@ def split_rows(rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reducescatter_every_form(dtype):
-    """Sum and Average (with Horovod's scale arithmetic: input_of's values scaled by 2 and 0.5
-    stay exact), blocking, async and grouped, against the reference; this rank keeps its rows."""
+    """Sum and Average, blocking, async with scale factors (Horovod's arithmetic: integers
+    truncated after each), grouped; against the reference; this rank keeps its rows."""
     for rows in (0, 1, SIZE, 2 * SIZE + 1, 101):
         x = input_of(RANK, rows * 3, dtype).view(rows, 3)
         before = x.clone()
@@ -169,8 +169,12 @@ def test_reducescatter_every_form(dtype):
             assert out.dtype == dtype and out.shape == want.shape and close(out, want), (rows, op)
             out = hvd.synchronize(hvd.reducescatter_async(x, name=f"rs.{rows}.{op}", op=op,
                                                           prescale_factor=2.0,
-                                                          postscale_factor=0.5))
-            assert close(out, want), (rows, op, "scaled")
+                                                          postscale_factor=1.5))
+            sums = reference(hvd.Sum, rows * 3, torch.float64).view(rows, 3)[mine]
+            scaled = sums * 3 if op == hvd.Sum else sums * 3 / SIZE
+            if not dtype.is_floating_point:
+                scaled = scaled.trunc()
+            assert close(out, scaled.to(dtype)), (rows, op, "scaled")
         assert torch.equal(x, before)  # the input is not written
     a, b = input_of(RANK, 7, dtype), input_of(RANK, 4 * SIZE, dtype).view(2 * SIZE, 2)
     outs = hvd.grouped_reducescatter([a, b], op=hvd.Sum)
@@ -194,6 +198,8 @@ def test_reducescatter_errors_and_mismatches():
         hvd.reducescatter(torch.ones(4), op=hvd.Max)
     with pytest.raises(ValueError, match="unsupported dtype torch.uint8"):
         hvd.reducescatter(torch.ones(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="zero-sized dimension after the first"):
+        hvd.reducescatter(torch.ones(4, 0))
     if SIZE > 1:  # shapes, ops or factors that differ: an error on every rank, not a hang
         with pytest.raises(hvd.HorovodInternalError, match="must agree"):
             hvd.reducescatter(torch.ones(2 * SIZE + RANK), name="rs.shape")
@@ -235,6 +241,10 @@ def test_autograd():
     z = x.repeat(SIZE)  # 4 * SIZE rows: rank r keeps rows 4r..4r+3
     hvd.grouped_reducescatter([z])[0].mul(RANK + 1).sum().backward()
     assert torch.allclose(x.grad, torch.full((4,), float(SIZE * (SIZE + 1) / 2)))
+    x.grad = None  # the scale factors scale the gradient too (2 x 1.5)
+    hvd.reducescatter(x.repeat(SIZE), op=hvd.Sum, prescale_factor=2.0,
+                      postscale_factor=1.5).sum().backward()
+    assert torch.allclose(x.grad, torch.full((4,), 3.0 * SIZE * SIZE))
     x.grad = None
     g = hvd.grouped_allgather([x.view(2, 2)])[0]  # as allgather's: averaged, this rank's rows
     (g * torch.arange(g.numel()).view_as(g)).sum().backward()

@@ -961,7 +961,8 @@ def _submit_each(c, tensors, base, submit):
             finishes.append(finish)
             keep.append(host)
     except Exception:
-        _register(next(_next_handle), states, lambda: None, keep)
+        if states:
+            _register(next(_next_handle), states, lambda: None, keep)
         raise
     return _register(next(_next_handle), states, lambda: [f() for f in finishes], keep)
 
@@ -1149,6 +1150,9 @@ def _check_reducescatter_tensor(tensor, call, what="the tensor"):
     if tensor.dim() == 0:
         raise InvalidArgument(f"{call}: {what} is a scalar (0-d); reducescatter splits its first "
                               "dimension between the ranks")
+    if math.prod(tensor.shape[1:]) == 0:
+        raise InvalidArgument(f"{call}: {what} has a zero-sized dimension after the first "
+                              f"({list(tensor.shape)}); its rows would hold nothing")
     return dtype
 
 
