@@ -770,11 +770,16 @@ def test_fsdp_matches_ddp():
     fully_shard = getattr(torch.distributed.fsdp, "fully_shard", None)
     if fully_shard is None:
         return
-    model = fsdp_net()
-    fully_shard(model)  # FSDP2: parameters are DTensors sharded over the group
-    fsdp_train(model)
-    got = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
-    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    for allocate in (False, True):
+        model = fsdp_net()
+        fully_shard(model)  # FSDP2: parameters are DTensors sharded over the group
+        if allocate:  # its collectives' buffers from the backend (gradcomm's registered memory)
+            if not gradcomm.torch._c10d.compiled().allocates_buckets:
+                continue
+            model.set_allocate_memory_from_process_group_for_comm(True)
+        fsdp_train(model)
+        got = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, allocate
 
 
 def test_tensors_that_require_grad():
