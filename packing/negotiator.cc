@@ -57,6 +57,8 @@ std::string_view kind_name(NegotiatedKind kind) {
       return "join";
     case NegotiatedKind::reducescatter:
       return "reducescatter";
+    case NegotiatedKind::failed:
+      return "failed";
   }
   return "?";
 }
@@ -662,6 +664,14 @@ void Negotiator::fail_everything(const std::string& why) {
 void Negotiator::run_ready(std::vector<Entry*>& ready) {
   // Signatures first: one name must mean one operation on every rank that submitted it.
   for (Entry* e : ready) {
+    for (int r = 0; r < size_ && !e->error; ++r) {  // a call that failed on a rank before it ran
+      const auto& o = e->offers[static_cast<std::size_t>(r)];
+      if (o && o->kind == NegotiatedKind::failed) {
+        e->error = std::make_exception_ptr(
+            MismatchError("'" + e->name + "': the call failed on rank " + std::to_string(r) +
+                          " before it could run there (" + o->signature + ")"));
+      }
+    }
     const Offer* first = nullptr;
     int first_rank = -1;
     for (int r = 0; r < size_ && !e->error; ++r) {
@@ -972,6 +982,8 @@ void Negotiator::run_one(Entry& e, NegotiatedState* mine) {
     switch (first->kind) {
       case NegotiatedKind::allreduce:
         break;  // run_allreduces
+      case NegotiatedKind::failed:
+        break;  // failed in run_ready
       case NegotiatedKind::barrier:
         barrier(*data_);
         break;

@@ -49,6 +49,9 @@ enum class NegotiatedKind : std::uint8_t {
   // across the ranks (scaled as an allreduce's); the result holds this rank's share, the
   // splits[rank] elements after the shares of the ranks before it (Horovod's reducescatter)
   reducescatter = 7,
+  // this rank's call of this name failed before it could be submitted (`signature`: why): the
+  // other ranks' calls of the name fail at once, naming it, where they would wait for it
+  failed = 8,
 };
 
 struct NegotiatedCall {

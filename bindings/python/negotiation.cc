@@ -26,7 +26,8 @@ NegotiatedKind parse_kind(const std::string& kind, int rank) {
       {"alltoall", NegotiatedKind::alltoall},
       {"barrier", NegotiatedKind::barrier},
       {"join", NegotiatedKind::join},
-      {"reducescatter", NegotiatedKind::reducescatter}};
+      {"reducescatter", NegotiatedKind::reducescatter},
+      {"failed", NegotiatedKind::failed}};
   for (const auto& [name, value] : kinds) {
     if (kind == name) return value;
   }

@@ -5,6 +5,7 @@ DistributedOptimizer against gradcomm's DistributedDataParallel; and join() with
 
 import copy
 import json
+import time
 
 import numpy as np
 import pytest
@@ -208,6 +209,33 @@ def test_reducescatter_errors_and_mismatches():
         with pytest.raises(hvd.MismatchError):
             hvd.grouped_reducescatter([torch.ones(4)] * (1 + (RANK == 1)), name="rs.list")
     assert hvd.reducescatter(torch.ones(SIZE), op=hvd.Sum).tolist() == [float(SIZE)]
+
+
+def test_a_call_that_fails_on_one_rank_fails_on_every_rank_and_the_next_ones_match():
+    """A call that fails on rank 0 before anything is sent (bad splits, a refused dtype, a
+    scalar, a tensor that is not contiguous): the others' calls of it fail at once, naming rank
+    0 and why, and the next calls, unnamed ones too, pair up as before (they once met the
+    others' failed call and returned its data)."""
+    if SIZE == 1:
+        pytest.skip("needs 2 ranks")
+    bad = torch.ones(3, dtype=torch.uint8)
+    calls = [
+        lambda: hvd.alltoall(torch.ones(2 * SIZE), splits=[5] * SIZE if RANK == 0 else None),
+        lambda: hvd.allreduce(bad if RANK == 0 else torch.ones(3), name="fails.here"),
+        lambda: hvd.grouped_allreduce([torch.ones(2), bad if RANK == 0 else torch.ones(3)]),
+        lambda: hvd.reducescatter(torch.tensor(1.0) if RANK == 0 else torch.ones(SIZE)),
+        lambda: hvd.allgather_async(torch.ones(3, 4)[:, ::2] if RANK == 0 else torch.ones(3, 2)),
+    ]
+    for i, call in enumerate(calls):
+        start = time.monotonic()
+        with pytest.raises(ValueError if RANK == 0 else hvd.MismatchError) as e:
+            hvd.synchronize(call()) if i == 4 else call()
+        if RANK != 0:
+            assert "failed on rank 0 before it could run" in str(e.value), i
+        assert time.monotonic() - start < 5, i
+        got = hvd.alltoall(torch.full((SIZE,), float(RANK)))  # unnamed: in step again
+        assert got.tolist() == [float(r) for r in range(SIZE)], i
+        assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(SIZE)] * 2, i
 
 
 def test_autograd():

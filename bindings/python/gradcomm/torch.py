@@ -26,10 +26,13 @@ something else. docs/coming-from-horovod.md lists the differences.
 
 import atexit
 import contextlib
+import functools
+import inspect
 import itertools
 import math
 import os
 import pickle
+import threading
 import warnings
 import weakref
 
@@ -329,11 +332,53 @@ def _op_name(prefix, name, c):
     call of its kind on the communicator (Horovod numbers it with the handle, which counts every
     call: unnamed calls then match only when every rank makes all its calls, named ones
     included, in the same order)."""
+    _names_state.numbered = True  # (_in_step: this call has its name)
     if name is not None:
         return f"{prefix}.{name}"
     key = (id(c), prefix)
     _unnamed[key] = k = _unnamed.get(key, 0) + 1
     return f"{prefix}.noname.{_joins}.{k}" if _joins else f"{prefix}.noname.{k}"
+
+
+_names_state = threading.local()  # the calling thread's outermost unnamed call (_in_step)
+
+
+def _in_step(kind):
+    """Keeps the unnamed calls of `kind` in step across ranks. The k-th unnamed call is matched
+    by its name ("<kind>.noname.<k>"), so a call that fails on one rank before it takes its
+    number (bad splits, a dtype gradcomm refuses) would leave that rank one number behind: its
+    next call would meet the others' failed one, and with the same shape return their data as
+    its result. So a call that raises before it took its name takes it then and submits it as
+    failed, with why: the other ranks' calls of that name fail at once, naming this rank and the
+    reason (where they would wait for it), and every rank's next unnamed call has the next
+    number. Calls made inside the outermost one (allreduce inside allreduce_) name themselves."""
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if getattr(_names_state, "active", False):
+                return fn(*args, **kwargs)
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            _names_state.active, _names_state.numbered = True, False
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as error:
+                if not _names_state.numbered:
+                    with contextlib.suppress(Exception):
+                        c = _comm(bound.get("comm"))
+                        names = [_op_name(kind, bound.get("name"), c)]
+                        if kind.startswith("grouped_"):  # each tensor's name, as submitted
+                            n = len(list(bound["tensors"]))
+                            names = [f"{names[0]}_{i + 1}of{n}" for i in range(n)]
+                        for full in names:
+                            _negotiator(c).submit(full, "failed",
+                                                  f"{type(error).__name__}: {error}")
+                raise
+            finally:
+                _names_state.active = False
+        return call
+    return wrap
 
 
 class HorovodInternalError(Error):
@@ -559,6 +604,7 @@ def _ready_after_prescale(tensors, prescale):
     return ready
 
 
+@_in_step("allreduce")
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                      comm=None):
@@ -587,6 +633,7 @@ def _postscaled(tensor, factor):
     return tensor
 
 
+@_in_step("allreduce")
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                     comm=None):
@@ -599,6 +646,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                             algorithm=algorithm, comm=comm)
 
 
+@_in_step("allreduce")
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                comm=None):
@@ -630,6 +678,7 @@ class _AllreduceGrad(torch.autograd.Function):
                                "allreduce (backward)"), None, None, None, None, None, None)
 
 
+@_in_step("allreduce")
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set, *,
               algorithm=None, comm=None):
@@ -653,6 +702,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 
 # ---- grouped all-reduce -------------------------------------------------------------------------
+@_in_step("grouped_allreduce")
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set, *,
                              algorithm=None, fusion_threshold=None, comm=None):
@@ -711,6 +761,7 @@ def _check_disjoint(tensors, dtypes, call, c):
                                   f"memory on {d}; in-place results would overwrite each other")
 
 
+@_in_step("grouped_allreduce")
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set, *,
                             algorithm=None, fusion_threshold=None, comm=None):
@@ -725,6 +776,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                                     fusion_threshold=fusion_threshold, comm=comm)
 
 
+@_in_step("grouped_allreduce")
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set, *, algorithm=None,
                        fusion_threshold=None, comm=None):
@@ -752,6 +804,7 @@ class _GroupedAllreduceGrad(torch.autograd.Function):
         return (None, None, None, None, None, None, *copies)
 
 
+@_in_step("grouped_allreduce")
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
                       *, algorithm=None, fusion_threshold=None, comm=None):
@@ -824,6 +877,7 @@ def _result_tensor(state, dtype, trailing):
     return torch.frombuffer(state, dtype=torch.uint8).view(dtype).reshape(-1, *trailing)
 
 
+@_in_step("broadcast")
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *,
                      comm=None):
     """Starts copying root_rank's `tensor` into every rank's, in place; returns a handle."""
@@ -842,6 +896,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
                      (tensor, host))
 
 
+@_in_step("broadcast")
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
     """Starts a broadcast into a new tensor (synchronize() returns it)."""
     _check_bytes_tensor(tensor, "broadcast_async")
@@ -849,6 +904,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     return broadcast_async_(out, root_rank, name, process_set, comm=comm)
 
 
+@_in_step("broadcast")
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
     """Copies root_rank's `tensor` into `tensor` on every rank. Returns it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set, comm=comm))
@@ -872,6 +928,7 @@ class _BroadcastGrad(torch.autograd.Function):
         return reduced, None, None, None
 
 
+@_in_step("broadcast")
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set, *, comm=None):
     """Returns a new tensor holding root_rank's `tensor` (differentiable, as in Horovod)."""
     call = "broadcast"
@@ -929,6 +986,7 @@ class _AllgatherGrad(torch.autograd.Function):
         return reduced.narrow(0, offset, ctx.rows[ctx.rank]), None, None
 
 
+@_in_step("allgather")
 def allgather(tensor, name=None, process_set=global_process_set, *, comm=None):
     """Concatenates every rank's tensor along dimension 0 (first dimensions may differ; the
     others and the dtype must agree: otherwise every rank raises)."""
@@ -941,6 +999,7 @@ def allgather(tensor, name=None, process_set=global_process_set, *, comm=None):
     return synchronize(_allgather_start(tensor, name, c, call)[0])
 
 
+@_in_step("allgather")
 def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=None):
     """Starts an allgather; returns a handle (synchronize() returns the gathered tensor)."""
     _check_process_set(process_set, "allgather_async")
@@ -967,6 +1026,7 @@ def _submit_each(c, tensors, base, submit):
     return _register(next(_next_handle), states, lambda: [f() for f in finishes], keep)
 
 
+@_in_step("grouped_allgather")
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set, *, comm=None):
     """Starts an allgather of every tensor of the list (each negotiated under
     "<name>_<i>of<n>", as Horovod's); synchronize() returns the list of gathered tensors."""
@@ -997,6 +1057,7 @@ class _GroupedAllgatherGrad(torch.autograd.Function):
                               for r, rows in zip(reduced, ctx.rows)])
 
 
+@_in_step("grouped_allgather")
 def grouped_allgather(tensors, name=None, process_set=global_process_set, *, comm=None):
     """Horovod's grouped_allgather: the allgather of every tensor of the list (first dimensions
     may differ between ranks; the rest and the dtype must agree). Differentiable."""
@@ -1009,6 +1070,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set, *, com
     return synchronize(grouped_allgather_async(tensors, name, comm=c))
 
 
+@_in_step("alltoall")
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
                    comm=None):
     """Starts an alltoall: rank r sends splits[j] rows of `tensor` (along the first dimension,
@@ -1060,6 +1122,7 @@ class _AlltoallGrad(torch.autograd.Function):
         return out, None, None, None
 
 
+@_in_step("alltoall")
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set, *, comm=None):
     """Returns the rows every rank sent this rank, in rank order (and, when splits were given,
     the row counts received from each rank), as Horovod. Differentiable."""
@@ -1173,6 +1236,7 @@ def _reducescatter_submit(tensor, full_name, opname, prescale, postscale, c, cal
     return state, lambda: _on_device(_result_tensor(state, src.dtype, trailing), tensor), src
 
 
+@_in_step("reducescatter")
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0, *, comm=None):
     """Starts Horovod's reducescatter: every rank's `tensor` (same shape and dtype everywhere;
@@ -1213,6 +1277,7 @@ class _ReducescatterGrad(torch.autograd.Function):
         return (None, None, None, None, None, *_reducescatter_grads(grads, *ctx.args))
 
 
+@_in_step("reducescatter")
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, *,
                   comm=None):
@@ -1248,6 +1313,7 @@ class _ReducescatterOneGrad(torch.autograd.Function):
         return (None, None, None, None, None, *_reducescatter_grads([grad], *ctx.args))
 
 
+@_in_step("grouped_reducescatter")
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0, *, comm=None):
     """Starts the reducescatter of every tensor of the list (each negotiated under
@@ -1264,6 +1330,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
                                                               postscale_factor, c, call))
 
 
+@_in_step("grouped_reducescatter")
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0, *, comm=None):
