@@ -44,3 +44,16 @@ def check(actual, want, dtype, op=None, rank=None):
         assert torch.allclose(actual.double(), want.double(), rtol=tol, atol=tol), (actual, want)
     else:
         assert torch.equal(actual, want.to(dtype)), f"rank {rank}: {actual} != {want}"
+
+
+def registered(tensor):
+    """Whether `tensor`'s data lies in gradcomm's registered memory: a /dev/shm/gradcomm-*
+    mapping in /proc/self/maps."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return "/dev/shm/gradcomm-" in " ".join(fields[5:])
+    return False

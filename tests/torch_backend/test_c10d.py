@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import gradcomm.torch  # noqa: F401  (registers the backend, fills RANK etc. from MPI)
 import reference
-from reference import values
+from reference import registered, values
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 torch.set_num_threads(1)  # ranks share the cores
@@ -796,22 +796,6 @@ def test_tensors_that_require_grad():
 
 # --- DDP's buckets in gradcomm's registered memory (torch 2.x, DDP_DISABLE_COMM_MEM=0) ----------
 ALLOCATES = gradcomm.torch._c10d.compiled().allocates_buckets
-
-
-def shared_mapping(tensor):
-    """The file behind the mapping holding `tensor`'s data ('[heap]', a /dev/shm path, ...)."""
-    address = tensor.data_ptr()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            low, high = (int(x, 16) for x in fields[0].split("-"))
-            if low <= address < high:
-                return " ".join(fields[5:])
-    return None
-
-
-def registered(tensor):
-    return "/dev/shm/gradcomm-" in (shared_mapping(tensor) or "")
 
 
 def cpu_backend():

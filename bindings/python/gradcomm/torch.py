@@ -1313,18 +1313,23 @@ class _ReducescatterOneGrad(torch.autograd.Function):
         return (None, None, None, None, None, *_reducescatter_grads([grad], *ctx.args))
 
 
+def _grouped_reducescatter_args(tensors, op, process_set, comm, call):
+    """The checked arguments of a grouped reducescatter: (op name, list of tensors, comm)."""
+    _check_process_set(process_set, call)
+    opname = _reducescatter_op(op, call)
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        _check_reducescatter_tensor(t, call, f"tensor {i}")
+    return opname, tensors, _comm(comm)
+
+
 @_in_step("grouped_reducescatter")
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0, *, comm=None):
     """Starts the reducescatter of every tensor of the list (each negotiated under
     "<name>_<i>of<n>", as Horovod's); synchronize() returns the list of this rank's parts."""
     call = "grouped_reducescatter_async"
-    _check_process_set(process_set, call)
-    opname = _reducescatter_op(op, call)
-    tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        _check_reducescatter_tensor(t, call, f"tensor {i}")
-    c = _comm(comm)
+    opname, tensors, c = _grouped_reducescatter_args(tensors, op, process_set, comm, call)
     return _submit_each(c, tensors, _op_name("grouped_reducescatter", name, c),
                         lambda t, full: _reducescatter_submit(t, full, opname, prescale_factor,
                                                               postscale_factor, c, call))
@@ -1337,12 +1342,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     """Horovod's grouped_reducescatter: reducescatter of every tensor of the list, returned as a
     list. Differentiable as reducescatter."""
     call = "grouped_reducescatter"
-    _check_process_set(process_set, call)
-    opname = _reducescatter_op(op, call)
-    tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        _check_reducescatter_tensor(t, call, f"tensor {i}")
-    c = _comm(comm)
+    opname, tensors, c = _grouped_reducescatter_args(tensors, op, process_set, comm, call)
     compressed = [compression.compress(t) for t in tensors]
     inputs = [t for t, _ in compressed]
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
