@@ -774,7 +774,7 @@ def test_fsdp_matches_ddp():
         model = fsdp_net()
         fully_shard(model)  # FSDP2: parameters are DTensors sharded over the group
         if allocate:  # its collectives' buffers from the backend (gradcomm's registered memory)
-            if not gradcomm.torch._c10d.compiled().allocates_buckets:
+            if not ALLOCATES:
                 continue
             model.set_allocate_memory_from_process_group_for_comm(True)
         fsdp_train(model)

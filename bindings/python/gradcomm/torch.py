@@ -941,9 +941,10 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, *, c
     return broadcast_(out, root_rank, name, comm=c)
 
 
-def _allgather_submit(tensor, full_name, c, call):
-    """Submits an allgather of `tensor` under `full_name`; returns (state, finish, host copy)."""
-    dtype = _check_bytes_tensor(tensor, call, rows=True)
+def _allgather_submit(tensor, full_name, c):
+    """Submits an allgather of `tensor` (checked by the caller, before it took its name) under
+    `full_name`; returns (state, finish, host copy)."""
+    dtype = _dtype_name(tensor.dtype)
     src = staged(tensor.detach())
     state = _negotiator(c).submit(full_name, "allgather", _rows_signature("allgather", dtype, src),
                                   src.data_ptr(), src.numel() * src.element_size())
@@ -954,7 +955,7 @@ def _allgather_submit(tensor, full_name, c, call):
 def _allgather_start(tensor, name, c, call):
     """Submits an allgather; returns (handle, state)."""
     _check_bytes_tensor(tensor, call, rows=True)
-    state, finish, src = _allgather_submit(tensor, _op_name("allgather", name, c), c, call)
+    state, finish, src = _allgather_submit(tensor, _op_name("allgather", name, c), c)
     return _register(next(_next_handle), [state], finish, (src,)), state
 
 
@@ -1037,7 +1038,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set, 
         _check_bytes_tensor(t, f"{call} (tensor {i})", rows=True)
     c = _comm(comm)
     return _submit_each(c, tensors, _op_name("grouped_allgather", name, c),
-                        lambda t, full: _allgather_submit(t, full, c, call))
+                        lambda t, full: _allgather_submit(t, full, c))
 
 
 class _GroupedAllgatherGrad(torch.autograd.Function):
@@ -1219,10 +1220,10 @@ def _check_reducescatter_tensor(tensor, call, what="the tensor"):
     return dtype
 
 
-def _reducescatter_submit(tensor, full_name, opname, prescale, postscale, c, call):
-    """Submits the reducescatter of `tensor` (never written) under `full_name`; returns (state,
-    finish, host copy)."""
-    dtype = _check_reducescatter_tensor(tensor, call)
+def _reducescatter_submit(tensor, full_name, opname, prescale, postscale, c):
+    """Submits the reducescatter of `tensor` (checked by the caller, before it took its name;
+    never written) under `full_name`; returns (state, finish, host copy)."""
+    dtype = DTYPES[tensor.dtype]
     src = staged(tensor.detach())
     rows = _reducescatter_rows(src.shape[0], c.size())
     row = math.prod(src.shape[1:])
@@ -1249,7 +1250,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     c = _comm(comm)
     _check_reducescatter_tensor(tensor, call)
     state, finish, src = _reducescatter_submit(tensor, _op_name("reducescatter", name, c), opname,
-                                               prescale_factor, postscale_factor, c, call)
+                                               prescale_factor, postscale_factor, c)
     return _register(next(_next_handle), [state], finish, (src,))
 
 
@@ -1332,7 +1333,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     opname, tensors, c = _grouped_reducescatter_args(tensors, op, process_set, comm, call)
     return _submit_each(c, tensors, _op_name("grouped_reducescatter", name, c),
                         lambda t, full: _reducescatter_submit(t, full, opname, prescale_factor,
-                                                              postscale_factor, c, call))
+                                                              postscale_factor, c))
 
 
 @_in_step("grouped_reducescatter")
