@@ -110,6 +110,39 @@ def test_duplicate_name_in_flight_is_a_value_error():
     hvd.synchronize(hvd.allreduce_async_(t, name="twice", op=hvd.Sum))  # free again
 
 
+@pytest.mark.parametrize("call,submitter", [("grouped_allreduce_async_", "_submit_allreduce"),
+                                             ("grouped_allgather_async", "_allgather_submit")])
+def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submitter,
+                                                                   monkeypatch):
+    # Every rank's grouped call submits its first tensor, then fails on the second (a fault
+    # injected here). What it submitted runs anyway (the peers wait for it) into memory this
+    # rank keeps alive, and is dropped once finished: no handle is left behind.
+    import gradcomm.torch as module
+    real, made = getattr(module, submitter), []
+
+    def failing_second(*args, **kwargs):
+        if made:
+            raise RuntimeError("injected: the second submission fails")
+        made.append(1)
+        return real(*args, **kwargs)
+
+    handles = dict(module._handles)
+    parts = [torch.full((7,), float(RANK + 1)) for _ in range(3)]
+    with monkeypatch.context() as patched:
+        patched.setattr(module, submitter, failing_second)
+        with pytest.raises(RuntimeError, match="injected"):
+            getattr(hvd, call)(parts, name="part")
+    assert len(module._abandoned) <= 1
+    for _ in range(100):  # the abandoned part finishes within a few cycles
+        hvd.allreduce(torch.ones(1), name="after-part")
+        if not module._abandoned:
+            break
+    assert not module._abandoned and module._handles == handles
+    if call == "grouped_allreduce_async_":
+        assert parts[0].tolist() == [(SIZE + 1) / 2] * 7  # it ran, in place (Average)
+    assert parts[1].tolist() == [RANK + 1.0] * 7
+
+
 @pytest.mark.skipif(SIZE == 1, reason="needs 2 ranks")
 def test_a_name_only_some_ranks_submit_raises_on_every_rank_within_seconds():
     started = time.monotonic()

@@ -315,6 +315,7 @@ def shutdown():
     global _next_handle, _joins
     _close_negotiators()
     _handles.clear()
+    _abandoned.clear()
     _unnamed.clear()
     _joins = 0
     _next_handle = itertools.count(1)
@@ -518,8 +519,33 @@ class _Pending:
 
 
 def _register(handle, states, finish, keep):
+    _reap_abandoned()
     _handles[handle] = _Pending(states, finish, keep)
     return handle
+
+
+# Operations submitted by a call that then failed (a grouped call whose k-th submission
+# raised): they run anyway, since their peers may wait for them, and their memory must outlive
+# them; nobody holds a handle to them. Dropped once finished, at the next registration.
+_abandoned = []
+
+
+def _abandon(states, keep):
+    if states:
+        _abandoned.append(_Pending(states, None, keep))
+    _reap_abandoned()
+
+
+def _finished(state):
+    try:
+        return state.done()
+    except Error:
+        return True  # finished with an error nobody will read
+
+
+def _reap_abandoned():
+    if _abandoned:
+        _abandoned[:] = [p for p in _abandoned if not all(_finished(s) for s in p.states)]
 
 
 def _pending(handle, call):
@@ -737,9 +763,9 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                                             prescale_factor, postscale_factor, algorithm,
                                             fusion_threshold, ready if on_gpu[i] else None))
     except Exception:
-        # The ones submitted run anyway (their peers may wait for them): keep their memory and
-        # event alive until they finish, under a handle nobody holds.
-        _register(next(_next_handle), states, lambda: None, keep)
+        # The ones submitted run anyway (their peers may wait for them): their memory and
+        # event stay alive until they finish.
+        _abandon(states, keep)
         raise
 
     def finish():
@@ -1010,8 +1036,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=N
 def _submit_each(c, tensors, base, submit):
     """Submits `submit(tensor, "<base>_<i>of<n>")` for each tensor, as Horovod names a grouped
     call's tensors; returns a handle whose synchronize() gives the list of results. Where a
-    submission fails, those made run anyway (their peers may wait for them), under a handle
-    nobody holds."""
+    submission fails, those made run anyway (their peers may wait for them), abandoned."""
     n = len(tensors)
     states, finishes, keep = [], [], list(tensors)
     try:
@@ -1021,8 +1046,7 @@ def _submit_each(c, tensors, base, submit):
             finishes.append(finish)
             keep.append(host)
     except Exception:
-        if states:
-            _register(next(_next_handle), states, lambda: None, keep)
+        _abandon(states, keep)
         raise
     return _register(next(_next_handle), states, lambda: [f() for f in finishes], keep)
 
