@@ -1,6 +1,7 @@
 #include "packing/negotiator.h"
 
 #include <pthread.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -29,9 +30,13 @@ namespace {
 // rank counts as stuck. When every rank is stuck and no operation can run, they fail together.
 constexpr double kStuckSeconds = 1.0;
 // Idle cycles: one a millisecond, then one every 5 ms after 100 quiet ones. A submission wakes
-// its own rank at once; the other ranks take part at their next cycle.
+// its own rank at once; the other ranks take part at their next cycle. While an application
+// thread waits for a negotiated call, its rank cycles (and polls an idle cycle) every 200 us, so
+// that it sees a late rank's offer soon after it comes: the thread it would take cores from is
+// blocked.
 constexpr auto kIdleCycle = std::chrono::microseconds(1000);
 constexpr auto kSleepyCycle = std::chrono::microseconds(5000);
+constexpr auto kWaitedCycle = std::chrono::microseconds(BackgroundPause::kMaxPauseMicroseconds);
 constexpr int kQuietBeforeSleepy = 100;
 
 // The flags of a rank's cycle header (the low byte; the payload size is above it).
@@ -420,6 +425,9 @@ void Negotiator::finish(NegotiatedState& state, std::exception_ptr error) {
 void Negotiator::loop() noexcept {
   pthread_setname_np(pthread_self(), "gradcomm-neg");
   ProgressThreadScope background;  // the cycles' waits give the cores back
+  // Their short sleeps last what they ask for, not the default 50 us of timer slack (which made
+  // each step of a cycle take 70-140 us: docs/results/torch.md, "The negotiation's latency").
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   try {
     while (cycle()) {
     }
@@ -504,11 +512,13 @@ bool Negotiator::cycle() {
   // idle interval: the others' headers come at their next cycle anyway. Across hosts its message
   // queues behind whatever the communicator's all-reduces have in flight, for up to a chunk's
   // time on the link, and polling that at 200 us cost the backend's DDP step 3-4% there
-  // (docs/results/torch.md, "Two threads that polled too often").
-  const bool idle = fresh.empty() && flags == 0 && quiet_cycles_ > 0;
-  const long max_pause_us =
-      idle ? static_cast<long>(kIdleCycle.count()) : BackgroundPause::kMaxPauseMicroseconds;
-  check_mpi(wait_all_mpi(1, &request, {}, max_pause_us), "negotiation: MPI_Iallgather", rank_);
+  // (docs/results/torch.md, "Two threads that polled too often"). A submission here ends those
+  // sleeps: its offer goes in the next cycle, which waits for this one. The cycle's other waits
+  // are as an application thread's own (MPI_Waitall) while one waits for a negotiated call: it is
+  // blocked, so no computation wants the cores they would give back.
+  if (fresh.empty() && flags == 0 && quiet_cycles_ > 0) wait_idle(request);
+  ForegroundWhileWaited foreground(&waiters_);
+  check_mpi(wait_all_mpi(1, &request), "negotiation: MPI_Iallgather", rank_);
   ++cycles_;
   std::vector<int>& sizes = sizes_;
   std::vector<int>& displs = displs_;
@@ -616,11 +626,29 @@ bool Negotiator::cycle() {
     return true;
   }
   quiet_cycles_ = std::min(quiet_cycles_ + 1, kQuietBeforeSleepy);
-  const auto interval = quiet_cycles_ >= kQuietBeforeSleepy ? kSleepyCycle : kIdleCycle;
+  const auto interval = waiters_.load(std::memory_order_acquire) > 0 ? kWaitedCycle
+                        : quiet_cycles_ >= kQuietBeforeSleepy        ? kSleepyCycle
+                                                                     : kIdleCycle;
   std::unique_lock<std::mutex> lock(mutex_);
   wake_.wait_for(lock, interval,
                  [&] { return !outbox_.empty() || (closing_ && !(flags & kClosing)); });
   return true;
+}
+
+void Negotiator::wait_idle(MPI_Request& request) {
+  auto sleep = std::chrono::microseconds(2);
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    const bool woken = wake_.wait_for(lock, sleep, [&] { return !outbox_.empty() || closing_; });
+    if (woken) return;  // the caller waits at the working pace
+    lock.unlock();
+    int done = 0;
+    check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "negotiation: MPI_Iallgather", rank_);
+    if (done) return;
+    const auto cap = waiters_.load(std::memory_order_acquire) > 0 ? kWaitedCycle : kIdleCycle;
+    sleep = std::min(sleep * 2, std::chrono::duration_cast<std::chrono::microseconds>(cap));
+    lock.lock();
+  }
 }
 
 std::vector<bool> Negotiator::joined_ranks() const {

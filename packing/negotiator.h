@@ -131,6 +131,9 @@ class Negotiator {
   static const Offer& first_offer(const Entry& entry);
   void loop() noexcept;
   bool cycle();  // false once every rank has closed
+  // Waits for an idle cycle's header with sleeps growing to the idle interval, until it completes
+  // or a submission (or close()) wakes this thread.
+  void wait_idle(MPI_Request& request);
   void run_ready(std::vector<Entry*>& ready);
   void run_one(Entry& entry, NegotiatedState* mine);
   void run_allreduces(const std::vector<Entry*>& group);

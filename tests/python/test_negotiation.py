@@ -102,12 +102,20 @@ def test_allgather_and_barrier_in_different_orders_complete():
 
 @pytest.mark.skipif(SIZE == 1, reason="one rank's call finishes at once")
 def test_duplicate_name_in_flight_is_a_value_error():
-    t = torch.ones(3)
-    h = hvd.allreduce_async_(t, name="twice", op=hvd.Sum)
+    # Each rank submits its own name first: no other rank submits it before the barrier, so it
+    # is surely in flight when this rank submits it again.
+    mine = [torch.ones(3) for _ in range(SIZE)]
+    handles = {RANK: hvd.allreduce_async_(mine[RANK], name=f"twice.{RANK}", op=hvd.Sum)}
     with pytest.raises(ValueError, match="already in flight"):
-        hvd.allreduce_async_(torch.ones(3), name="twice")
-    assert hvd.synchronize(h).tolist() == [SIZE] * 3
-    hvd.synchronize(hvd.allreduce_async_(t, name="twice", op=hvd.Sum))  # free again
+        hvd.allreduce_async_(torch.ones(3), name=f"twice.{RANK}")
+    hvd.barrier()
+    for r in range(SIZE):
+        if r != RANK:
+            handles[r] = hvd.allreduce_async_(mine[r], name=f"twice.{r}", op=hvd.Sum)
+    for r, h in handles.items():
+        assert hvd.synchronize(h).tolist() == [SIZE] * 3
+    again = hvd.synchronize(hvd.allreduce_async_(torch.ones(3), name="twice.0", op=hvd.Sum))
+    assert again.tolist() == [SIZE] * 3  # the name is free again once its call finished
 
 
 @pytest.mark.parametrize("call,submitter", [("grouped_allreduce_async_", "_submit_allreduce"),
@@ -133,9 +141,9 @@ def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submit
         with pytest.raises(RuntimeError, match="injected"):
             getattr(hvd, call)(parts, name="part")
     assert len(module._abandoned) <= 1
-    for _ in range(100):  # the abandoned part finishes within a few cycles
-        hvd.allreduce(torch.ones(1), name="after-part")
-        if not module._abandoned:
+    for _ in range(100):  # the abandoned part finishes within a few cycles (on every rank)
+        left = torch.tensor([float(len(module._abandoned))])
+        if hvd.allreduce(left, op=hvd.Max, name="after-part").item() == 0:
             break
     assert not module._abandoned and module._handles == handles
     if call == "grouped_allreduce_async_":
