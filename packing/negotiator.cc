@@ -395,6 +395,10 @@ void Negotiator::wait(NegotiatedState& state) {
       last_progress_ = now_seconds();
     }
     waiters_.fetch_add(1, std::memory_order_acq_rel);
+    int blocked = state.blocked.load(std::memory_order_acquire);
+    while (blocked >= 0 && !state.blocked.compare_exchange_weak(blocked, blocked + 1)) {
+    }
+    if (blocked >= 0) blocked_.fetch_add(1, std::memory_order_acq_rel);  // finish() subtracts it
     while (!state.done.load(std::memory_order_acquire))
       state.done.wait(false);
     waiters_.fetch_sub(1, std::memory_order_acq_rel);
@@ -418,6 +422,10 @@ void Negotiator::finish(NegotiatedState& state, std::exception_ptr error) {
     in_flight_.erase(state.call.name);
     last_progress_ = now_seconds();
   }
+  // Its waiters stop counting as blocked before they wake, so that this thread's next waits give
+  // them the cores.
+  const int blocked = state.blocked.exchange(-1, std::memory_order_acq_rel);
+  if (blocked > 0) blocked_.fetch_sub(blocked, std::memory_order_acq_rel);
   state.done.store(true, std::memory_order_release);
   state.done.notify_all();
 }
@@ -517,7 +525,7 @@ bool Negotiator::cycle() {
   // are as an application thread's own (MPI_Waitall) while one waits for a negotiated call: it is
   // blocked, so no computation wants the cores they would give back.
   if (fresh.empty() && flags == 0 && quiet_cycles_ > 0) wait_idle(request);
-  ForegroundWhileWaited foreground(&waiters_);
+  ForegroundWhileWaited foreground(&blocked_);
   check_mpi(wait_all_mpi(1, &request), "negotiation: MPI_Iallgather", rank_);
   ++cycles_;
   std::vector<int>& sizes = sizes_;
@@ -626,7 +634,7 @@ bool Negotiator::cycle() {
     return true;
   }
   quiet_cycles_ = std::min(quiet_cycles_ + 1, kQuietBeforeSleepy);
-  const auto interval = waiters_.load(std::memory_order_acquire) > 0 ? kWaitedCycle
+  const auto interval = blocked_.load(std::memory_order_acquire) > 0 ? kWaitedCycle
                         : quiet_cycles_ >= kQuietBeforeSleepy        ? kSleepyCycle
                                                                      : kIdleCycle;
   std::unique_lock<std::mutex> lock(mutex_);
@@ -645,7 +653,7 @@ void Negotiator::wait_idle(MPI_Request& request) {
     int done = 0;
     check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "negotiation: MPI_Iallgather", rank_);
     if (done) return;
-    const auto cap = waiters_.load(std::memory_order_acquire) > 0 ? kWaitedCycle : kIdleCycle;
+    const auto cap = blocked_.load(std::memory_order_acquire) > 0 ? kWaitedCycle : kIdleCycle;
     sleep = std::min(sleep * 2, std::chrono::duration_cast<std::chrono::microseconds>(cap));
     lock.lock();
   }
@@ -821,7 +829,7 @@ void Negotiator::run_allreduces(const std::vector<Entry*>& group) {
   }
   std::exception_ptr error;
   try {
-    ForegroundWhileWaited foreground(&waiters_);
+    ForegroundWhileWaited foreground(&blocked_);
     for (auto& s : states)
       scale(s->call.data, s->call.count, s->call.dtype, s->call.prescale);
     GroupedAllreduceOptions options;
@@ -876,7 +884,7 @@ void Negotiator::run_device_allreduces(const std::vector<Entry*>& group) {
   std::size_t issued = 0, planned = 0;  // the group's collectives enqueued so far, and in all
   const char* call = "negotiation (GPU all-reduce)";
   try {
-    ForegroundWhileWaited foreground(&waiters_);
+    ForegroundWhileWaited foreground(&blocked_);
     std::string why;
     gpu::Runtime* runtime = gpu::runtime(&why);
     if (!runtime) throw Unsupported(error_message(call, rank_, "the GPU path cannot run: " + why));
@@ -1006,7 +1014,7 @@ void Negotiator::run_one(Entry& e, NegotiatedState* mine) {
   std::vector<std::uint64_t> counts;
   int last_joined = -1;
   try {
-    ForegroundWhileWaited foreground(&waiters_);
+    ForegroundWhileWaited foreground(&blocked_);
     switch (first->kind) {
       case NegotiatedKind::allreduce:
         break;  // run_allreduces

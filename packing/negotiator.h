@@ -96,6 +96,9 @@ struct NegotiatedState {
   std::vector<std::uint64_t> counts;  // bytes that came from each rank into `result`
   int last_joined = -1;               // join: the last rank to join
   std::atomic<bool> done{false};
+  // Application threads blocked in wait() on it, counted in the negotiator's blocked_ until
+  // finish() takes them out (-1 from then on).
+  std::atomic<int> blocked{0};
 };
 
 class Negotiator {
@@ -155,6 +158,10 @@ class Negotiator {
   bool closing_ = false;
   double last_progress_ = 0;     // steady seconds of the last submission or completion
   std::atomic<int> waiters_{0};  // application threads inside wait()
+  // Those of them whose operation has not finished yet (finish() takes a state's out before it
+  // wakes them): while above zero, no computation of this process wants the cores, and the
+  // negotiation thread waits as an application thread would (ForegroundWhileWaited).
+  std::atomic<int> blocked_{0};
 
   // The negotiation thread's own state.
   std::map<std::string, std::unique_ptr<Entry>> table_;  // the same on every rank
