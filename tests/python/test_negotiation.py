@@ -131,8 +131,8 @@ def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submit
     def failing_second(*args, **kwargs):
         if made:
             raise RuntimeError("injected: the second submission fails")
-        made.append(1)
-        return real(*args, **kwargs)
+        made.append(real(*args, **kwargs))
+        return made[-1]
 
     handles = dict(module._handles)
     parts = [torch.full((7,), float(RANK + 1)) for _ in range(3)]
@@ -146,8 +146,9 @@ def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submit
         if hvd.allreduce(left, op=hvd.Max, name="after-part").item() == 0:
             break
     assert not module._abandoned and module._handles == handles
-    if call == "grouped_allreduce_async_":
-        assert parts[0].tolist() == [(SIZE + 1) / 2] * 7  # it ran, in place (Average)
+    first = made[0] if call == "grouped_allreduce_async_" else made[0][0]
+    first.wait()  # it ran, without an error, on every rank (the result went nowhere: the call
+    # raised, and the memory it reduced may be a staging copy)
     assert parts[1].tolist() == [RANK + 1.0] * 7
 
 
