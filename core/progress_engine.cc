@@ -49,6 +49,10 @@ bool on_progress_thread() {
   return t_progress_thread && !(t_waiters && t_waiters->load(std::memory_order_relaxed) > 0);
 }
 
+void sleep_precisely() {
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+}
+
 ForegroundWhileWaited::ForegroundWhileWaited(const std::atomic<int>* waiters)
     : previous_(t_waiters) {
   t_waiters = waiters;
@@ -164,9 +168,7 @@ void ProgressEngine::drain() {
 void ProgressEngine::loop() {
   t_progress_thread = true;
   pthread_setname_np(pthread_self(), "gradcomm-prog");
-  // Short sleeps of the waits (BackgroundPause) last what they ask for, not the default 50 us of
-  // timer slack.
-  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  sleep_precisely();
   for (;;) {
     std::shared_ptr<detail::RequestState> state;
     // Poll before sleeping (poll_us_). sched_yield gives the core to any runnable thread on this

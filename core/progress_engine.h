@@ -90,6 +90,12 @@ class ProgressEngine final : public detail::RequestRunner {
 // the caller's thread waits are unchanged.
 bool on_progress_thread();
 
+// The calling thread's short sleeps (BackgroundPause, timed condition waits) last what they ask
+// for: 1 us of timer slack instead of Linux's default 50, which made a 2 us sleep last 52 (for
+// the progress engine's and the negotiation thread's waits; docs/results/torch.md, "The
+// negotiation's latency").
+void sleep_precisely();
+
 // For the life of this object, the engine's waits on this thread count as the caller's (spin,
 // then yield) whenever *waiters is above zero: the application thread that submitted the running
 // request is blocked waiting for it, so no computation wants the cores the waits would give

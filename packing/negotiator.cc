@@ -1,7 +1,6 @@
 #include "packing/negotiator.h"
 
 #include <pthread.h>
-#include <sys/prctl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -433,9 +432,7 @@ void Negotiator::finish(NegotiatedState& state, std::exception_ptr error) {
 void Negotiator::loop() noexcept {
   pthread_setname_np(pthread_self(), "gradcomm-neg");
   ProgressThreadScope background;  // the cycles' waits give the cores back
-  // Their short sleeps last what they ask for, not the default 50 us of timer slack (which made
-  // each step of a cycle take 70-140 us: docs/results/torch.md, "The negotiation's latency").
-  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  sleep_precisely();               // (with 50 us of slack each step of a cycle took 70-140 us)
   try {
     while (cycle()) {
     }
@@ -645,8 +642,7 @@ bool Negotiator::cycle() {
 
 void Negotiator::wait_idle(MPI_Request& request) {
   // Sparse polls: the cycle completes at the last rank's next one, up to an idle interval away,
-  // and a submission here wakes this thread anyway. Polling up from microseconds in every idle
-  // cycle took 5-15% of the compute of 4 ranks on 2 cores.
+  // and a submission here wakes this thread anyway.
   const auto cap = [&] {
     return blocked_.load(std::memory_order_acquire) > 0 ? kWaitedCycle : kIdleCycle;
   };
