@@ -152,6 +152,40 @@ def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submit
     assert parts[1].tolist() == [RANK + 1.0] * 7
 
 
+def test_poll_on_a_grouped_handle_is_false_while_any_part_runs():
+    # One part failed, another still runs: the call has not finished. synchronize() waits for
+    # every part, then raises the failed part's error.
+    import gradcomm.torch as module
+
+    class Failed:
+        def done(self):
+            raise module.CommError("poll test: this part failed")
+
+        def wait(self):
+            self.done()
+
+    class Running:
+        finished = False
+
+        def done(self):
+            return self.finished
+
+        def wait(self):
+            self.finished = True
+
+    running = Running()
+    h = module._register(next(module._next_handle), [Failed(), running], lambda: None, ())
+    assert not hvd.poll(h)
+    running.finished = True
+    assert hvd.poll(h)
+    running.finished = False
+    with pytest.raises(hvd.HorovodInternalError, match="this part failed"):
+        hvd.synchronize(h)
+    assert running.finished and h not in module._handles
+    with pytest.raises(ValueError):
+        hvd.poll(h)
+
+
 @pytest.mark.skipif(SIZE == 1, reason="needs 2 ranks")
 def test_a_name_only_some_ranks_submit_raises_on_every_rank_within_seconds():
     started = time.monotonic()

@@ -558,13 +558,10 @@ def _pending(handle, call):
 
 def poll(handle):
     """True once the call behind `handle` has finished, with or without an error (never
-    blocks). A handle not in flight is a ValueError, as in Horovod."""
-    try:
-        return all(s.done() for s in _pending(handle, "poll").states)
-    except Error as e:
-        if isinstance(e, InvalidArgument) and handle not in _handles:
-            raise
-        return True  # finished with an error: synchronize() raises it
+    blocks). A handle not in flight is a ValueError, as in Horovod. A grouped call has
+    finished once every part has: a part that failed does not make the others finished
+    (synchronize() raises its error after waiting for them all)."""
+    return all(_finished(s) for s in _pending(handle, "poll").states)
 
 
 def synchronize(handle):
