@@ -27,6 +27,7 @@
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_nccl.h"
 #include "collectives/broadcast.h"
+#include "collectives/check/consistency.h"
 #include "collectives/exchange.h"
 #include "collectives/shm/segment.h"
 #include "core/error.h"
@@ -46,6 +47,9 @@ namespace {
 [[noreturn]] void unsupported(const std::string& call, int rank, const std::string& detail) {
   throw Unsupported(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
 }
+
+// Set by submit(), for the InStep around the call on this thread.
+thread_local bool t_submitted = false;
 
 std::string describe(const at::Tensor& t) {
   std::string text = std::string(c10::toString(t.scalar_type())) + "[";
@@ -1044,10 +1048,37 @@ std::shared_ptr<DeviceCall> ProcessGroupGradcomm::device_call(
 #endif
 }
 
+ProcessGroupGradcomm::InStep::InStep(ProcessGroupGradcomm& group, collectives::CallKind kind)
+    : group_(group), kind_(kind), exceptions_(std::uncaught_exceptions()), outer_(t_submitted) {
+  t_submitted = false;
+}
+
+ProcessGroupGradcomm::InStep::~InStep() {
+  const bool submitted = t_submitted;
+  t_submitted = outer_ || submitted;
+  if (submitted || std::uncaught_exceptions() <= exceptions_) return;
+  // The call failed here before it was submitted: its place goes to a marker, behind the
+  // group's earlier calls. Its own outcome (a MismatchError where other ranks made the call)
+  // has nobody to go to: the caller gets this rank's error.
+  try {
+    Communicator& comm = *group_.comm_;
+    const collectives::CallKind kind = kind_;
+    group_.submit(c10d::OpType::UNKNOWN, "gradcomm:failed", {}, [&comm, kind] {
+      try {
+        collectives::compare_failed_call(comm, kind,
+                                         "torch.distributed (gradcomm), a call refused here");
+      } catch (const MismatchError&) {
+      }
+    });
+  } catch (...) {  // (nothing more can be done from an unwinding destructor)
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, const char* title,
                                                             std::vector<at::Tensor> outputs,
                                                             std::function<void()> body, bool async,
                                                             std::shared_ptr<DeviceCall> device) {
+  t_submitted = true;  // (InStep)
   ++sequence_;  // collectives only: send and recv (point_to_point) do not come here, as on gloo
   auto work = c10::make_intrusive<GradcommWork>(
       type, title, std::move(outputs),
@@ -1127,6 +1158,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::Tensor>& tensors,
                                                                const c10d::BroadcastOptions& opts) {
   const std::string call = "broadcast";
+  const InStep in_step(*this, collectives::CallKind::broadcast);
   check_one(call, rank_, tensors);
   check_root(call, rank_, size_, opts.rootRank);
   if (opts.rootTensor != 0) invalid(call, rank_, "rootTensor must be 0 (one tensor per process)");
@@ -1146,6 +1178,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::broadcast(std::vector<at::T
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts) {
   const std::string call = "all_reduce";
+  const InStep in_step(*this, collectives::CallKind::allreduce);
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
     check_sparse(call, rank_, tensors[0], opts.reduceOp);
     plan_reduction(call, rank_, tensors[0].scalar_type(), opts.reduceOp);
@@ -1170,6 +1203,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce(std::vector<at::T
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const std::string call = "all_reduce_coalesced";
+  const InStep in_step(*this, collectives::CallKind::allreduce);
   if (tensors.empty()) invalid(call, rank_, "the tensor list is empty");
   std::vector<Reduction> plans;
   bool all_native = true;
@@ -1211,6 +1245,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce(std::vector<at::Tensor>& tensors,
                                                             const c10d::ReduceOptions& opts) {
   const std::string call = "reduce";
+  const InStep in_step(*this, collectives::CallKind::reduce);
   check_one(call, rank_, tensors);
   check_root(call, rank_, size_, opts.rootRank);
   at::Tensor t = tensors[0];
@@ -1234,6 +1269,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const std::string call = "all_gather";
+  const InStep in_step(*this, collectives::CallKind::allgather);
   check_one(call, rank_, inputs);
   if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
     invalid(call, rank_,
@@ -1307,6 +1343,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_into(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts,
     const ListCall& list) {
   const std::string call = "all_gather_into_tensor";
+  const InStep in_step(*this, collectives::CallKind::allgather);
   const CallMark mark{-1, collectives::CallKind::allreduce, list.mark};
   check_tensor(call, rank_, input, "input");
   check_tensor(call, rank_, output, "output");
@@ -1347,6 +1384,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const std::string call = "all_gather_coalesced";
+  const InStep in_step(*this, collectives::CallKind::allgather);
   // As torch documents it and gloo checks it: outputs[r][i] receives rank r's inputs[i].
   if (outputs.size() != static_cast<std::size_t>(size_)) {
     invalid(call, rank_,
@@ -1400,6 +1438,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   const std::string call = "gather";
+  const InStep in_step(*this, collectives::CallKind::gather);
   check_one(call, rank_, inputs);
   check_root(call, rank_, size_, opts.rootRank);
   const bool root = opts.rootRank == rank_;
@@ -1432,6 +1471,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   const std::string call = "scatter";
+  const InStep in_step(*this, collectives::CallKind::scatter);
   check_one(call, rank_, outputs);
   check_root(call, rank_, size_, opts.rootRank);
   const bool root = opts.rootRank == rank_;
@@ -1462,6 +1502,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const std::string call = "reduce_scatter";
+  const InStep in_step(*this, collectives::CallKind::reduce_scatter);
   check_one(call, rank_, outputs);
   const at::Tensor out = outputs[0];
   if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
@@ -1517,6 +1558,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_into(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts,
     const ListCall& list) {
   const std::string call = "reduce_scatter_tensor";
+  const InStep in_step(*this, collectives::CallKind::reduce_scatter);
   const CallMark mark{-1, collectives::CallKind::reduce_scatter, list.mark};
   check_tensor(call, rank_, input, "input");
   check_tensor(call, rank_, output, "output");
@@ -1564,6 +1606,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   const std::string call = "all_to_all_single";
+  const InStep in_step(*this, collectives::CallKind::alltoall);
   check_tensor(call, rank_, input, "input");
   check_tensor(call, rank_, output, "output");
   if (output.scalar_type() != input.scalar_type()) {
@@ -1623,6 +1666,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::alltoall(std::vector<at::Te
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllToAllOptions& opts) {
   const std::string call = "all_to_all";
+  const InStep in_step(*this, collectives::CallKind::alltoall);
   const auto n = static_cast<std::size_t>(size_);
   if (inputs.size() != n || outputs.size() != n) {
     invalid(call, rank_,
@@ -1803,6 +1847,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::recvAnysource(std::vector<a
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  const InStep in_step(*this, collectives::CallKind::allgather);
   if (outputs.size() != inputs.size()) {
     invalid("all_gather_into_tensor_coalesced", rank_,
             std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +
@@ -1820,6 +1865,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_into_tensor_coale
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  const InStep in_step(*this, collectives::CallKind::reduce_scatter);
   if (outputs.size() != inputs.size()) {
     invalid("reduce_scatter_tensor_coalesced", rank_,
             std::to_string(inputs.size()) + " inputs but " + std::to_string(outputs.size()) +

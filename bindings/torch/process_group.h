@@ -12,8 +12,9 @@
 // in the order the group's calls were made (torch's DDP calls from autograd's threads), and
 // returns a Work at once. Input that is wrong on this rank (dtype, layout, sizes, a root outside
 // the group) throws from the call itself, before anything is submitted, and the group stays
-// usable. What can only be known while a call runs (ranks that disagree, a stalled rank) fails
-// the Work and its future on every rank.
+// usable: where it is wrong on some ranks only, the call check's marker (InStep) gives the
+// others a MismatchError naming them. What can only be known while a call runs (ranks that
+// disagree, a stalled rank) fails the Work and its future on every rank.
 
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -40,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/check/call_info.h"
 #include "core/communicator.h"
 #include "core/request.h"
 
@@ -250,6 +252,25 @@ class ProcessGroupGradcomm : public BackendBase {
                                         std::shared_ptr<DeviceCall> device = nullptr);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool sending, at::Tensor& tensor, int peer,
                                                 int tag);
+  // Keeps the ranks in step when a collective fails on this rank before it is submitted (its
+  // arguments refused here): on unwinding, a marker takes the call's place behind the group's
+  // earlier calls (collectives::compare_failed_call), so that the ranks which made the call get
+  // a MismatchError naming this rank at once, instead of waiting for it, or meeting this rank's
+  // next call of the same shape in its place. The first line of every collective that checks
+  // its arguments; the inner one counts where one is made inside another (a coalesced list's).
+  class InStep {
+   public:
+    InStep(ProcessGroupGradcomm& group, collectives::CallKind kind);
+    ~InStep();
+    InStep(const InStep&) = delete;
+    InStep& operator=(const InStep&) = delete;
+
+   private:
+    ProcessGroupGradcomm& group_;
+    const collectives::CallKind kind_;
+    const int exceptions_;  // in flight when the call began
+    const bool outer_;      // whether the enclosing call had submitted
+  };
   // One call of a coalesced list (torch's *_tensor_coalesced): `mark`, the list's list_mark,
   // compared with each of its calls; `failure`, the error of the first call of the list that
   // fails, which the rest then throw without communicating (so the list's last work, which

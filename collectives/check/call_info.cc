@@ -54,12 +54,20 @@ std::string_view to_string(CallKind kind) {
       return "reduce";
     case CallKind::allocate:
       return "allocate";
+    case CallKind::failed:
+      return "failed";
   }
   return "collective";
 }
 
 std::string describe(const CallInfo& call) {
   // Built with append: GCC 12's -Wrestrict misfires on chains of operator+ here.
+  if (call.kind == CallKind::failed) {
+    std::string text(to_string(static_cast<CallKind>(call.detail)));
+    return text.append(" #")
+        .append(std::to_string(call.sequence))
+        .append(", which failed there before it could run");
+  }
   std::string text(to_string(call.kind));
   text.append(" #").append(std::to_string(call.sequence));
   text.append(": ").append(std::to_string(call.count));
@@ -113,7 +121,7 @@ const CallAnnotation* CallAnnotation::current() {
 
 void annotate(CallInfo& call) {
   const CallAnnotation* a = t_annotation;
-  if (a == nullptr) return;
+  if (a == nullptr || call.kind == CallKind::failed) return;
   call.element = static_cast<std::int16_t>(a->element);
   if (call.kind == CallKind::allreduce) {
     if (a->root >= 0) {

@@ -25,6 +25,8 @@ enum class CallKind : std::uint8_t {
   reduce_scatter = 10,
   reduce = 11,    // an all-reduce whose result one rank keeps (a front end's, CallAnnotation)
   allocate = 12,  // the check before a front end's collective allocation (CallAnnotation)
+  failed = 13,    // a call that failed on its rank before it could run (compare_failed_call);
+                  // `detail` holds the kind of call it was
 };
 std::string_view to_string(CallKind kind);
 

@@ -330,6 +330,16 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
     }
   }
   std::string text = "ranks disagree on the collective call (" + differing + " differ):";
+  std::string failed;  // the ranks whose call failed before it could run (compare_failed_call)
+  for (std::size_t r = 0; r < calls.size(); ++r) {
+    if (calls[r].kind == CallKind::failed)
+      failed.append(failed.empty() ? "" : ",") += std::to_string(r);
+  }
+  if (!failed.empty()) {
+    text = failed.find(',') == std::string::npos ? "the call failed on rank "
+                                                 : "the call failed on ranks ";
+    text.append(failed).append(" before it could run (its arguments were refused there):");
+  }
   for (const auto& [fields, ranks] : groups) {
     text += ranks.size() == 1 ? " rank" : " ranks";
     for (std::size_t i = 0; i < ranks.size(); ++i) {
@@ -340,6 +350,18 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
   }
   text.pop_back();
   return text;
+}
+
+void compare_failed_call(Communicator& comm, CallKind attempted, std::string_view call) {
+  comm.settle();
+  require_mpi_alive(call, comm.rank());
+  CallInfo info;
+  info.sequence = comm.next_sequence();
+  info.kind = CallKind::failed;
+  info.detail = static_cast<std::uint64_t>(attempted);
+  CallScope scope(comm, info, call);
+  scope.check_now();
+  scope.finish();
 }
 
 CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view call,

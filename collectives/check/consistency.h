@@ -100,6 +100,15 @@ class CallScope {
   bool finished_ = false;
 };
 
+// A call that failed on this rank before it could run (a front end refused its arguments here),
+// where the other ranks may be making it: takes the call's place in the comparison as a call of
+// kind `failed` (`attempted` names what it was), so that the ranks which made the call get a
+// MismatchError naming this rank instead of waiting for it, or meeting this rank's next call of
+// the same shape in its place, and every rank's calls stay in step. Returns when every rank's
+// call failed alike; otherwise throws MismatchError here too (the caller reports its own error
+// instead). With GRADCOMM_CHECK=off it only takes the call's sequence number.
+void compare_failed_call(Communicator& comm, CallKind attempted, std::string_view call);
+
 // "ranks disagree on ...: ranks 0,1 call allreduce #4: ...; rank 2 calls ..." from the
 // fingerprints of every rank (index = rank).
 std::string describe_mismatch(const std::vector<CallInfo>& calls);

@@ -6,6 +6,7 @@ disagree, bad arguments). Every rank checks its own result."""
 
 import datetime
 import os
+import time
 import warnings
 
 import pytest
@@ -580,6 +581,45 @@ def test_bad_arguments_fail_before_communication_and_the_group_stays_usable():
     t = torch.full((10,), 2.0)
     dist.all_reduce(t)
     assert torch.all(t == 2.0 * SIZE)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs 2 ranks")
+@pytest.mark.parametrize("case", ["all_gather", "all_reduce", "reduce_scatter", "broadcast",
+                                  "behind_an_async_call"])
+def test_bad_arguments_on_one_rank_fail_on_every_rank_and_the_ranks_stay_in_step(case):
+    # The rank whose arguments are bad raises its own error; the others, whose call it never
+    # makes, get an error naming it within seconds instead of waiting for it (or, where its next
+    # call has the same shape, meeting that call in its place: the all_reduce case).
+    bad = SIZE - 1 if case == "all_reduce" else 0
+    mine = RANK == bad
+    earlier = None
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        if case == "all_gather":
+            dist.all_gather([torch.empty(2) for _ in range(SIZE + mine)], torch.ones(2))
+        elif case == "all_reduce":
+            dist.all_reduce(torch.ones(4, 4).t() if mine else torch.ones(4, 4))
+        elif case == "reduce_scatter":
+            dist.reduce_scatter(torch.empty(3), [torch.ones(3) for _ in range(SIZE + mine)])
+        elif case == "broadcast":
+            dist.broadcast(torch.ones(5), src=SIZE + 5 if mine else 0)
+        else:  # the failed call's place is behind the calls made before it
+            earlier = torch.full((1000,), float(RANK))
+            work = dist.all_reduce(earlier, async_op=True)
+            dist.all_gather([torch.empty(2) for _ in range(SIZE + mine)], torch.ones(2))
+    if mine:
+        assert "rank %d" % RANK in str(e.value) and "before it could run" not in str(e.value)
+    else:
+        assert "failed on rank %d before it could run" % bad in str(e.value), str(e.value)
+    assert time.monotonic() - started < 5
+    if earlier is not None:
+        work.wait()
+        assert torch.all(earlier == SIZE * (SIZE - 1) / 2)
+    # In step after: a call of the same shape pairs with its own kind on every rank.
+    t = torch.full((16,), float(RANK + 1))
+    dist.all_reduce(t)
+    assert torch.all(t == SIZE * (SIZE + 1) / 2)
+    dist.barrier()
 
 
 # --- torch's DDP against DDP over gloo -------------------------------------------------------------
