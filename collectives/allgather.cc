@@ -15,6 +15,7 @@ void allgatherv(Communicator& comm, const void* send, std::size_t send_count, vo
                 std::span<const std::size_t> counts, DataType dtype) {
   const char* call = "allgatherv";
   comm.settle();
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::allgatherv, call);
   require_mpi_alive(call, comm.rank());
   if (!is_valid(dtype)) {
     throw InvalidArgument(error_message(

@@ -244,12 +244,14 @@ void execute(const collectives::CallContext* outer, Communicator& comm, const Va
 void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                DataType dtype, ReduceOp op, const AllreduceOptions& options) {
   comm.settle();
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::allreduce, "allreduce");
   const Validated v = validate("allreduce", comm, sendbuf, recvbuf, count, dtype, op, options);
   execute(nullptr, comm, v, sendbuf, recvbuf, count, dtype, op, options);
 }
 
 Request iallreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                    DataType dtype, ReduceOp op, const AllreduceOptions& options) {
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::allreduce, "iallreduce");
   const Validated v = validate("iallreduce", comm, sendbuf, recvbuf, count, dtype, op, options);
   require_thread_multiple(call_name("iallreduce", v.requested), comm.rank());
   auto state = std::make_shared<detail::RequestState>();
@@ -262,6 +264,7 @@ Request iallreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::
   state->work = [&comm, v, sendbuf, recvbuf, count, dtype, op, kept] {
     execute(nullptr, comm, v, sendbuf, recvbuf, count, dtype, op, kept);
   };
+  collectives::KeepInStep::began();
   comm.engine().submit(state);
   return Request(std::move(state));
 }

@@ -164,20 +164,23 @@ void execute(Communicator& comm, void* buffer, std::size_t bytes, int root, int 
 }  // namespace
 
 void broadcast(Communicator& comm, void* buffer, std::size_t count, DataType dtype, int root) {
-  const std::size_t bytes = checked_bytes(comm, "broadcast", count, dtype);
   comm.settle();
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::broadcast, "broadcast");
+  const std::size_t bytes = checked_bytes(comm, "broadcast", count, dtype);
   validate_root_and_buffer(comm, "broadcast", buffer, bytes, root);
   execute(comm, buffer, bytes, root, static_cast<int>(dtype));
 }
 
 void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int root) {
   comm.settle();
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::broadcast, "broadcast");
   validate_root_and_buffer(comm, "broadcast", buffer, bytes, root);
   execute(comm, buffer, bytes, root, -1);
 }
 
 Request ibroadcast(Communicator& comm, void* buffer, std::size_t count, DataType dtype, int root) {
   const char* call = "ibroadcast";
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::broadcast, call);
   const std::size_t bytes = checked_bytes(comm, call, count, dtype);
   validate_root_and_buffer(comm, call, buffer, bytes, root);
   require_thread_multiple(call, comm.rank());
@@ -186,6 +189,7 @@ Request ibroadcast(Communicator& comm, void* buffer, std::size_t count, DataType
   state->work = [&comm, buffer, bytes, root, dtype] {
     execute(comm, buffer, bytes, root, static_cast<int>(dtype));
   };
+  collectives::KeepInStep::began();
   comm.engine().submit(state);
   return Request(std::move(state));
 }

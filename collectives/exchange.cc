@@ -59,6 +59,7 @@ CallInfo info_of(Communicator& comm, CallKind kind, std::size_t bytes, int root)
 void gather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes, int root) {
   const char* call = "gather";
   comm.settle();
+  const collectives::KeepInStep in_step(comm, CallKind::gather, call);
   require_mpi_alive(call, comm.rank());
   check_root(call, comm, root);
   const int n = int_bytes(call, comm, bytes, static_cast<std::size_t>(comm.size()));
@@ -76,6 +77,7 @@ void gather_bytes(Communicator& comm, const void* send, void* recv, std::size_t 
 void allgather_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes) {
   const char* call = "allgather";
   comm.settle();
+  const collectives::KeepInStep in_step(comm, CallKind::allgather, call);
   require_mpi_alive(call, comm.rank());
   const int n = int_bytes(call, comm, bytes, static_cast<std::size_t>(comm.size()));
   check_buffer(call, comm, send, bytes, "send");
@@ -100,6 +102,7 @@ void allgatherv_bytes(Communicator& comm, const void* send, void* recv,
                       std::span<const std::size_t> counts) {
   const char* call = "allgatherv";
   comm.settle();
+  const collectives::KeepInStep in_step(comm, CallKind::allgatherv, call);
   require_mpi_alive(call, comm.rank());
   const auto size = static_cast<std::size_t>(comm.size());
   if (counts.size() != size) {
@@ -135,6 +138,7 @@ void allgatherv_bytes(Communicator& comm, const void* send, void* recv,
 void scatter_bytes(Communicator& comm, const void* send, void* recv, std::size_t bytes, int root) {
   const char* call = "scatter";
   comm.settle();
+  const collectives::KeepInStep in_step(comm, CallKind::scatter, call);
   require_mpi_alive(call, comm.rank());
   check_root(call, comm, root);
   const int n = int_bytes(call, comm, bytes, static_cast<std::size_t>(comm.size()));
@@ -153,6 +157,7 @@ void alltoallv_bytes(Communicator& comm, const void* send, std::span<const std::
                      void* recv, std::span<const std::size_t> recv_bytes) {
   const char* call = "alltoall";
   comm.settle();
+  const collectives::KeepInStep in_step(comm, CallKind::alltoall, call);
   require_mpi_alive(call, comm.rank());
   const auto size = static_cast<std::size_t>(comm.size());
   if (send_bytes.size() != size || recv_bytes.size() != size) {

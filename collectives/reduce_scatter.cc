@@ -36,6 +36,7 @@ void reduce_scatter(Communicator& comm, const void* sendbuf, void* recvbuf, std:
   const std::string_view requested =
       options.algorithm.empty() ? std::string_view(comm.config().algorithm) : options.algorithm;
   const std::string call = "reduce_scatter(" + std::string(requested) + ")";
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::reduce_scatter, call);
   auto invalid = [&](const std::string& detail) {
     throw InvalidArgument(error_message(call, comm.rank(), detail));
   };

@@ -297,6 +297,8 @@ void execute(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp o
 void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
                        const GroupedAllreduceOptions& options) {
   comm.settle();
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::grouped_allreduce,
+                                        "grouped_allreduce");
   const std::string_view requested = validate("grouped_allreduce", comm, tensors, op, options);
   execute(comm, tensors, op, options, requested);
 }
@@ -304,6 +306,7 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
 Request igrouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
                            const GroupedAllreduceOptions& options) {
   const char* call = "igrouped_allreduce";
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::grouped_allreduce, call);
   const std::string_view requested = validate(call, comm, tensors, op, options);
   require_thread_multiple(call, comm.rank());
   auto state = std::make_shared<detail::RequestState>();
@@ -317,6 +320,7 @@ Request igrouped_allreduce(Communicator& comm, std::span<const TensorDesc> tenso
     o.order = order;
     execute(comm, kept, op, o, requested);
   };
+  collectives::KeepInStep::began();
   comm.engine().submit(state);
   return Request(std::move(state));
 }

@@ -18,6 +18,7 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/check/consistency.h"
 #include "collectives/reduce_scatter.h"
 #include "core/communicator.h"
 #include "core/error.h"
@@ -286,6 +287,8 @@ gradcomm_status gradcomm_grouped_allreduce(gradcomm_comm comm, void* const* buff
   return guarded([&] {
     const char* call = "gradcomm_grouped_allreduce";
     gradcomm::Communicator& c = unwrap(comm, call);
+    const gradcomm::collectives::KeepInStep in_step(
+        c, gradcomm::collectives::CallKind::grouped_allreduce, call);
     const auto tensors = tensors_of(buffers, counts, dtypes, n, call);
     gradcomm::GroupedAllreduceOptions o;
     o.algorithm = algorithm ? std::string_view(algorithm) : std::string_view();
@@ -329,12 +332,14 @@ gradcomm_status gradcomm_iallreduce(gradcomm_comm comm, const void* send, void* 
                                     void* stream, gradcomm_request* request) {
   return guarded([&] {
     const char* call = "gradcomm_iallreduce";
+    gradcomm::Communicator& c = unwrap(comm, call);
+    const gradcomm::collectives::KeepInStep in_step(c, gradcomm::collectives::CallKind::allreduce,
+                                                    call);
     require(request, call, "request");
     gradcomm::AllreduceOptions o;
     o.algorithm = algorithm ? std::string_view(algorithm) : std::string_view();
     o.stream = stream;
-    hand_out(gradcomm::iallreduce(unwrap(comm, call), send, recv, count,
-                                  static_cast<gradcomm::DataType>(dtype),
+    hand_out(gradcomm::iallreduce(c, send, recv, count, static_cast<gradcomm::DataType>(dtype),
                                   static_cast<gradcomm::ReduceOp>(op), o),
              request);
   });
@@ -347,8 +352,10 @@ gradcomm_status gradcomm_grouped_allreduce_start(gradcomm_comm comm, void* const
                                                  gradcomm_request* request) {
   return guarded([&] {
     const char* call = "gradcomm_grouped_allreduce_start";
-    require(request, call, "request");
     gradcomm::Communicator& c = unwrap(comm, call);
+    const gradcomm::collectives::KeepInStep in_step(
+        c, gradcomm::collectives::CallKind::grouped_allreduce, call);
+    require(request, call, "request");
     const auto tensors = tensors_of(buffers, counts, dtypes, n, call);
     gradcomm::GroupedAllreduceOptions o;
     o.algorithm = algorithm ? std::string_view(algorithm) : std::string_view();
@@ -362,9 +369,11 @@ gradcomm_status gradcomm_ibroadcast(gradcomm_comm comm, void* buffer, size_t cou
                                     gradcomm_dtype dtype, int root, gradcomm_request* request) {
   return guarded([&] {
     const char* call = "gradcomm_ibroadcast";
+    gradcomm::Communicator& c = unwrap(comm, call);
+    const gradcomm::collectives::KeepInStep in_step(c, gradcomm::collectives::CallKind::broadcast,
+                                                    call);
     require(request, call, "request");
-    hand_out(gradcomm::ibroadcast(unwrap(comm, call), buffer, count,
-                                  static_cast<gradcomm::DataType>(dtype), root),
+    hand_out(gradcomm::ibroadcast(c, buffer, count, static_cast<gradcomm::DataType>(dtype), root),
              request);
   });
 }

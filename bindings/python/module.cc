@@ -21,6 +21,7 @@
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_nccl.h"
 #include "collectives/broadcast.h"
+#include "collectives/check/consistency.h"
 #include "collectives/exchange.h"
 #include "collectives/reduce_scatter.h"
 #include "collectives/registry.h"
@@ -222,6 +223,8 @@ class PyCommunicator {
 
   py::object allreduce(const py::object& array, const std::string& op,
                        const std::optional<std::string>& algorithm, const py::object& out) {
+    const std::shared_ptr<Communicator> held = get();
+    const collectives::KeepInStep in_step(*held, collectives::CallKind::allreduce, "allreduce");
     Prepared p = prepare("allreduce", array, op, out);
     const std::string alg = algorithm.value_or("");
     {
@@ -238,6 +241,7 @@ class PyCommunicator {
     const std::string call = "reduce_scatter";
     std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
+    const collectives::KeepInStep in_step(c, collectives::CallKind::reduce_scatter, call);
     const ReduceOp rop = parse_op(op, call, c.rank());
     View send = view_of(array, false, call, "array", c.rank());
     const auto n = static_cast<std::size_t>(c.size());
@@ -274,6 +278,9 @@ class PyCommunicator {
   std::unique_ptr<PyRequest> allreduce_async(const py::object& array, const std::string& op,
                                              const std::optional<std::string>& algorithm,
                                              const py::object& out) {
+    const std::shared_ptr<Communicator> comm = get();
+    const collectives::KeepInStep in_step(*comm, collectives::CallKind::allreduce,
+                                          "allreduce_async");
     Prepared p = prepare("allreduce_async", array, op, out);
     const std::string alg = algorithm.value_or("");
     Request request = gradcomm::iallreduce(*p.held, p.send.info.ptr, p.recv_ptr, p.send.count,
@@ -291,6 +298,8 @@ class PyCommunicator {
                                                  const std::string& op,
                                                  const std::optional<std::string>& algorithm) {
     std::shared_ptr<Communicator> held = get();
+    const collectives::KeepInStep in_step(*held, collectives::CallKind::allreduce,
+                                          "allreduce_async");
     const ReduceOp rop = parse_op(op, "allreduce_async", held->rank());
     const DataType dt = parse_dtype(dtype, "allreduce_async", held->rank());
     const std::string alg = algorithm.value_or("");
@@ -308,6 +317,7 @@ class PyCommunicator {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
     const std::string call = "grouped_allreduce";
+    const collectives::KeepInStep in_step(c, collectives::CallKind::grouped_allreduce, call);
     const ReduceOp rop = parse_op(op, call, c.rank());
     std::vector<View> views;
     std::vector<packing::TensorDesc> tensors;
@@ -328,6 +338,7 @@ class PyCommunicator {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
     const std::string call = "grouped_allreduce";
+    const collectives::KeepInStep in_step(c, collectives::CallKind::grouped_allreduce, call);
     const std::vector<packing::TensorDesc> tensors =
         tensor_list(ptrs, counts, dtypes, call, c.rank());
     const ReduceOp rop = parse_op(op, call, c.rank());
@@ -357,6 +368,7 @@ class PyCommunicator {
       const std::optional<std::string>& algorithm, std::optional<std::size_t> fusion_threshold) {
     std::shared_ptr<Communicator> held = get();
     const std::string call = "grouped_allreduce_async";
+    const collectives::KeepInStep in_step(*held, collectives::CallKind::grouped_allreduce, call);
     const std::vector<packing::TensorDesc> tensors =
         tensor_list(ptrs, counts, dtypes, call, held->rank());
     const ReduceOp rop = parse_op(op, call, held->rank());
@@ -372,6 +384,8 @@ class PyCommunicator {
   std::unique_ptr<PyRequest> broadcast_async_ptr(std::uintptr_t data, std::size_t count,
                                                  const std::string& dtype, int root) {
     std::shared_ptr<Communicator> held = get();
+    const collectives::KeepInStep in_step(*held, collectives::CallKind::broadcast,
+                                          "broadcast_async");
     const DataType dt = parse_dtype(dtype, "broadcast_async", held->rank());
     Request request = gradcomm::ibroadcast(*held, reinterpret_cast<void*>(data), count, dt, root);
     return std::make_unique<PyRequest>(std::move(request), std::move(held), py::none(),
@@ -383,6 +397,7 @@ class PyCommunicator {
                      const std::optional<std::string>& algorithm) {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
+    const collectives::KeepInStep in_step(c, collectives::CallKind::allreduce, "allreduce");
     const ReduceOp rop = parse_op(op, "allreduce", c.rank());
     const DataType dt = parse_dtype(dtype, "allreduce", c.rank());
     const std::string alg = algorithm.value_or("");
@@ -394,6 +409,7 @@ class PyCommunicator {
   py::object broadcast(const py::object& array, int root) {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
+    const collectives::KeepInStep in_step(c, collectives::CallKind::broadcast, "broadcast");
     View v = view_of(array, true, "broadcast", "array", c.rank());
     py::gil_scoped_release release;
     gradcomm::broadcast(c, v.info.ptr, v.count, v.dtype, root);
@@ -445,6 +461,7 @@ class PyCommunicator {
   void broadcast_ptr(std::uintptr_t data, std::size_t count, const std::string& dtype, int root) {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
+    const collectives::KeepInStep in_step(c, collectives::CallKind::broadcast, "broadcast");
     const DataType dt = parse_dtype(dtype, "broadcast", c.rank());
     py::gil_scoped_release release;
     gradcomm::broadcast(c, reinterpret_cast<void*>(data), count, dt, root);

@@ -4,6 +4,7 @@
 
 #include <sched.h>
 #include <algorithm>
+#include <exception>
 
 #include <array>
 #include <atomic>
@@ -352,6 +353,33 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
   return text;
 }
 
+namespace {
+thread_local bool t_began = false;  // (KeepInStep)
+}  // namespace
+
+KeepInStep::KeepInStep(Communicator& comm, CallKind kind, std::string_view call)
+    : comm_(comm),
+      kind_(kind),
+      call_(call),
+      exceptions_(std::uncaught_exceptions()),
+      outer_(t_began) {
+  t_began = false;
+}
+
+KeepInStep::~KeepInStep() {
+  const bool began = t_began;
+  t_began = outer_ || began;
+  if (began || std::uncaught_exceptions() <= exceptions_) return;
+  try {
+    compare_failed_call(comm_, kind_, call_);  // (which begins a call: outer ones stand aside)
+  } catch (...) {  // nothing more can be done from an unwinding destructor
+  }
+}
+
+void KeepInStep::began() {
+  t_began = true;
+}
+
 void compare_failed_call(Communicator& comm, CallKind attempted, std::string_view call) {
   comm.settle();
   require_mpi_alive(call, comm.rank());
@@ -371,6 +399,7 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
     context_ = *outer;
     return;
   }
+  KeepInStep::began();
   annotate(info_);
   // The watchdog sees the call from here on: the comparison state below is built collectively
   // (the communicator's host count, the board of a single-host communicator) by every rank's

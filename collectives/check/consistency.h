@@ -109,6 +109,29 @@ class CallScope {
 // instead). With GRADCOMM_CHECK=off it only takes the call's sequence number.
 void compare_failed_call(Communicator& comm, CallKind attempted, std::string_view call);
 
+// Keeps the ranks' calls in step where a front door's call fails on this rank before it begins
+// (its arguments refused here): unwinding from such a failure, compare_failed_call takes the
+// call's place (its own errors are dropped: the caller gets this rank's). A call begins with its
+// outermost CallScope, or at began() (a nonblocking front door, before it queues the call).
+// Declared first in every front door, after settle(); in nested front doors the innermost
+// one that had not begun stands in.
+class KeepInStep {
+ public:
+  KeepInStep(Communicator& comm, CallKind kind, std::string_view call);
+  ~KeepInStep();
+  KeepInStep(const KeepInStep&) = delete;
+  KeepInStep& operator=(const KeepInStep&) = delete;
+
+  static void began();
+
+ private:
+  Communicator& comm_;
+  const CallKind kind_;
+  const std::string_view call_;
+  const int exceptions_;  // in flight when the call was made
+  const bool outer_;      // whether an enclosing front door's call had begun
+};
+
 // "ranks disagree on ...: ranks 0,1 call allreduce #4: ...; rank 2 calls ..." from the
 // fingerprints of every rank (index = rank).
 std::string describe_mismatch(const std::vector<CallInfo>& calls);

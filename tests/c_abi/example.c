@@ -171,6 +171,20 @@ int main(int argc, char** argv) {
             "unknown algorithm 'nope'");
     REJECTS(gradcomm_grouped_allreduce(comm, two, four, f32, (size_t)-1, GRADCOMM_SUM, NULL, 0),
             "is too large");
+    /* Bad input on one rank only: that rank's error is its own; the others' call fails at once,
+     * naming it, and every rank's next call meets the others' next. */
+    if (size > 1) {
+      const int last = my_rank == size - 1;
+      const gradcomm_status s =
+          gradcomm_grouped_allreduce(comm, last ? NULL : two, four, f32, 2, GRADCOMM_SUM, NULL, 0);
+      CHECK(s == (last ? GRADCOMM_ERROR_INVALID_ARGUMENT : GRADCOMM_ERROR_MISMATCH));
+      CHECK(strstr(gradcomm_last_error(), last ? "buffers is NULL" : "before it could run") !=
+            NULL);
+      float v[3] = {1.0f, 1.0f, 1.0f};
+      CHECK(gradcomm_allreduce(comm, v, v, 3, GRADCOMM_FLOAT32, GRADCOMM_SUM, NULL) ==
+            GRADCOMM_SUCCESS);
+      CHECK(v[0] == (float)size && v[2] == (float)size);
+    }
     gradcomm_packer p = NULL;
     REJECTS(gradcomm_packer_create(two, four, f32, 2, -1, &p, NULL), "num_split -1 is negative");
     REJECTS(gradcomm_packer_create(two, four, f32, (size_t)-1, 0, &p, NULL), "is too large");

@@ -8,10 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "collectives/allgather.h"
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/exchange.h"
+#include "collectives/reduce_scatter.h"
 #include "collectives/registry.h"
 #include "core/error.h"
+#include "packing/grouped_allreduce.h"
 #include "tests/mpi_test.h"
 
 namespace gradcomm::testing {
@@ -259,6 +263,75 @@ TEST_F(BadNames, BroadcastRejectsBadInputBeforeCommunication) {
   broadcast(comm, nullptr, 0, DataType::float32, 0);  // nothing to send: null is fine
   expect_usable(comm);
 }
+
+// Bad input on one rank only: that rank raises its own error; the others, whose call it never
+// makes, get a MismatchError naming it at once (before, they waited for it, or met its next call
+// of the same shape in the failed call's place: a wrong result), and the next calls pair up.
+class BadOnOneRank : public MpiTestWithParam<std::string> {};
+
+TEST_P(BadOnOneRank, FailsOnEveryRankAndTheRanksStayInStep) {
+  Communicator& comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int bad = comm.size() - 1;
+  const bool mine = comm.rank() == bad;
+  const auto n = static_cast<std::size_t>(comm.size());
+  const std::string what = GetParam();
+  std::vector<float> buf(64, 1.0f), out(64 * n);
+  const auto f32 = DataType::float32;
+  auto run = [&] {
+    if (what == "allreduce") {
+      allreduce(comm, mine ? nullptr : buf.data(), out.data(), 16, f32, ReduceOp::sum);
+    } else if (what == "iallreduce") {
+      iallreduce(comm, buf.data(), mine ? nullptr : out.data(), 16, f32, ReduceOp::sum).wait();
+    } else if (what == "broadcast") {
+      broadcast(comm, buf.data(), 16, f32, mine ? -1 : 0);
+    } else if (what == "ibroadcast") {
+      ibroadcast(comm, buf.data(), 16, f32, mine ? comm.size() : 0).wait();
+    } else if (what == "grouped_allreduce" || what == "igrouped_allreduce") {
+      const packing::TensorDesc list[2] = {{buf.data(), 8, f32},
+                                           {mine ? nullptr : buf.data() + 8, 8, f32}};
+      if (what == "grouped_allreduce") {
+        grouped_allreduce(comm, list, ReduceOp::sum);
+      } else {
+        igrouped_allreduce(comm, list, ReduceOp::sum).wait();
+      }
+    } else if (what == "reduce_scatter") {  // the bad rank's output overlaps its input
+      reduce_scatter(comm, buf.data(), mine ? buf.data() + 1 : out.data(), 2, f32, ReduceOp::sum);
+    } else if (what == "allgatherv") {  // the bad rank sends another count than counts says
+      const std::vector<std::size_t> counts(n, 2);
+      allgatherv(comm, buf.data(), mine ? 3 : 2, out.data(), counts, f32);
+    } else if (what == "gather") {
+      gather_bytes(comm, buf.data(), out.data(), 16, mine ? -1 : 0);
+    } else if (what == "scatter") {
+      scatter_bytes(comm, buf.data(), out.data(), 16, mine ? comm.size() : 0);
+    } else if (what == "allgather") {
+      allgather_bytes(comm, mine ? nullptr : buf.data(), out.data(), 16);
+    } else if (what == "alltoall") {  // the bad rank's lists have one entry too many
+      const std::vector<std::size_t> sizes(n + (mine ? 1 : 0), 4);
+      alltoallv_bytes(comm, buf.data(), sizes, out.data(), sizes);
+    }
+  };
+  if (mine) {
+    expect_error<InvalidArgument>(run, {"rank " + std::to_string(bad)});
+  } else {
+    expect_error<MismatchError>(
+        run, {"rank " + std::to_string(comm.rank()),
+              "the call failed on rank " + std::to_string(bad) + " before it could run"});
+  }
+  // In step: each rank's next call meets the others' next call.
+  std::vector<float> v(16, static_cast<float>(comm.rank() + 1));
+  allreduce(comm, v.data(), v.data(), v.size(), f32, ReduceOp::sum);
+  EXPECT_EQ(v[0], static_cast<float>(comm.size() * (comm.size() + 1) / 2));
+  std::vector<int> w(5, comm.rank() == bad ? 3 : 0);
+  broadcast(comm, w.data(), w.size(), DataType::int32, bad);
+  EXPECT_EQ(w, std::vector<int>(5, 3));
+}
+
+INSTANTIATE_TEST_SUITE_P(FrontDoors, BadOnOneRank,
+                         ::testing::Values("allreduce", "iallreduce", "broadcast", "ibroadcast",
+                                           "grouped_allreduce", "igrouped_allreduce",
+                                           "reduce_scatter", "allgatherv", "gather", "scatter",
+                                           "allgather", "alltoall"));
 
 }  // namespace
 }  // namespace gradcomm::testing

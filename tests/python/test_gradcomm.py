@@ -4,6 +4,8 @@ broadcast, the packer, and errors (gradcomm.Error with the message; the module s
 Each test makes its collective calls on every rank before asserting, so a failure on one rank
 cannot leave the others waiting."""
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -168,6 +170,41 @@ def test_errors_name_the_problem_and_leave_the_module_usable():
     assert issubclass(gradcomm.InvalidArgument, gradcomm.Error)
     out = gradcomm.allreduce(x, op="sum")  # still usable
     assert np.all(out == SIZE)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs 2 ranks")
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async", "grouped_allreduce",
+                                  "broadcast", "reduce_scatter"])
+def test_a_bad_array_on_one_rank_fails_on_every_rank_and_the_ranks_stay_in_step(call):
+    # The rank with the bad array raises its own error; the others, whose call it never makes,
+    # a MismatchError naming it at once (not a wait for it, nor its next call in the failed
+    # one's place), and every rank's next call meets the others' next.
+    bad = SIZE - 1
+    mine = RANK == bad
+    good = np.ones(4 * SIZE, dtype=np.float32)
+    strided = np.ones((4 * SIZE, 2), dtype=np.float32)[:, 0]
+    array = strided if mine else good
+    started = time.monotonic()
+    with pytest.raises(gradcomm.Error) as e:
+        if call == "allreduce":
+            gradcomm.allreduce(array)
+        elif call == "allreduce_async":
+            gradcomm.allreduce_async(array).wait()
+        elif call == "grouped_allreduce":
+            gradcomm.grouped_allreduce([good.copy(), array])
+        elif call == "broadcast":
+            gradcomm.broadcast(array)
+        else:
+            gradcomm.reduce_scatter(array)
+    if mine:
+        assert isinstance(e.value, gradcomm.InvalidArgument), e.value
+        assert "not C-contiguous" in str(e.value)
+    else:
+        assert isinstance(e.value, gradcomm.MismatchError), e.value
+        assert f"the call failed on rank {bad} before it could run" in str(e.value)
+    assert time.monotonic() - started < 5
+    out = gradcomm.allreduce(np.full(4 * SIZE, RANK + 1.0, dtype=np.float32), op="sum")
+    assert np.all(out == SIZE * (SIZE + 1) / 2)
 
 
 def test_every_call_rejects_bad_arrays_before_communicating():
