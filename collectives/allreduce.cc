@@ -251,7 +251,8 @@ void allreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size
 
 Request iallreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::size_t count,
                    DataType dtype, ReduceOp op, const AllreduceOptions& options) {
-  const collectives::KeepInStep in_step(comm, collectives::CallKind::allreduce, "iallreduce");
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::allreduce, "iallreduce",
+                                        /*queued=*/true);
   const Validated v = validate("iallreduce", comm, sendbuf, recvbuf, count, dtype, op, options);
   require_thread_multiple(call_name("iallreduce", v.requested), comm.rank());
   auto state = std::make_shared<detail::RequestState>();
@@ -264,8 +265,8 @@ Request iallreduce(Communicator& comm, const void* sendbuf, void* recvbuf, std::
   state->work = [&comm, v, sendbuf, recvbuf, count, dtype, op, kept] {
     execute(nullptr, comm, v, sendbuf, recvbuf, count, dtype, op, kept);
   };
-  collectives::KeepInStep::began();
   comm.engine().submit(state);
+  collectives::KeepInStep::began();
   return Request(std::move(state));
 }
 

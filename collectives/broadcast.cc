@@ -180,7 +180,8 @@ void broadcast_bytes(Communicator& comm, void* buffer, std::size_t bytes, int ro
 
 Request ibroadcast(Communicator& comm, void* buffer, std::size_t count, DataType dtype, int root) {
   const char* call = "ibroadcast";
-  const collectives::KeepInStep in_step(comm, collectives::CallKind::broadcast, call);
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::broadcast, call,
+                                        /*queued=*/true);
   const std::size_t bytes = checked_bytes(comm, call, count, dtype);
   validate_root_and_buffer(comm, call, buffer, bytes, root);
   require_thread_multiple(call, comm.rank());
@@ -189,8 +190,8 @@ Request ibroadcast(Communicator& comm, void* buffer, std::size_t count, DataType
   state->work = [&comm, buffer, bytes, root, dtype] {
     execute(comm, buffer, bytes, root, static_cast<int>(dtype));
   };
-  collectives::KeepInStep::began();
   comm.engine().submit(state);
+  collectives::KeepInStep::began();
   return Request(std::move(state));
 }
 

@@ -306,7 +306,8 @@ void grouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, 
 Request igrouped_allreduce(Communicator& comm, std::span<const TensorDesc> tensors, ReduceOp op,
                            const GroupedAllreduceOptions& options) {
   const char* call = "igrouped_allreduce";
-  const collectives::KeepInStep in_step(comm, collectives::CallKind::grouped_allreduce, call);
+  const collectives::KeepInStep in_step(comm, collectives::CallKind::grouped_allreduce, call,
+                                        /*queued=*/true);
   const std::string_view requested = validate(call, comm, tensors, op, options);
   require_thread_multiple(call, comm.rank());
   auto state = std::make_shared<detail::RequestState>();
@@ -320,8 +321,8 @@ Request igrouped_allreduce(Communicator& comm, std::span<const TensorDesc> tenso
     o.order = order;
     execute(comm, kept, op, o, requested);
   };
-  collectives::KeepInStep::began();
   comm.engine().submit(state);
+  collectives::KeepInStep::began();
   return Request(std::move(state));
 }
 

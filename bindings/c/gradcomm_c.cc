@@ -334,7 +334,7 @@ gradcomm_status gradcomm_iallreduce(gradcomm_comm comm, const void* send, void* 
     const char* call = "gradcomm_iallreduce";
     gradcomm::Communicator& c = unwrap(comm, call);
     const gradcomm::collectives::KeepInStep in_step(c, gradcomm::collectives::CallKind::allreduce,
-                                                    call);
+                                                    call, /*queued=*/true);
     require(request, call, "request");
     gradcomm::AllreduceOptions o;
     o.algorithm = algorithm ? std::string_view(algorithm) : std::string_view();
@@ -354,7 +354,7 @@ gradcomm_status gradcomm_grouped_allreduce_start(gradcomm_comm comm, void* const
     const char* call = "gradcomm_grouped_allreduce_start";
     gradcomm::Communicator& c = unwrap(comm, call);
     const gradcomm::collectives::KeepInStep in_step(
-        c, gradcomm::collectives::CallKind::grouped_allreduce, call);
+        c, gradcomm::collectives::CallKind::grouped_allreduce, call, /*queued=*/true);
     require(request, call, "request");
     const auto tensors = tensors_of(buffers, counts, dtypes, n, call);
     gradcomm::GroupedAllreduceOptions o;
@@ -371,7 +371,7 @@ gradcomm_status gradcomm_ibroadcast(gradcomm_comm comm, void* buffer, size_t cou
     const char* call = "gradcomm_ibroadcast";
     gradcomm::Communicator& c = unwrap(comm, call);
     const gradcomm::collectives::KeepInStep in_step(c, gradcomm::collectives::CallKind::broadcast,
-                                                    call);
+                                                    call, /*queued=*/true);
     require(request, call, "request");
     hand_out(gradcomm::ibroadcast(c, buffer, count, static_cast<gradcomm::DataType>(dtype), root),
              request);

@@ -11,10 +11,12 @@
 
 #include <bit>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bindings/python/negotiation.h"
@@ -145,6 +147,30 @@ class PyRequest {
   Request request_;
 };
 
+// collectives::KeepInStep for the module's front doors: a blocking call's stand-in compares with
+// the other ranks with the GIL released, as every collective here waits (another Python thread
+// of this rank may be what they wait for).
+class PyKeepInStep {
+ public:
+  PyKeepInStep(Communicator& comm, collectives::CallKind kind, std::string_view call,
+               bool queued = false)
+      : exceptions_(std::uncaught_exceptions()) {
+    guard_.emplace(comm, kind, call, queued);
+  }
+  ~PyKeepInStep() {
+    if (std::uncaught_exceptions() > exceptions_ && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      guard_.reset();
+    }
+  }
+  PyKeepInStep(const PyKeepInStep&) = delete;
+  PyKeepInStep& operator=(const PyKeepInStep&) = delete;
+
+ private:
+  const int exceptions_;
+  std::optional<collectives::KeepInStep> guard_;
+};
+
 // The communicator handed to Python: owns a gradcomm::Communicator.
 class PyCommunicator {
  public:
@@ -224,7 +250,7 @@ class PyCommunicator {
   py::object allreduce(const py::object& array, const std::string& op,
                        const std::optional<std::string>& algorithm, const py::object& out) {
     const std::shared_ptr<Communicator> held = get();
-    const collectives::KeepInStep in_step(*held, collectives::CallKind::allreduce, "allreduce");
+    const PyKeepInStep in_step(*held, collectives::CallKind::allreduce, "allreduce");
     Prepared p = prepare("allreduce", array, op, out);
     const std::string alg = algorithm.value_or("");
     {
@@ -241,7 +267,7 @@ class PyCommunicator {
     const std::string call = "reduce_scatter";
     std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
-    const collectives::KeepInStep in_step(c, collectives::CallKind::reduce_scatter, call);
+    const PyKeepInStep in_step(c, collectives::CallKind::reduce_scatter, call);
     const ReduceOp rop = parse_op(op, call, c.rank());
     View send = view_of(array, false, call, "array", c.rank());
     const auto n = static_cast<std::size_t>(c.size());
@@ -279,8 +305,8 @@ class PyCommunicator {
                                              const std::optional<std::string>& algorithm,
                                              const py::object& out) {
     const std::shared_ptr<Communicator> comm = get();
-    const collectives::KeepInStep in_step(*comm, collectives::CallKind::allreduce,
-                                          "allreduce_async");
+    const PyKeepInStep in_step(*comm, collectives::CallKind::allreduce, "allreduce_async",
+                               /*queued=*/true);
     Prepared p = prepare("allreduce_async", array, op, out);
     const std::string alg = algorithm.value_or("");
     Request request = gradcomm::iallreduce(*p.held, p.send.info.ptr, p.recv_ptr, p.send.count,
@@ -298,8 +324,8 @@ class PyCommunicator {
                                                  const std::string& op,
                                                  const std::optional<std::string>& algorithm) {
     std::shared_ptr<Communicator> held = get();
-    const collectives::KeepInStep in_step(*held, collectives::CallKind::allreduce,
-                                          "allreduce_async");
+    const PyKeepInStep in_step(*held, collectives::CallKind::allreduce, "allreduce_async",
+                               /*queued=*/true);
     const ReduceOp rop = parse_op(op, "allreduce_async", held->rank());
     const DataType dt = parse_dtype(dtype, "allreduce_async", held->rank());
     const std::string alg = algorithm.value_or("");
@@ -317,7 +343,7 @@ class PyCommunicator {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
     const std::string call = "grouped_allreduce";
-    const collectives::KeepInStep in_step(c, collectives::CallKind::grouped_allreduce, call);
+    const PyKeepInStep in_step(c, collectives::CallKind::grouped_allreduce, call);
     const ReduceOp rop = parse_op(op, call, c.rank());
     std::vector<View> views;
     std::vector<packing::TensorDesc> tensors;
@@ -338,7 +364,7 @@ class PyCommunicator {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
     const std::string call = "grouped_allreduce";
-    const collectives::KeepInStep in_step(c, collectives::CallKind::grouped_allreduce, call);
+    const PyKeepInStep in_step(c, collectives::CallKind::grouped_allreduce, call);
     const std::vector<packing::TensorDesc> tensors =
         tensor_list(ptrs, counts, dtypes, call, c.rank());
     const ReduceOp rop = parse_op(op, call, c.rank());
@@ -368,7 +394,8 @@ class PyCommunicator {
       const std::optional<std::string>& algorithm, std::optional<std::size_t> fusion_threshold) {
     std::shared_ptr<Communicator> held = get();
     const std::string call = "grouped_allreduce_async";
-    const collectives::KeepInStep in_step(*held, collectives::CallKind::grouped_allreduce, call);
+    const PyKeepInStep in_step(*held, collectives::CallKind::grouped_allreduce, call,
+                               /*queued=*/true);
     const std::vector<packing::TensorDesc> tensors =
         tensor_list(ptrs, counts, dtypes, call, held->rank());
     const ReduceOp rop = parse_op(op, call, held->rank());
@@ -384,8 +411,8 @@ class PyCommunicator {
   std::unique_ptr<PyRequest> broadcast_async_ptr(std::uintptr_t data, std::size_t count,
                                                  const std::string& dtype, int root) {
     std::shared_ptr<Communicator> held = get();
-    const collectives::KeepInStep in_step(*held, collectives::CallKind::broadcast,
-                                          "broadcast_async");
+    const PyKeepInStep in_step(*held, collectives::CallKind::broadcast, "broadcast_async",
+                               /*queued=*/true);
     const DataType dt = parse_dtype(dtype, "broadcast_async", held->rank());
     Request request = gradcomm::ibroadcast(*held, reinterpret_cast<void*>(data), count, dt, root);
     return std::make_unique<PyRequest>(std::move(request), std::move(held), py::none(),
@@ -397,7 +424,7 @@ class PyCommunicator {
                      const std::optional<std::string>& algorithm) {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
-    const collectives::KeepInStep in_step(c, collectives::CallKind::allreduce, "allreduce");
+    const PyKeepInStep in_step(c, collectives::CallKind::allreduce, "allreduce");
     const ReduceOp rop = parse_op(op, "allreduce", c.rank());
     const DataType dt = parse_dtype(dtype, "allreduce", c.rank());
     const std::string alg = algorithm.value_or("");
@@ -409,7 +436,7 @@ class PyCommunicator {
   py::object broadcast(const py::object& array, int root) {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
-    const collectives::KeepInStep in_step(c, collectives::CallKind::broadcast, "broadcast");
+    const PyKeepInStep in_step(c, collectives::CallKind::broadcast, "broadcast");
     View v = view_of(array, true, "broadcast", "array", c.rank());
     py::gil_scoped_release release;
     gradcomm::broadcast(c, v.info.ptr, v.count, v.dtype, root);
@@ -461,7 +488,7 @@ class PyCommunicator {
   void broadcast_ptr(std::uintptr_t data, std::size_t count, const std::string& dtype, int root) {
     const std::shared_ptr<Communicator> held = get();
     Communicator& c = *held;
-    const collectives::KeepInStep in_step(c, collectives::CallKind::broadcast, "broadcast");
+    const PyKeepInStep in_step(c, collectives::CallKind::broadcast, "broadcast");
     const DataType dt = parse_dtype(dtype, "broadcast", c.rank());
     py::gil_scoped_release release;
     gradcomm::broadcast(c, reinterpret_cast<void*>(data), count, dt, root);

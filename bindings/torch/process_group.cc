@@ -1420,6 +1420,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allgather_coalesced(
   return submit(
       c10d::OpType::ALLGATHER_COALESCED, "gradcomm:all_gather_coalesced", all_outs,
       [&comm, ins, flats, outs, mark] {
+        // An empty list is a call still (a barrier): a rank whose call was refused stands in
+        // for it in the call check (InStep), and this rank must meet that there.
+        if (ins.empty()) return gradcomm::barrier(comm);
         for (std::size_t i = 0; i < ins.size(); ++i) {
           {
             const auto note = annotation_of(ins[i], mark);

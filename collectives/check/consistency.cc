@@ -339,7 +339,8 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
   if (!failed.empty()) {
     text = failed.find(',') == std::string::npos ? "the call failed on rank "
                                                  : "the call failed on ranks ";
-    text.append(failed).append(" before it could run (its arguments were refused there):");
+    text.append(failed).append(" before it could run, so the ranks' calls differ (");
+    text.append(differing).append(" differ):");
   }
   for (const auto& [fields, ranks] : groups) {
     text += ranks.size() == 1 ? " rank" : " ranks";
@@ -357,10 +358,11 @@ namespace {
 thread_local bool t_began = false;  // (KeepInStep)
 }  // namespace
 
-KeepInStep::KeepInStep(Communicator& comm, CallKind kind, std::string_view call)
+KeepInStep::KeepInStep(Communicator& comm, CallKind kind, std::string_view call, bool queued)
     : comm_(comm),
       kind_(kind),
       call_(call),
+      queued_(queued),
       exceptions_(std::uncaught_exceptions()),
       outer_(t_began) {
   t_began = false;
@@ -371,7 +373,27 @@ KeepInStep::~KeepInStep() {
   t_began = outer_ || began;
   if (began || std::uncaught_exceptions() <= exceptions_) return;
   try {
-    compare_failed_call(comm_, kind_, call_);  // (which begins a call: outer ones stand aside)
+    t_began = true;  // (the stand-in: outer front doors stand aside)
+    // Alone, or unchecked, the stand-in waits for nobody: it runs here.
+    if (queued_ && comm_.size() > 1 && comm_.config().check != CheckMode::off) {
+      // Where MPI cannot take calls from the engine's thread, nothing could have been queued:
+      // the stand-in runs here (every rank's call fails alike there).
+      require_thread_multiple(call_, comm_.rank());
+      auto state = std::make_shared<detail::RequestState>();
+      state->call = std::string(call_) + " (refused on this rank)";
+      state->work = [&comm = comm_, kind = kind_, call = state->call] {
+        try {
+          compare_failed_call(comm, kind, call);
+        } catch (const MismatchError&) {  // the other ranks' error; the caller has its own
+        }
+      };
+      comm_.engine().submit(std::move(state));
+      return;
+    }
+  } catch (...) {
+  }
+  try {
+    compare_failed_call(comm_, kind_, call_);
   } catch (...) {  // nothing more can be done from an unwinding destructor
   }
 }
@@ -425,6 +447,20 @@ CallScope::CallScope(Communicator& comm, const CallInfo& info, std::string_view 
 CallScope::~CallScope() {
   if (!outermost_) return;
   CheckState& state = *state_;
+  if (!compared_ && !finished_ && comm_.size() > 1 && comm_.config().check != CheckMode::off) {
+    // Unwinding from a failure on this rank before the call was compared (a set-up the other
+    // ranks may not have failed: pinned staging, a GPU buffer under GRADCOMM_DETERMINISTIC):
+    // they may be waiting in this call's comparison. It is compared as a failed call, so that
+    // they fail too, naming this rank, and the ranks stay in step.
+    info_.detail = static_cast<std::uint64_t>(info_.kind);
+    info_.kind = CallKind::failed;
+    try {
+      post_fingerprint(state);
+      compared_ = true;
+      complete(state, comm_, *this, call_);
+    } catch (...) {  // (MismatchError where the other ranks made the call: theirs to report)
+    }
+  }
   // Unwinding before a deferred post was made: a peer in another call may be polling for it.
   if (deferred_) post_deferred();
   if (state.request != MPI_REQUEST_NULL) {

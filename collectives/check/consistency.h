@@ -112,12 +112,15 @@ void compare_failed_call(Communicator& comm, CallKind attempted, std::string_vie
 // Keeps the ranks' calls in step where a front door's call fails on this rank before it begins
 // (its arguments refused here): unwinding from such a failure, compare_failed_call takes the
 // call's place (its own errors are dropped: the caller gets this rank's). A call begins with its
-// outermost CallScope, or at began() (a nonblocking front door, before it queues the call).
+// outermost CallScope, or at began() (a nonblocking front door, once it has queued the call).
 // Declared first in every front door, after settle(); in nested front doors the innermost
-// one that had not begun stands in.
+// one that had not begun stands in. A blocking front door's stand-in runs at once; a
+// nonblocking one's (`queued`) is queued on the communicator's engine behind the calls before
+// it, so that the caller never waits for the other ranks there (they may be waiting for this
+// rank's next call on another communicator first).
 class KeepInStep {
  public:
-  KeepInStep(Communicator& comm, CallKind kind, std::string_view call);
+  KeepInStep(Communicator& comm, CallKind kind, std::string_view call, bool queued = false);
   ~KeepInStep();
   KeepInStep(const KeepInStep&) = delete;
   KeepInStep& operator=(const KeepInStep&) = delete;
@@ -128,6 +131,7 @@ class KeepInStep {
   Communicator& comm_;
   const CallKind kind_;
   const std::string_view call_;
+  const bool queued_;
   const int exceptions_;  // in flight when the call was made
   const bool outer_;      // whether an enclosing front door's call had begun
 };

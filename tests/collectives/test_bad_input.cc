@@ -11,6 +11,7 @@
 #include "collectives/allgather.h"
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/check/consistency.h"
 #include "collectives/exchange.h"
 #include "collectives/reduce_scatter.h"
 #include "collectives/registry.h"
@@ -332,6 +333,61 @@ INSTANTIATE_TEST_SUITE_P(FrontDoors, BadOnOneRank,
                                            "grouped_allreduce", "igrouped_allreduce",
                                            "reduce_scatter", "allgatherv", "gather", "scatter",
                                            "allgather", "alltoall"));
+
+class OneRankFails : public MpiTest {};
+
+// A refused nonblocking call does not make its caller wait for the other ranks: its stand-in is
+// queued on its communicator's engine. Rank `bad` is refused on `a`, then makes a call on `b`
+// that the other ranks make before theirs on `a`: with a stand-in that waited there, every rank
+// would wait for the others until the watchdog.
+TEST_F(OneRankFails, ARefusedNonblockingCallDoesNotWaitForTheOthers) {
+  Communicator& a = world();
+  if (a.size() < 2) GTEST_SKIP() << "needs two ranks";
+  Communicator b(MPI_COMM_WORLD);
+  const int bad = a.size() - 1;
+  std::vector<float> x(16, 1.0f), y(16, static_cast<float>(a.rank() + 1));
+  const float sum = static_cast<float>(a.size() * (a.size() + 1) / 2);
+  if (a.rank() == bad) {
+    expect_error<InvalidArgument>(
+        [&] { iallreduce(a, x.data(), nullptr, 16, DataType::float32, ReduceOp::sum); },
+        {"recvbuf is null"});
+    allreduce(b, y.data(), y.data(), 16, DataType::float32, ReduceOp::sum);
+  } else {
+    allreduce(b, y.data(), y.data(), 16, DataType::float32, ReduceOp::sum);
+    expect_error<MismatchError>(
+        [&] { iallreduce(a, x.data(), x.data(), 16, DataType::float32, ReduceOp::sum).wait(); },
+        {"the call failed on rank " + std::to_string(bad) + " before it could run"});
+  }
+  EXPECT_EQ(y[0], sum);
+  expect_usable(a);
+  expect_usable(b);
+}
+
+// A call that fails on one rank after its CallScope began but before it was compared (a set-up
+// that failed there only) is compared as a failed call: the others fail too, naming the rank.
+TEST_F(OneRankFails, AfterItsScopeBeganBeforeItWasCompared) {
+  Communicator& comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int bad = comm.size() - 1;
+  std::vector<float> x(16, 1.0f);
+  if (comm.rank() == bad) {
+    try {
+      collectives::CallInfo info;
+      info.sequence = comm.next_sequence();
+      info.count = 16;
+      info.dtype = static_cast<int>(DataType::float32);
+      info.op = static_cast<int>(ReduceOp::sum);
+      collectives::CallScope scope(comm, info, "allreduce");
+      throw Unsupported("a set-up that fails on this rank only");
+    } catch (const Unsupported&) {
+    }
+  } else {
+    expect_error<MismatchError>(
+        [&] { allreduce(comm, x.data(), x.data(), 16, DataType::float32, ReduceOp::sum); },
+        {"the call failed on rank " + std::to_string(bad) + " before it could run", "allreduce #"});
+  }
+  expect_usable(comm);
+}
 
 }  // namespace
 }  // namespace gradcomm::testing
