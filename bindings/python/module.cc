@@ -219,9 +219,8 @@ class PyCommunicator {
     void* recv_ptr;
   };
 
-  Prepared prepare(const std::string& call, const py::object& array, const std::string& op,
-                   const py::object& out) {
-    std::shared_ptr<Communicator> held = get();
+  Prepared prepare(std::shared_ptr<Communicator> held, const std::string& call,
+                   const py::object& array, const std::string& op, const py::object& out) {
     Communicator& c = *held;
     const ReduceOp rop = parse_op(op, call, c.rank());
     const bool in_place = !out.is_none() && out.is(array);
@@ -249,9 +248,9 @@ class PyCommunicator {
 
   py::object allreduce(const py::object& array, const std::string& op,
                        const std::optional<std::string>& algorithm, const py::object& out) {
-    const std::shared_ptr<Communicator> held = get();
+    std::shared_ptr<Communicator> held = get();
     const PyKeepInStep in_step(*held, collectives::CallKind::allreduce, "allreduce");
-    Prepared p = prepare("allreduce", array, op, out);
+    Prepared p = prepare(held, "allreduce", array, op, out);
     const std::string alg = algorithm.value_or("");
     {
       py::gil_scoped_release release;
@@ -304,10 +303,10 @@ class PyCommunicator {
   std::unique_ptr<PyRequest> allreduce_async(const py::object& array, const std::string& op,
                                              const std::optional<std::string>& algorithm,
                                              const py::object& out) {
-    const std::shared_ptr<Communicator> comm = get();
-    const PyKeepInStep in_step(*comm, collectives::CallKind::allreduce, "allreduce_async",
+    std::shared_ptr<Communicator> held = get();
+    const PyKeepInStep in_step(*held, collectives::CallKind::allreduce, "allreduce_async",
                                /*queued=*/true);
-    Prepared p = prepare("allreduce_async", array, op, out);
+    Prepared p = prepare(held, "allreduce_async", array, op, out);
     const std::string alg = algorithm.value_or("");
     Request request = gradcomm::iallreduce(*p.held, p.send.info.ptr, p.recv_ptr, p.send.count,
                                            p.send.dtype, p.op, {.algorithm = alg});

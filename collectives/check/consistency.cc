@@ -330,18 +330,18 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
       }
     }
   }
-  std::string text = "ranks disagree on the collective call (" + differing + " differ):";
   std::string failed;  // the ranks whose call failed before it could run (compare_failed_call)
   for (std::size_t r = 0; r < calls.size(); ++r) {
     if (calls[r].kind == CallKind::failed)
       failed.append(failed.empty() ? "" : ",") += std::to_string(r);
   }
+  std::string text = "ranks disagree on the collective call (";
   if (!failed.empty()) {
     text = failed.find(',') == std::string::npos ? "the call failed on rank "
                                                  : "the call failed on ranks ";
     text.append(failed).append(" before it could run, so the ranks' calls differ (");
-    text.append(differing).append(" differ):");
   }
+  text.append(differing).append(" differ):");
   for (const auto& [fields, ranks] : groups) {
     text += ranks.size() == 1 ? " rank" : " ranks";
     for (std::size_t i = 0; i < ranks.size(); ++i) {
@@ -369,15 +369,13 @@ KeepInStep::KeepInStep(Communicator& comm, CallKind kind, std::string_view call,
 }
 
 KeepInStep::~KeepInStep() {
-  const bool began = t_began;
-  t_began = outer_ || began;
-  if (began || std::uncaught_exceptions() <= exceptions_) return;
-  try {
-    t_began = true;  // (the stand-in: outer front doors stand aside)
-    // Alone, or unchecked, the stand-in waits for nobody: it runs here.
-    if (queued_ && comm_.size() > 1 && comm_.config().check != CheckMode::off) {
-      // Where MPI cannot take calls from the engine's thread, nothing could have been queued:
-      // the stand-in runs here (every rank's call fails alike there).
+  const bool stand_in = !t_began && std::uncaught_exceptions() > exceptions_;
+  t_began = outer_ || t_began || stand_in;  // (outer front doors stand aside)
+  if (!stand_in) return;
+  // Alone, or unchecked, the stand-in waits for nobody; where MPI cannot take calls from the
+  // engine's thread, nothing could have been queued (every rank's call fails alike there).
+  if (queued_ && comm_.size() > 1 && comm_.config().check != CheckMode::off) {
+    try {
       require_thread_multiple(call_, comm_.rank());
       auto state = std::make_shared<detail::RequestState>();
       state->call = std::string(call_) + " (refused on this rank)";
@@ -389,8 +387,8 @@ KeepInStep::~KeepInStep() {
       };
       comm_.engine().submit(std::move(state));
       return;
+    } catch (...) {  // (then here)
     }
-  } catch (...) {
   }
   try {
     compare_failed_call(comm_, kind_, call_);
