@@ -8,6 +8,7 @@
 
 #include "collectives/allreduce.h"
 #include "collectives/broadcast.h"
+#include "collectives/check/consistency.h"
 #include "collectives/registry.h"
 #include "core/error.h"
 #include "core/reduce_kernels.h"
@@ -213,25 +214,30 @@ void Reducer::mark_ready(std::size_t index) {
 
 void Reducer::mark_ready(std::size_t index, void* data) {
   const char* call = "Reducer::mark_ready";
+  // A refusal fails this rank's iteration (fail_iteration), so that the other ranks learn of it
+  // instead of waiting for this rank's buckets or reducing without its gradients.
+  auto refuse = [&](const std::string& detail) {
+    const std::string message = error_message(call, comm_.rank(), detail);
+    fail_iteration(message);
+    throw InvalidArgument(message);
+  };
   if (index >= tensors_.size()) {
-    throw InvalidArgument(error_message(call, comm_.rank(),
-                                        "tensor " + std::to_string(index) + " is out of range (" +
-                                            std::to_string(tensors_.size()) + " tensors)"));
+    refuse("tensor " + std::to_string(index) + " is out of range (" +
+           std::to_string(tensors_.size()) + " tensors)");
   }
   if (ready_[index]) {
-    throw InvalidArgument(error_message(
-        call, comm_.rank(),
-        "tensor " + std::to_string(index) + " was already marked ready in this iteration"));
+    refuse("tensor " + std::to_string(index) + " was already marked ready in this iteration");
   }
   const TensorDesc& t = tensors_[index];
-  if (data == nullptr && t.count > 0) {
-    throw InvalidArgument(
-        error_message(call, comm_.rank(), "tensor " + std::to_string(index) + " has null data"));
-  }
+  if (data == nullptr && t.count > 0) refuse("tensor " + std::to_string(index) + " has null data");
   ready_[index] = 1;
   data_[index] = data;
   observed_.push_back(index);
   const std::size_t b = bucket_of_[index];
+  if (failed_) {  // its bucket is a stand-in: nothing to pack
+    --waiting_[b];
+    return;
+  }
   const ReducerBucket& bucket = buckets_[b];
   void* slot = slot_of(index);
   {
@@ -255,17 +261,34 @@ ReduceOp Reducer::op_of(const ReducerBucket& bucket) const {
   return divides_first(bucket) ? ReduceOp::sum : options_.op;
 }
 
+void Reducer::fail_iteration(std::string_view why) {
+  if (!failed_) failed_why_ = why;
+  failed_ = true;
+  launch_ready_buckets();
+}
+
+std::string Reducer::stand_in_name(std::size_t bucket) const {
+  return "Reducer: bucket " + std::to_string(bucket) + " of " + std::to_string(buckets_.size()) +
+         " (this rank's iteration failed)";
+}
+
 void Reducer::launch_ready_buckets() {
   if (!options_.overlap) return;  // finish() reduces them
   const AllreduceOptions call{.algorithm = options_.algorithm};
   // The last bucket is complete only once every gradient is: nothing is left to overlap it with,
   // so finish() reduces it on the caller's thread, without the hand-off to the engine (a model
-  // whose gradients fit one bucket then pays nothing for overlap).
-  while (next_launch_ + 1 < buckets_.size() && waiting_[next_launch_] == 0) {
-    const ReducerBucket& bucket = buckets_[next_launch_];
-    std::byte* p = bucket_data(bucket);
-    requests_[next_launch_] =
-        iallreduce(comm_, p, p, bucket.count, bucket.wire, op_of(bucket), call);
+  // whose gradients fit one bucket then pays nothing for overlap). A failed iteration's stand-ins
+  // need no gradients: they go at once.
+  while (next_launch_ + 1 < buckets_.size() && (failed_ || waiting_[next_launch_] == 0)) {
+    if (failed_) {
+      requests_[next_launch_] = collectives::ifailed_call(comm_, collectives::CallKind::allreduce,
+                                                          stand_in_name(next_launch_));
+    } else {
+      const ReducerBucket& bucket = buckets_[next_launch_];
+      std::byte* p = bucket_data(bucket);
+      requests_[next_launch_] =
+          iallreduce(comm_, p, p, bucket.count, bucket.wire, op_of(bucket), call);
+    }
     ++next_launch_;
   }
 }
@@ -275,17 +298,45 @@ void Reducer::finish() {
     if (!ready_[i]) mark_ready(i);
   }
   timeline::Span finishing("finish", "reducer");
+  // After a MismatchError (ranks whose iterations differ, a rank whose iteration failed and sent
+  // stand-ins) every bucket is still called, so that every rank makes one call per bucket and the
+  // next iteration's calls pair up; any other error ends the iteration at once.
+  std::exception_ptr mismatch;
   try {
-    // Blocking calls queue behind the requests (settle), so buckets still run in order.
-    Request::wait_all(requests_);
+    try {
+      // Blocking calls queue behind the requests (settle), so buckets still run in order.
+      Request::wait_all(requests_);
+    } catch (const MismatchError&) {
+      mismatch = std::current_exception();
+    }
     const AllreduceOptions call{.algorithm = options_.algorithm};
     for (std::size_t b = options_.overlap ? next_launch_ : 0; b < buckets_.size(); ++b) {
       std::byte* p = bucket_data(buckets_[b]);
-      allreduce(comm_, p, p, buckets_[b].count, buckets_[b].wire, op_of(buckets_[b]), call);
+      try {
+        if (failed_) {
+          collectives::compare_failed_call(comm_, collectives::CallKind::allreduce,
+                                           stand_in_name(b));
+        } else {
+          allreduce(comm_, p, p, buckets_[b].count, buckets_[b].wire, op_of(buckets_[b]), call);
+        }
+      } catch (const MismatchError&) {  // (a failed rank's: the other ranks' error, dropped)
+        if (!mismatch) mismatch = std::current_exception();
+      }
     }
   } catch (...) {
     start_iteration();  // the next iteration starts clean; the tensors keep their gradients
     throw;
+  }
+  if (failed_) {
+    const std::string why = failed_why_;
+    start_iteration();
+    throw InvalidArgument(
+        error_message("Reducer::finish", comm_.rank(),
+                      "this rank's iteration failed (" + why + "); no gradient was written back"));
+  }
+  if (mismatch) {
+    start_iteration();
+    std::rethrow_exception(mismatch);
   }
   timeline::Span unpacking("unpack", "reducer");
   for (const ReducerBucket& bucket : buckets_) {
@@ -322,6 +373,8 @@ void Reducer::start_iteration() {
     waiting_[b] = buckets_[b].tensors.size();
   next_launch_ = 0;
   observed_.clear();
+  failed_ = false;
+  failed_why_.clear();
   for (Request& r : requests_)
     r = Request();
 }

@@ -100,8 +100,9 @@ class Reducer {
   Reducer& operator=(const Reducer&) = delete;
 
   // Tensor `index` holds its gradient for this iteration: copies it into its bucket and launches
-  // every bucket that is now complete, in order. InvalidArgument for an index out of range or a
-  // tensor marked twice in one iteration.
+  // every bucket that is now complete, in order. InvalidArgument for an index out of range, a
+  // tensor marked twice in one iteration or null data; such a refusal also fails this rank's
+  // iteration (fail_iteration).
   void mark_ready(std::size_t index);
   // The same, for a gradient that now lives at `data` (same count and dtype); it is also where
   // finish() writes the result.
@@ -110,7 +111,18 @@ class Reducer {
   // gradient), waits for every bucket (rethrowing the first error) and writes the results into
   // the tensors. After the first iteration, rebuilds the buckets from rank 0's ready order when
   // options.rebuild_buckets (collective).
+  // On a MismatchError every bucket is still called, so the ranks stay in step, and the first
+  // one is thrown.
   void finish();
+  // This rank cannot complete this iteration (a gradient was refused here; `why` says how): each
+  // bucket not launched yet is replaced by a stand-in (collectives::compare_failed_call), at once
+  // and in launch order, so that the other ranks' all-reduce of it fails with a MismatchError
+  // naming this rank instead of waiting for this rank or reducing without its gradients. finish()
+  // then throws on every rank (here InvalidArgument, with `why`), writes nothing back, and the
+  // next iteration starts clean on every rank. Where every rank's iteration failed alike, the
+  // stand-ins agree and each rank has only its own error. (A reducer of no tensors has no call to
+  // stand in: only this rank throws.)
+  void fail_iteration(std::string_view why);
 
   // Where tensor `index` sits in its bucket (its wire dtype): a framework may produce the
   // gradient there directly (DDP's gradient_as_bucket_view) and mark it ready with this pointer
@@ -128,6 +140,7 @@ class Reducer {
  private:
   void plan(std::span<const std::size_t> order);
   void launch_ready_buckets();
+  std::string stand_in_name(std::size_t bucket) const;
   // Whether `bucket`'s gradients are divided before the sum (divide_before_sum), and the op its
   // all-reduce then runs.
   bool divides_first(const ReducerBucket& bucket) const;
@@ -149,6 +162,8 @@ class Reducer {
   std::vector<std::size_t> waiting_;
   std::size_t next_launch_ = 0;
   std::vector<std::size_t> observed_;
+  bool failed_ = false;  // fail_iteration
+  std::string failed_why_;
   std::size_t iterations_ = 0;
   bool rebuilt_ = false;
   // The buckets' memory (registered where the ranks share a host), then the requests: declared

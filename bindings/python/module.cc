@@ -587,6 +587,10 @@ class PyReducer {
     py::gil_scoped_release release;
     reducer_->finish();
   }
+  void fail_iteration(const std::string& why) {
+    py::gil_scoped_release release;
+    reducer_->fail_iteration(why);
+  }
   // Byte offset of tensor `index` in buffer() (its slot in its bucket).
   std::size_t view_offset(std::size_t index) {
     const auto* view = static_cast<std::byte*>(reducer_->bucket_view(index));
@@ -725,6 +729,7 @@ PYBIND11_MODULE(_gradcomm, m) {
            py::arg("overlap"), py::arg("divide_before_sum") = false)
       .def("mark_ready", &PyReducer::mark_ready, py::arg("index"), py::arg("data") = py::none())
       .def("finish", &PyReducer::finish)
+      .def("fail_iteration", &PyReducer::fail_iteration, py::arg("why"))
       .def("view_offset", &PyReducer::view_offset)
       .def("buckets", &PyReducer::buckets)
       .def("iterations", &PyReducer::iterations)

@@ -356,6 +356,22 @@ std::string describe_mismatch(const std::vector<CallInfo>& calls) {
 
 namespace {
 thread_local bool t_began = false;  // (KeepInStep)
+
+// ifailed_call's work, submitted; its state (a caller that never waits for it drops it).
+std::shared_ptr<detail::RequestState> queue_failed_call(Communicator& comm, CallKind attempted,
+                                                        std::string call) {
+  require_thread_multiple(call, comm.rank());
+  auto state = std::make_shared<detail::RequestState>();
+  state->call = std::move(call);
+  state->work = [&comm, attempted, call = state->call] {
+    try {
+      compare_failed_call(comm, attempted, call);
+    } catch (const MismatchError&) {  // the other ranks' error; the caller has its own
+    }
+  };
+  comm.engine().submit(state);
+  return state;
+}
 }  // namespace
 
 KeepInStep::KeepInStep(Communicator& comm, CallKind kind, std::string_view call, bool queued)
@@ -376,16 +392,7 @@ KeepInStep::~KeepInStep() {
   // engine's thread, nothing could have been queued (every rank's call fails alike there).
   if (queued_ && comm_.size() > 1 && comm_.config().check != CheckMode::off) {
     try {
-      require_thread_multiple(call_, comm_.rank());
-      auto state = std::make_shared<detail::RequestState>();
-      state->call = std::string(call_) + " (refused on this rank)";
-      state->work = [&comm = comm_, kind = kind_, call = state->call] {
-        try {
-          compare_failed_call(comm, kind, call);
-        } catch (const MismatchError&) {  // the other ranks' error; the caller has its own
-        }
-      };
-      comm_.engine().submit(std::move(state));
+      queue_failed_call(comm_, kind_, std::string(call_) + " (refused on this rank)");
       return;
     } catch (...) {  // (then here)
     }
@@ -398,6 +405,10 @@ KeepInStep::~KeepInStep() {
 
 void KeepInStep::began() {
   t_began = true;
+}
+
+Request ifailed_call(Communicator& comm, CallKind attempted, std::string call) {
+  return Request(queue_failed_call(comm, attempted, std::move(call)));
 }
 
 void compare_failed_call(Communicator& comm, CallKind attempted, std::string_view call) {

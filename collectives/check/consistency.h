@@ -37,6 +37,7 @@
 #include "collectives/check/call_context.h"
 #include "collectives/check/call_info.h"
 #include "core/communicator.h"
+#include "core/request.h"
 
 namespace gradcomm::collectives {
 
@@ -108,6 +109,12 @@ class CallScope {
 // call failed alike; otherwise throws MismatchError here too (the caller reports its own error
 // instead). With GRADCOMM_CHECK=off it only takes the call's sequence number.
 void compare_failed_call(Communicator& comm, CallKind attempted, std::string_view call);
+
+// compare_failed_call queued on the communicator's progress engine behind the calls submitted
+// before it, so that the caller does not wait for the other ranks. Its MismatchError (the other
+// ranks made the call: their error) is dropped; the caller reports its own. Needs MPI at
+// MPI_THREAD_MULTIPLE where there are other ranks.
+Request ifailed_call(Communicator& comm, CallKind attempted, std::string call);
 
 // Keeps the ranks' calls in step where a front door's call fails on this rank before it begins
 // (its arguments refused here): unwinding from such a failure, compare_failed_call takes the

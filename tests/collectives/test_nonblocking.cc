@@ -6,7 +6,8 @@
 //   request never polled, a blocking call behind requests;
 // - errors: bad input at submission, a mismatch between ranks from wait() on every rank;
 // - the Reducer: bucket plans, rebuild from rank 0's order, uneven and mixed-dtype tensors,
-//   results equal to blocking all-reduces of the same buckets.
+//   results equal to blocking all-reduces of the same buckets; an iteration that fails on one
+//   rank (or on every rank alike) fails on every rank, and the next one is exact.
 
 #include <gmock/gmock.h>
 
@@ -510,7 +511,8 @@ TEST_F(NonBlocking, ReducerEqualsBlockingAllreducesOfItsBuckets) {
 }
 
 // Gradients produced straight into the buckets (bucket_view) are not copied, and results land
-// there; unmarked tensors are reduced as they are at finish(); bad marks are refused.
+// there; unmarked tensors are reduced as they are at finish(); bad marks are refused and fail
+// the iteration (on every rank alike here: each rank gets its own error, not a mismatch).
 TEST_F(NonBlocking, ReducerBucketViewsUnmarkedTensorsAndBadMarks) {
   Communicator& comm = world();
   const int n = comm.size();
@@ -523,8 +525,6 @@ TEST_F(NonBlocking, ReducerBucketViewsUnmarkedTensorsAndBadMarks) {
   auto* view = static_cast<float*>(reducer.bucket_view(1));
   std::fill(view, view + 5000, static_cast<float>(comm.rank()));
   reducer.mark_ready(1, view);
-  EXPECT_THROW(reducer.mark_ready(1), InvalidArgument);
-  EXPECT_THROW(reducer.mark_ready(3), InvalidArgument);
   reducer.mark_ready(2);
   reducer.finish();  // tensor 0 was never marked: reduced as it is
   const float mean_rank = static_cast<float>(n - 1) / 2.0f;
@@ -532,6 +532,140 @@ TEST_F(NonBlocking, ReducerBucketViewsUnmarkedTensorsAndBadMarks) {
   EXPECT_EQ(all[1][0], 2.0f);  // not written: this iteration's gradient lived in the view
   EXPECT_EQ(all[0][2999], 1.0f);
   EXPECT_EQ(all[2][10], 3.0f);
+
+  for (int bad = 0; bad < 3; ++bad) {
+    reducer.mark_ready(1);
+    if (bad == 0) {
+      EXPECT_THROW(reducer.mark_ready(1), InvalidArgument);
+    } else if (bad == 1) {
+      EXPECT_THROW(reducer.mark_ready(3), InvalidArgument);
+    } else {
+      EXPECT_THROW(reducer.mark_ready(0, nullptr), InvalidArgument);
+    }
+    EXPECT_THAT([&] { reducer.finish(); },
+                ::testing::ThrowsMessage<InvalidArgument>(
+                    ::testing::HasSubstr("this rank's iteration failed (Reducer::mark_ready")));
+    EXPECT_EQ(all[0][2999], 1.0f);  // nothing written back
+  }
+  all[0].assign(3000, static_cast<float>(comm.rank()));
+  reducer.finish();  // the next iteration starts clean
+  EXPECT_EQ(all[0][2999], mean_rank);
+}
+
+// One rank's iteration fails part way (fail_iteration, or a mark refused there only), with and
+// without overlap, after some buckets were launched: every other rank gets a MismatchError
+// naming it within seconds (never a wait for the watchdog, never a sum without its gradients),
+// the failed rank its own error; no tensor is written back on any rank; the next iteration is
+// exact everywhere, and the reducer plans its buckets again after it (the failed iteration did
+// not count).
+TEST_F(NonBlocking, ReducerIterationFailedOnOneRankFailsOnEveryRank) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  const int bad = n - 1;
+  const std::size_t counts[] = {4099, 1, 2003, 0, 1031, 65537, 7};
+  const std::size_t m = std::size(counts);
+  for (const bool overlap : {true, false}) {
+    for (const bool refused : {false, true}) {
+      std::vector<std::vector<float>> all;
+      for (const std::size_t c : counts)
+        all.emplace_back(c, 0.0f);
+      std::vector<TensorDesc> tensors = descs(all);
+      ReducerOptions o;
+      o.first_bucket_bytes = 4096;
+      o.bucket_cap_bytes = 8192;
+      o.op = ReduceOp::sum;
+      o.overlap = overlap;
+      Reducer reducer(comm, tensors, o);
+      ASSERT_GE(reducer.buckets().size(), 3u);
+      auto fill = [&](int iteration) {
+        for (std::size_t k = 0; k < m; ++k) {
+          for (std::size_t i = 0; i < counts[k]; ++i)
+            all[k][i] = static_cast<float>((comm.rank() + iteration + k + i % 7) % 5);
+        }
+      };
+      fill(0);
+      const auto started = std::chrono::steady_clock::now();
+      const std::vector<std::size_t> order = [&] {  // backward's order: the last tensor first
+        std::vector<std::size_t> v(m);
+        std::iota(v.rbegin(), v.rend(), std::size_t{0});
+        return v;
+      }();
+      std::string error;
+      try {
+        for (std::size_t j = 0; j < m; ++j) {
+          if (comm.rank() == bad && n > 1 && j == m / 2) {
+            if (refused) {
+              EXPECT_THROW(reducer.mark_ready(order[0]), InvalidArgument);  // marked twice
+            } else {
+              reducer.fail_iteration("gradient 3 refused by the test");
+            }
+          }
+          reducer.mark_ready(order[j]);
+        }
+        reducer.finish();
+      } catch (const MismatchError& e) {
+        error = std::string("mismatch: ") + e.what();
+      } catch (const InvalidArgument& e) {
+        error = std::string("own: ") + e.what();
+      }
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      SCOPED_TRACE("overlap " + std::to_string(overlap) + " refused " + std::to_string(refused));
+      EXPECT_LT(seconds, 10.0);
+      if (n == 1) {
+        EXPECT_EQ(error, "");
+      } else if (comm.rank() == bad) {
+        EXPECT_THAT(error, ::testing::HasSubstr("own: "));
+        EXPECT_THAT(error, ::testing::HasSubstr(refused ? "already marked ready"
+                                                        : "gradient 3 refused by the test"));
+      } else {
+        EXPECT_THAT(error, ::testing::HasSubstr("mismatch: "));
+        EXPECT_THAT(error, ::testing::HasSubstr("failed on rank " + std::to_string(bad)));
+        for (std::size_t k = 0; k < m; ++k) {  // nothing written back: each holds its input
+          for (std::size_t i = 0; i < counts[k]; ++i) {
+            ASSERT_EQ(all[k][i], static_cast<float>((comm.rank() + k + i % 7) % 5)) << k;
+          }
+        }
+      }
+      EXPECT_EQ(reducer.iterations(), n == 1 ? 1u : 0u);
+      // The next iteration, exact on every rank.
+      fill(1);
+      for (const std::size_t k : order)
+        reducer.mark_ready(k);
+      reducer.finish();
+      for (std::size_t k = 0; k < m; ++k) {
+        for (std::size_t i = 0; i < counts[k]; ++i) {
+          float expected = 0;
+          for (int r = 0; r < n; ++r)
+            expected += static_cast<float>((r + 1 + k + i % 7) % 5);
+          ASSERT_EQ(all[k][i], expected) << "tensor " << k << " element " << i;
+        }
+      }
+      EXPECT_TRUE(reducer.rebuilt());  // after the first iteration that completed
+    }
+  }
+}
+
+// Every rank's iteration fails alike: the stand-ins agree, so each rank has only its own error
+// (no MismatchError), and the ranks stay in step.
+TEST_F(NonBlocking, ReducerIterationFailedOnEveryRankAlike) {
+  Communicator& comm = world();
+  const int n = comm.size();
+  std::vector<std::vector<float>> all = {std::vector<float>(3001, 1.0f),
+                                         std::vector<float>(5003, 1.0f)};
+  std::vector<TensorDesc> tensors = descs(all);
+  ReducerOptions o;
+  o.first_bucket_bytes = 4096;
+  o.bucket_cap_bytes = 4096;
+  Reducer reducer(comm, tensors, o);
+  reducer.mark_ready(1);
+  reducer.fail_iteration("every rank");
+  EXPECT_THAT([&] { reducer.finish(); },
+              ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("every rank")));
+  reducer.finish();
+  EXPECT_EQ(all[0][3000], static_cast<float>(1));  // the average of ones
+  EXPECT_EQ(all[1][0], static_cast<float>(1));
+  (void)n;
 }
 
 TEST_F(NonBlocking, ReducerRejectsBadOptionsBeforeCommunicating) {

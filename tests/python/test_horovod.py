@@ -412,15 +412,20 @@ def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_r
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
 
 
-def test_a_step_that_fails_on_one_rank_keeps_the_ranks_in_step():
+def test_a_step_that_fails_on_one_rank_fails_on_every_rank_and_keeps_them_in_step():
     # Rank 0 alone fails to hand the reducer a gradient for a parameter backward did not reach
-    # (made to refuse it here): its step() raises, once the step's all-reduce is
-    # complete with zeros standing in, and every rank goes on together.
+    # (made to refuse it here): its step() raises its error, every other rank's a MismatchError
+    # naming it (none reduces without rank 0's gradients), no rank's gradients or parameters
+    # change, and every rank goes on together.
     model = Net()
     unused = torch.nn.Parameter(torch.zeros(4))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [unused], lr=0.1))
     x, y = data(0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    def grads():
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    local, before = grads().clone(), flat(model).clone()
     if RANK == 0:
         real_mark = opt._gradcomm_mark
 
@@ -435,11 +440,10 @@ def test_a_step_that_fails_on_one_rank_keeps_the_ranks_in_step():
         finally:
             del opt._gradcomm_mark
     else:
-        opt.step()
-
-    def grads():
-        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    assert same_on_every_rank(grads())  # the failed rank's gradients were reduced too
+        with pytest.raises(hvd.MismatchError, match="failed on rank 0"):
+            opt.step()
+    assert torch.equal(grads(), local)  # nothing written back
+    assert torch.equal(flat(model), before)
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
     opt.zero_grad()
     unused.grad = None

@@ -5,6 +5,7 @@ with uneven inputs, and the errors. Every rank checks its own replica, and that 
 bit-identical across ranks."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -137,17 +138,75 @@ def test_a_missing_gradient_without_find_unused_parameters_is_an_error():
     assert same_on_every_rank(model.module.extra.weight.grad)
 
 
-def test_a_gradient_missing_on_one_rank_only_keeps_the_ranks_in_step():
+def test_a_gradient_missing_on_one_rank_only_fails_the_step_on_every_rank():
+    # Rank 0 reaches `extra`, the others do not: they raise their own error, and rank 0 a
+    # MismatchError naming them (it never reduces without their gradients, nor waits), its
+    # gradients left as backward made them. The ranks stay in step: the next step is exact.
     model = gt.DistributedDataParallel(Net(16))
     x, y = data(0)
-    if RANK == 0 and SIZE > 1:  # rank 0 reaches `extra`, the others do not: they raise
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+    if RANK == 0 and SIZE > 1:
+        with pytest.raises(gradcomm.MismatchError, match="failed on rank"):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        local = Net(16)
+        torch.nn.functional.cross_entropy(local(x), y).backward()
+        for p, q in zip(model.parameters(), local.parameters()):
+            assert torch.equal(p.grad, q.grad)  # nothing written back
     else:
         with pytest.raises(RuntimeError, match="extra.weight"):
             torch.nn.functional.cross_entropy(model(x, use_extra=False), y).backward()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    for p in model.parameters():
+    check_one_exact_step(model, Net(16))
+
+
+def check_one_exact_step(model, reference):
+    """One step of `model` (a DDP wrapper) whose gradients are the mean of every rank's
+    (`reference`, unwrapped, run on every rank's batch here), on every rank."""
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(*data(1)[:1]), data(1)[1]).backward()
+    for r in range(SIZE):
+        g = torch.Generator().manual_seed(1000 + r)
+        x, y = torch.randn(12, 20, generator=g), torch.randint(0, 5, (12,), generator=g)
+        (torch.nn.functional.cross_entropy(reference(x), y) / SIZE).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert relative(p.grad, q.grad) <= TOLERANCE
         assert same_on_every_rank(p.grad)
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_hook_error_on_one_rank_fails_the_step_on_every_rank(which):
+    # The last rank's reducer refuses one gradient in the middle of backward (made to, here):
+    # the first one backward produces (its bucket not yet sent) or the last (the buckets before
+    # it sent already). That rank raises the refusal, every other one a MismatchError naming it
+    # within seconds, with nothing written back; then the ranks go on together.
+    model = gt.DistributedDataParallel(Net(18), bucket_cap_mb=0.002)
+    bad = SIZE - 1
+    refused = {"first": "c.bias", "last": "a.weight"}[which]
+    if RANK == bad:
+        real_mark = model._reducer.mark
+
+        def refusing(index, grad):
+            if model._names[index] == refused:
+                raise gradcomm.InvalidArgument(f"{refused}: refused on this rank")
+            real_mark(index, grad)
+        model._reducer.mark = refusing
+    x, y = data(0)
+    started = time.monotonic()
+    try:
+        if RANK == bad:
+            with pytest.raises(gradcomm.InvalidArgument, match="refused on this rank"):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with pytest.raises(gradcomm.MismatchError, match=f"failed on rank {bad}"):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+    finally:
+        if RANK == bad:
+            del model._reducer.mark
+    assert time.monotonic() - started < 10
+    local = Net(18)
+    torch.nn.functional.cross_entropy(local(x), y).backward()
+    if RANK != bad:
+        for p, q in zip(model.parameters(), local.parameters()):
+            assert torch.equal(p.grad, q.grad)  # nothing written back
+    check_one_exact_step(model, Net(18))
 
 
 class NoWeightGrad(torch.autograd.Function):
@@ -418,3 +477,46 @@ def test_sparse_gradients_with_join_and_uneven_inputs():
         ref_opt.step()
     assert same_on_every_rank(flat(model))
     assert relative(flat(model), flat(ref)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("dense_too", [True, False])
+def test_a_sparse_gradient_refused_on_one_rank_fails_the_step_on_every_rank(dense_too):
+    # The sparse table's gradient is refused on the last rank (made to, here): that rank raises
+    # it, every other one a MismatchError naming it, instead of gathering the others' rows alone
+    # (the table with a dense layer, whose buckets fail; the table alone, whose row gathers
+    # fail). Then a step that every rank completes, the rows of every rank in it.
+    module = Embedder() if dense_too else torch.nn.Embedding(40, 6, sparse=True)
+    model = gt.DistributedDataParallel(module)
+    table = module.table if dense_too else module
+    bad = SIZE - 1
+
+    def batch(step, rank):
+        return torch.randint(0, 40, (5, 3), generator=torch.Generator().manual_seed(step + rank))
+    if RANK == bad:
+        real_mark = model._reducer.mark
+
+        def refusing(index, grad):
+            if model._params[index] is table.weight:
+                raise gradcomm.InvalidArgument("table: refused on this rank")
+            real_mark(index, grad)
+        model._reducer.mark = refusing
+    try:
+        if RANK == bad:
+            with pytest.raises(gradcomm.InvalidArgument, match="refused on this rank"):
+                model(batch(0, RANK)).sum().backward()
+        else:
+            with pytest.raises(gradcomm.MismatchError, match=f"failed on rank {bad}"):
+                model(batch(0, RANK)).sum().backward()
+    finally:
+        if RANK == bad:
+            del model._reducer.mark
+    model.zero_grad()
+    model(batch(1, RANK)).sum().backward()
+    grad = table.weight.grad
+    assert grad is not None and grad.is_sparse
+    assert same_on_every_rank(grad.to_dense())
+    reference = Embedder() if dense_too else torch.nn.Embedding(40, 6, sparse=True)
+    for r in range(SIZE):
+        (reference(batch(1, r)).sum() / SIZE).backward()
+    ref_table = reference.table if dense_too else reference
+    assert torch.allclose(grad.to_dense(), ref_table.weight.grad.to_dense(), atol=1e-6)

@@ -298,6 +298,16 @@ class _ReducerBase:
         self._dtypes = [p.dtype for p in params]
         self._counts = [p.numel() for p in params]
         self._pending = {}
+        self._failed = None  # fail(): why this rank's iteration failed
+
+    def fail(self, error):
+        """This rank cannot complete this iteration (a gradient failed here: `error`): every
+        bucket not yet sent is a stand-in that makes the other ranks' all-reduce of it fail,
+        naming this rank, instead of reducing without this rank's gradients. finish() then raises
+        on every rank and writes nothing back; the next iteration starts clean."""
+        if self._failed is None:
+            self._failed = f"{type(error).__name__}: {error}"
+            self._fail_buckets()
 
     def _check_gradient(self, index, grad, device=None):
         """InvalidArgument unless `grad` fits parameter index (and lies on `device`, if given)."""
@@ -319,8 +329,10 @@ class _ReducerBase:
         return index in self._pending
 
     def _mark_missing_with_zeros(self):
-        """Zeros for the parameters not marked this iteration (a front end whose marking failed
-        on this rank: the step's all-reduce still completes, so the ranks stay in step)."""
+        """Zeros for the parameters not marked this iteration (gradients backward did not
+        produce)."""
+        if self._failed is not None:  # (no bucket of this iteration is reduced any more)
+            return
         for i, p in enumerate(self.params):
             if i not in self._pending:
                 self.mark(i, torch.zeros_like(p, memory_format=torch.contiguous_format))
@@ -366,6 +378,9 @@ class GradientReducer(_ReducerBase):
         # Alive until finish(): the reducer writes the result there.
         self._pending[index] = (grad, host)
 
+    def _fail_buckets(self):
+        self._reducer.fail_iteration(self._failed)
+
     def finish(self):
         self._mark_missing_with_zeros()
         try:
@@ -373,6 +388,7 @@ class GradientReducer(_ReducerBase):
             copied = [(g, h) for g, h in self._pending.values() if h is not g]
         finally:
             self._pending.clear()
+            self._failed = None
         devices = set()
         for grad, host in copied:
             unstage(grad, host)
@@ -480,6 +496,7 @@ class NegotiatedReducer(_ReducerBase):
 
     def _start_iteration(self):
         self._pending = {}  # index -> gradient (alive until finish(): the result goes there)
+        self._failed = None
         self._waiting = [len(b[2]) for b in self._buckets]
         self._states = {}   # bucket -> negotiated state
         self._events = {}   # bucket -> the event its submission waits for (alive until done)
@@ -513,14 +530,33 @@ class NegotiatedReducer(_ReducerBase):
                 slot.div_(self.comm.size())
         self._pending[index] = grad
         self._waiting[b] -= 1
-        if self._overlap and self._waiting[b] == 0:
+        if self._overlap and self._waiting[b] == 0 and self._failed is None:
             self._submit(b)
+
+    def fail(self, error):
+        """_ReducerBase.fail, where a bucket is left to stand in for: buckets are sent as soon as
+        they are complete, so a failure after every one was sent (a gradient that is not this
+        reducer's: a sparse one gathered by rows) leaves nothing to fail; their sums are right,
+        and the caller's other calls tell the other ranks."""
+        if any(b not in self._states and self._buckets[b][4] > 0
+               for b in range(len(self._buckets))):
+            super().fail(error)
+
+    def _fail_buckets(self):
+        for b in range(len(self._buckets)):
+            if b not in self._states:
+                self._submit(b)
 
     def _submit(self, b):
         dtype, wire, _, _, count = self._buckets[b]
         flat = self._flats[b]
         if count == 0:  # parameters without elements: nothing to reduce, on any rank
             self._states[b] = None
+            return
+        if self._failed is not None:  # the other ranks' bucket of this name fails, naming this one
+            self._states[b] = self._negotiator.submit(
+                f"{self._name}.bucket{b}", "failed",
+                f"this rank's iteration failed: {self._failed}")
             return
         event = 0
         if self._gpu:
@@ -551,6 +587,10 @@ class NegotiatedReducer(_ReducerBase):
                     state.wait()
             except Exception as e:  # noqa: BLE001 - the first error is raised
                 error = error or e
+        if self._failed is not None:  # (its stand-ins' MismatchError is the other ranks' error)
+            error = InvalidArgument(f"{self._call}: this rank's iteration failed ({self._failed});"
+                                    " its buckets were not reduced on any rank and no gradient "
+                                    "was written back")
         if error is not None:
             # The next iteration starts clean; the gradients stay as they were (a gradient that
             # is its bucket's slot, gradient_as_bucket_view, may hold a partial sum).
@@ -649,6 +689,15 @@ class SparseRowsReducer:
             if self._dense else None
         self._pending = {}   # sparse index -> its gradient this iteration
         self._results = {}   # sparse index -> the reduced gradient, until result()
+        self._failed = None  # fail()
+
+    def fail(self, error):
+        """GradientReducer.fail: here also no rows are gathered in this iteration, on any
+        rank."""
+        if self._failed is None:
+            self._failed = error
+        if self._inner is not None:
+            self._inner.fail(error)
 
     def mark(self, index, grad):
         if index in self._slot:
@@ -666,21 +715,42 @@ class SparseRowsReducer:
 
     def finish(self):
         pending, self._pending = self._pending, {}
+        error, self._failed = self._failed, None
+        inner_error = None
         if self._inner is not None:
-            self._inner.finish()
-        # Every rank, every sparse parameter, in index order (a rank whose gradient is missing
-        # offers no rows).
-        error = None
-        for i in sorted(self._sparse_dims):
-            grad = pending.get(i)
-            try:  # a gradient this rank cannot offer: no rows, so the ranks stay in step
-                rows = self._rows_of(i, grad)
+            try:
+                self._inner.finish()
             except Exception as e:  # noqa: BLE001 - raised once every gather is done
-                error = error or e
-                rows = self._rows_of(i, None)
-            self._results[i] = self._gather_rows(i, *rows)
+                if error is None and not isinstance(e, MismatchError):
+                    raise
+                inner_error = e  # this rank's failure, or another rank's (every rank has one)
+        # Every rank, every sparse parameter, in index order (a rank whose gradient is missing
+        # offers no rows). From a gradient this rank cannot offer on (or once the step failed),
+        # it offers none (count -1): every rank skips those gathers, the others raising
+        # MismatchError, so the ranks stay in step and none reduces without this rank's rows.
+        failed_on = None
+        for i in sorted(self._sparse_dims):
+            rows = None
+            if error is None and inner_error is None:
+                try:
+                    rows = self._rows_of(i, pending.get(i))
+                except Exception as e:  # noqa: BLE001 - raised once every gather is done
+                    error = e
+            reduced, failed = self._gather_rows(i, rows)
+            if reduced is not None:
+                self._results[i] = reduced
+            failed_on = failed_on or failed
         if error is not None:
             raise error
+        if inner_error is not None:
+            self._results.clear()
+            raise inner_error
+        if failed_on:
+            self._results.clear()
+            raise MismatchError(
+                f"gradcomm.torch: the sparse gradients failed on rank"
+                f"{'s' if len(failed_on) > 1 else ''} {', '.join(map(str, failed_on))} in this "
+                "iteration; no sparse gradient was reduced, on any rank")
 
     def result(self, index):
         return self._results.pop(index, None)
@@ -704,13 +774,19 @@ class SparseRowsReducer:
         grad = grad.coalesce()
         return grad._indices().contiguous().cpu(), grad._values().contiguous().cpu()
 
-    def _gather_rows(self, index, indices, values):
+    def _gather_rows(self, index, rows):
+        """(parameter index's gradient summed over the ranks' rows, []); (None, the ranks that
+        offered none: `rows` None) where any did."""
         param, sparse_dim = self._params[index], self._sparse_dims[index]
         n = self.comm.size()
         counts = torch.zeros(n, dtype=torch.int64)
-        mine = torch.tensor([indices.shape[1]], dtype=torch.int64)
+        mine = torch.tensor([-1 if rows is None else rows[0].shape[1]], dtype=torch.int64)
         self.comm._allgather_bytes_ptr(mine.data_ptr(), counts.data_ptr(), 8)
         counts = counts.tolist()
+        failed = [r for r, c in enumerate(counts) if c < 0]
+        if failed:
+            return None, failed
+        indices, values = rows
         total = sum(counts)
         row_bytes = values.element_size() * math.prod(param.shape[sparse_dim:])
         every_index = torch.empty(sparse_dim * total, dtype=torch.int64)
@@ -727,7 +803,7 @@ class SparseRowsReducer:
                                          param.shape).coalesce()
         if self._average:
             summed._values().div_(n)
-        return summed.to(param.device)
+        return summed.to(param.device), []
 
     # What the front ends ask of a reducer besides, from the inner one (indices mapped back).
     def iterations(self):

@@ -323,8 +323,10 @@ class DistributedDataParallel(torch.nn.Module):
             Variable._execution_engine.queue_callback(self._finish_backward)
             for j in self._unused:
                 self._reducer.mark(j, self._scratch_for(j))
-        # Errors are kept for the end-of-backward callback, which first completes the step's
-        # all-reduce with stand-ins, so the ranks stay in step, and then raises.
+        # An error fails this rank's iteration in the reducer (its buckets become stand-ins that
+        # make the other ranks' all-reduce fail, naming this rank), and is kept for the
+        # end-of-backward callback, which completes the step's calls, so the ranks stay in step,
+        # and then raises it.
         self._fired.add(i)
         if self._hook_error is not None:
             return
@@ -364,6 +366,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._reducer.mark(i, grad)
         except Exception as e:  # noqa: BLE001 - re-raised by _finish_backward
             self._hook_error = e
+            self._reducer.fail(e)
 
     def _stand_in(self, sync_gradients, sync_buffers, buffer_root):
         """A joined rank's part in one step of the ranks still training."""
@@ -398,7 +401,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _finish_backward(self):
         # Stand-ins for the parameters not marked: found unused by forward, reached with a None
         # gradient (zeros, as in torch), or not reached at all (`missing`: an error unless
-        # find_unused_parameters).
+        # find_unused_parameters, which fails this rank's iteration as a hook's error does).
         missing, standing_in, error = [], list(self._unused), None
         try:
             for i in range(len(self._params)):
@@ -406,7 +409,18 @@ class DistributedDataParallel(torch.nn.Module):
                     if i not in self._fired:
                         missing.append(i)
                     standing_in.append(i)
-                    self._reducer.mark(i, self._scratch_for(i))
+            if missing and not self.find_unused_parameters and self._hook_error is None:
+                names = ", ".join(self._names[i] for i in missing[:8])
+                self._hook_error = RuntimeError(
+                    f"{_CALL}: on rank {self._comm.rank()} these parameters got no gradient in "
+                    f"this backward: {names}{' ...' if len(missing) > 8 else ''}. Pass "
+                    "find_unused_parameters=True when forward does not use every parameter, or "
+                    "set requires_grad=False on those that never train.")
+                self._reducer.fail(self._hook_error)
+            if self._hook_error is None:
+                for i in standing_in:
+                    if i not in self._unused:  # (those were marked at backward's start)
+                        self._reducer.mark(i, self._scratch_for(i))
             used = None
             if self.find_unused_parameters:
                 # Which parameters got a gradient on some rank (this backward, or in no_sync
@@ -421,9 +435,15 @@ class DistributedDataParallel(torch.nn.Module):
                 used = flags.tolist()
         except Exception as e:  # noqa: BLE001 - still finish below, so the ranks stay in step
             error = e
+            self._reducer.fail(e)
         try:
-            self._reducer.finish()
-            if error is None:
+            try:
+                self._reducer.finish()
+            except Exception:
+                if error is None and self._hook_error is None:
+                    raise
+                # this rank's own error is raised below (the reducer's says only that it failed)
+            if error is None and self._hook_error is None:
                 with torch.no_grad():
                     for i in standing_in:
                         if used is not None and not used[i]:
@@ -463,13 +483,6 @@ class DistributedDataParallel(torch.nn.Module):
             raise error
         if hook_error is not None:
             raise hook_error
-        if missing and not self.find_unused_parameters:
-            names = ", ".join(self._names[i] for i in missing[:8])
-            raise RuntimeError(
-                f"{_CALL}: on rank {self._comm.rank()} these parameters got no gradient in this "
-                f"backward: {names}{' ...' if len(missing) > 8 else ''}. Pass "
-                "find_unused_parameters=True when forward does not use every parameter, or set "
-                "requires_grad=False on those that never train.")
 
     def _gradcomm_buckets(self):
         """The reducer's buckets: (dtype, wire dtype, parameter indices, elements)."""

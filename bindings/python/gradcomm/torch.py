@@ -1708,44 +1708,59 @@ class _DistributedOptimizerMixin:
         """Waits for the gradients' all-reduce (starting it for gradients backward has not
         produced: they count as zeros). step() calls it unless done since the last step."""
         reducer = self._gradcomm_reducer
-        error = None  # raised once the step's all-reduce is complete, so the ranks stay in step
+        # Raised once the step's calls are complete, so the ranks stay in step. A gradient that
+        # cannot be marked fails this rank's step in the reducer: the other ranks' all-reduce of
+        # its buckets fails, naming this rank, instead of reducing without its gradients.
+        error = None
         for i in range(len(self._gradcomm_params)):
             if not self._gradcomm_is_marked(i):
                 try:
                     self._gradcomm_mark(i)
-                except Exception as e:  # noqa: BLE001 - finish() counts it as zeros
+                except Exception as e:  # noqa: BLE001 - raised below
                     error = error or e
+                    reducer.fail(e)
+        finished = False  # (a failed step fails on every rank: none goes on to agree below)
         try:
             if self._gradcomm_holding:  # a rank has joined: it stands in from this round on
                 _step_round(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP_GO,
                             self._gradcomm_id)
                 for i, grad in self._gradcomm_held.items():
                     reducer.mark(i, grad)
-            reducer.finish()  # what failed to mark counts as zeros
+            try:
+                reducer.finish()
+                finished = error is None
+            except Exception:
+                if error is None:
+                    raise
+                # (this rank's own error is raised below: the reducer's says only that it failed)
         finally:
             self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
             self._gradcomm_announced = self._gradcomm_holding = False
             self._gradcomm_held = {}
-        if error is None:
-            for i in self._gradcomm_rows:  # their gathered rows (the mean, or the sum)
-                reduced = self._gradcomm_reducer.result(i)
-                if reduced is not None:
-                    self._gradcomm_params[i].grad = reduced
-        if error is None and self._gradcomm_prediv != 1.0:
+            if not finished:
+                self._gradcomm_sparse_again()
+        if error is not None:
+            raise error
+        for i in self._gradcomm_rows:  # their gathered rows (the mean, or the sum)
+            reduced = self._gradcomm_reducer.result(i)
+            if reduced is not None:
+                self._gradcomm_params[i].grad = reduced
+        if self._gradcomm_prediv != 1.0:
             for i, p in enumerate(self._gradcomm_params):
                 if i not in self._gradcomm_rows:
                     _scale_(p.grad.detach(), self._gradcomm_prediv)
-        # Sparse again, as they came (also where this rank's backward gave none: zeros stood
-        # in). Rows whose reduced gradient is zero are left out, as Horovod's sparse_as_dense
-        # leaves them.
+        self._gradcomm_sparse_again()
+        self._gradcomm_agree_on_sparse()
+        self._gradcomm_synchronized = True
+
+    def _gradcomm_sparse_again(self):
+        """Sparse gradients sparse again, as they came (also where this rank's backward gave
+        none: zeros stood in). Rows whose reduced gradient is zero are left out, as Horovod's
+        sparse_as_dense leaves them."""
         for i, sparse_dim in self._gradcomm_sparse.items():
             p = self._gradcomm_params[i]
             if p.grad is not None and not p.grad.is_sparse:
                 p.grad = to_sparse_rows(p.grad, sparse_dim)
-        self._gradcomm_agree_on_sparse()
-        if error is not None:
-            raise error
-        self._gradcomm_synchronized = True
 
     def _gradcomm_agree_on_sparse(self):
         """Once, at the end of the first step (every rank: synchronize(), or a joined rank's
