@@ -1734,13 +1734,25 @@ bool ProcessGroupGradcomm::supportsTensorAlloc(c10::DeviceIndex device) {
 
 at::Tensor ProcessGroupGradcomm::allocateTensor(long size, at::TensorOptions options) {
   const std::string call = "allocateTensor";
-  if (size < 0) invalid(call, rank_, "size " + std::to_string(size) + " is negative");
   options = options.requires_grad(false);
+  Communicator& comm = *comm_;
+  if (size < 0) {
+    if (options.device().type() == c10::DeviceType::CPU) {
+      // In the allocation's place, so that the other ranks' allocation fails naming this rank
+      // instead of waiting for it.
+      comm.engine().run_exclusive([&] {
+        try {
+          collectives::compare_failed_call(comm, collectives::CallKind::allocate, call);
+        } catch (const MismatchError&) {  // the other ranks' error; this rank has its own
+        }
+      });
+    }
+    invalid(call, rank_, "size " + std::to_string(size) + " is negative");
+  }
   if (options.device().type() != c10::DeviceType::CPU) return at::empty({size}, options);
   const auto bytes =
       static_cast<std::size_t>(size) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
   std::unique_ptr<RegisteredBuffer> buffer;
-  Communicator& comm = *comm_;
   comm.engine().run_exclusive([&] {
     // The call check first, as a call of its own kind: Communicator::allocate compares the sizes
     // with MPI, which a rank making another collective would never meet.

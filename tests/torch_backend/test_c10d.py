@@ -873,6 +873,11 @@ def test_allocations_that_differ_fail_on_every_rank():
             dist.all_reduce(torch.ones(1, dtype=torch.int64), op=R.MAX)
     with pytest.raises(RuntimeError, match="negative"):
         backend.allocate_tensor(-1, dtype=torch.float32, device=cpu)
+    # A size refused on one rank only: that rank's error, the others' naming it (not a wait).
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="negative" if RANK == 0 else "failed on rank 0"):
+        backend.allocate_tensor(-1 if RANK == 0 else 16, dtype=torch.float32, device=cpu)
+    assert time.monotonic() - started < 10
     t = torch.full((10,), 1.0)
     dist.all_reduce(t)  # the group is still usable
     assert torch.all(t == SIZE)
