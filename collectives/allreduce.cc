@@ -215,28 +215,35 @@ void execute(const collectives::CallContext* outer, Communicator& comm, const Va
   bool timed = false;
   const std::string_view name =
       requested == "auto" ? collectives::begin_auto_call(args, comm, timed) : requested;
-  collectives::AllreduceAlgorithm* algorithm =
-      comm.attachment<collectives::AlgorithmCache>().find(name);
-  if (!algorithm->supports(args, comm)) {
-    throw Unsupported(error_message(call(), comm.rank(),
-                                    "algorithm '" + std::string(name) + "' cannot reduce " +
-                                        std::string(to_string(dtype)) + " buffers here"));
+  try {
+    collectives::AllreduceAlgorithm* algorithm =
+        comm.attachment<collectives::AlgorithmCache>().find(name);
+    if (!algorithm->supports(args, comm)) {
+      throw Unsupported(error_message(call(), comm.rank(),
+                                      "algorithm '" + std::string(name) + "' cannot reduce " +
+                                          std::string(to_string(dtype)) + " buffers here"));
+    }
+    scope.start(name, algorithm->capabilities().polls_check, algorithm->proves_call(args, comm));
+    timeline::Span span("allreduce", "collective");
+    if (span.on()) {
+      span.args("\"algorithm\":\"" + std::string(name) + "\",\"bytes\":" + std::to_string(bytes) +
+                ",\"sequence\":" + std::to_string(args.sequence));
+    }
+    if (timed) {
+      const auto started = std::chrono::steady_clock::now();
+      algorithm->run(args, comm);
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+      collectives::end_auto_call(args, comm, took.count());
+    } else {
+      algorithm->run(args, comm);
+    }
+    scope.finish(recvbuf, bytes);
+  } catch (const MismatchError&) {
+    // The ranks' calls differed: what auto counted for this one is undone on every rank that
+    // counted it (the others did not), so that their measuring stays in step.
+    if (requested == "auto") collectives::cancel_auto_call(args, comm);
+    throw;
   }
-  scope.start(name, algorithm->capabilities().polls_check, algorithm->proves_call(args, comm));
-  timeline::Span span("allreduce", "collective");
-  if (span.on()) {
-    span.args("\"algorithm\":\"" + std::string(name) + "\",\"bytes\":" + std::to_string(bytes) +
-              ",\"sequence\":" + std::to_string(args.sequence));
-  }
-  if (timed) {
-    const auto started = std::chrono::steady_clock::now();
-    algorithm->run(args, comm);
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-    collectives::end_auto_call(args, comm, took.count());
-  } else {
-    algorithm->run(args, comm);
-  }
-  scope.finish(recvbuf, bytes);
 }
 
 }  // namespace

@@ -278,8 +278,9 @@ void Reducer::launch_ready_buckets() {
   // The last bucket is complete only once every gradient is: nothing is left to overlap it with,
   // so finish() reduces it on the caller's thread, without the hand-off to the engine (a model
   // whose gradients fit one bucket then pays nothing for overlap). A failed iteration's stand-ins
-  // need no gradients: they go at once.
-  while (next_launch_ + 1 < buckets_.size() && (failed_ || waiting_[next_launch_] == 0)) {
+  // need no gradients: they all go at once, the last one too.
+  while (next_launch_ < buckets_.size() &&
+         (failed_ || (next_launch_ + 1 < buckets_.size() && waiting_[next_launch_] == 0))) {
     if (failed_) {
       requests_[next_launch_] = collectives::ifailed_call(comm_, collectives::CallKind::allreduce,
                                                           stand_in_name(next_launch_));

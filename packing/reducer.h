@@ -115,13 +115,15 @@ class Reducer {
   // one is thrown.
   void finish();
   // This rank cannot complete this iteration (a gradient was refused here; `why` says how): each
-  // bucket not launched yet is replaced by a stand-in (collectives::compare_failed_call), at once
-  // and in launch order, so that the other ranks' all-reduce of it fails with a MismatchError
-  // naming this rank instead of waiting for this rank or reducing without its gradients. finish()
-  // then throws on every rank (here InvalidArgument, with `why`), writes nothing back, and the
-  // next iteration starts clean on every rank. Where every rank's iteration failed alike, the
-  // stand-ins agree and each rank has only its own error. (A reducer of no tensors has no call to
-  // stand in: only this rank throws.)
+  // bucket not launched yet is replaced by a stand-in (collectives::compare_failed_call), in
+  // launch order, at once with overlap (else in finish()), so that the other ranks' all-reduce of
+  // it fails with a MismatchError naming this rank instead of waiting for this rank or reducing
+  // without its gradients. finish() then throws on every rank (here InvalidArgument, with `why`),
+  // writes nothing back, and the next iteration starts clean on every rank; this rank must still
+  // call it. Where every rank's iteration failed alike, the stand-ins agree and each rank has
+  // only its own error. With GRADCOMM_CHECK=off nothing is compared: the others wait for this
+  // rank until the watchdog names it. (A reducer of no tensors has no call to stand in: only
+  // this rank throws.)
   void fail_iteration(std::string_view why);
 
   // Where tensor `index` sits in its bucket (its wire dtype): a framework may produce the

@@ -147,6 +147,10 @@ class AutoState : public Attachment {
     // every rank to be scheduled, 10x the model's figure)
     double decision = 0;
     double last_end = 0;  // this rank's seconds in the previous window's end
+    // begin_auto_call's, for cancel_auto_call: whether that call set the class up, and where
+    // the choice's counting stood before it.
+    bool set_up_by_call = false;
+    MeasuredChoice::Mark mark;
   };
 
   std::optional<TuningTable> table;
@@ -285,8 +289,11 @@ std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, 
   if (state.measuring) {
     const std::size_t bytes = args.count * args.element_bytes();
     AutoState::SizeClass& c = state.classes[std::bit_width(bytes)];
+    const bool was_set_up = c.set_up;
     if (!c.set_up) select_allreduce_algorithm(args, comm);  // sets it up
+    c.set_up_by_call = !was_set_up;
     if (c.choice) {
+      c.mark = c.choice->mark();
       const MeasuredChoice::Pick pick = c.choice->pick();
       timed = pick.timed;
       c.pending = pick.algorithm;
@@ -294,6 +301,17 @@ std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, 
     }
   }
   return select_allreduce_algorithm(args, comm);
+}
+
+void cancel_auto_call(const AllreduceArgs& args, Communicator& comm) {
+  AutoState* state = comm.find_attachment<AutoState>();
+  if (state == nullptr || !state->measuring) return;
+  AutoState::SizeClass& c = state->classes[std::bit_width(args.count * args.element_bytes())];
+  if (c.set_up_by_call) {
+    c = AutoState::SizeClass{};  // set up again by the class's next call, alike on every rank
+  } else if (c.choice) {
+    c.choice->rewind(c.mark);
+  }
 }
 
 void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds) {

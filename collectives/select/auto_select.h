@@ -32,6 +32,12 @@ std::string_view begin_auto_call(const AllreduceArgs& args, Communicator& comm, 
 // (GRADCOMM_CHECK) and agrees the window's figures across ranks with one MPI_Allreduce of 24
 // bytes, then decides the next window (collective; the same decision on every rank).
 void end_auto_call(const AllreduceArgs& args, Communicator& comm, double seconds);
+// The auto call begun last ended in a MismatchError (the ranks' calls differed: another size,
+// or a call that failed on some rank before it could run): undoes what begin_auto_call and
+// end_auto_call counted for it, and a size class it set up, so that every rank's measuring
+// windows stay in step (a rank whose window ends agrees its figures with the others in an
+// MPI_Allreduce, which would otherwise wait for ranks that end theirs at another call).
+void cancel_auto_call(const AllreduceArgs& args, Communicator& comm);
 
 // True when auto has finished exploring calls like `args`: its choice for their size class has
 // been measured (at least one window decided) and no duel is under way (MeasuredChoice::settled),

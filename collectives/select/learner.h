@@ -89,6 +89,26 @@ class MeasuredChoice {
     std::string_view algorithm;
     bool timed;
   };
+  // Where the counting stands (before a pick): rewind(mark) undoes the picks and records made
+  // since, for a call that failed on some ranks only (a MismatchError), so that every rank's
+  // windows stay in phase. A window decided since (agreed by every rank) stays.
+  struct Mark {
+    int until_timed = 0;
+    int timed = 0;
+    int windows = 0;
+    std::size_t samples[2] = {0, 0};
+  };
+  Mark mark() const {
+    return {until_timed_, timed_, windows_, {samples_[0].size(), samples_[1].size()}};
+  }
+  void rewind(const Mark& m) {
+    if (windows_ != m.windows) return;
+    until_timed_ = m.until_timed;
+    timed_ = m.timed;
+    for (std::size_t slot = 0; slot < 2; ++slot) {
+      if (samples_[slot].size() > m.samples[slot]) samples_[slot].resize(m.samples[slot]);
+    }
+  }
   // The next call's algorithm and whether to time it; counts the call.
   Pick pick() {
     if (until_timed_ > 0) {

@@ -1083,6 +1083,68 @@ TEST_F(AutoSelection, MeasuredPickThatIsSlowIsReplaced) {
   }
 }
 
+// Calls whose sizes differ between ranks, and calls that fail on one rank before they can run
+// (its stand-in against the others' auto call), end in a MismatchError; auto must not count
+// them on the ranks that began them, or those ranks' measuring windows end at other calls than
+// the rest's, whose figures they then wait for in an MPI_Allreduce (a hang). Both in a size class
+// that earlier calls set up and in one that the failed call set up; then thousands of calls
+// through several windows, exact, with the same picks on every rank.
+TEST_F(AutoSelection, MismatchedCallsLeaveEveryRanksMeasuringInStep) {
+  if (world().size() < 2) GTEST_SKIP() << "auto runs only with 2 or more ranks";
+  Config config;
+  config.auto_measure = true;
+  Communicator comm(MPI_COMM_WORLD, config);
+  const int rank = comm.rank();
+  // Small calls, which auto times one in several (a failed call that counted shifts which).
+  constexpr std::size_t kCount = 16;   // 64 bytes
+  constexpr std::size_t kFresh = 300;  // 1200 bytes: another size class, first met failing
+  std::vector<std::byte> send, recv;
+  for (int call = 0; call < 7; ++call) {
+    check_exact(comm, "auto", DataType::float32, ReduceOp::sum, kCount, false, send, recv);
+  }
+  std::vector<float> data(kFresh + 4, 1.0f);
+  const AllreduceOptions automatic{.algorithm = "auto"};
+  // Calls that agree between the mismatches: right after one, a call compares before it starts
+  // (its algorithm is set up afresh), where auto has not counted it yet.
+  auto agree = [&] {
+    for (int call = 0; call < 3; ++call) {
+      check_exact(comm, "auto", DataType::float32, ReduceOp::sum, kCount, false, send, recv);
+    }
+  };
+  for (int round = 0; round < 3; ++round) {
+    for (const std::size_t count : {kCount, kFresh}) {
+      // Another size on the last rank (the same size class).
+      const std::size_t mine = rank == comm.size() - 1 ? count + 4 : count;
+      EXPECT_THROW(allreduce(comm, data.data(), data.data(), mine, DataType::float32, ReduceOp::sum,
+                             automatic),
+                   MismatchError);
+      agree();
+      // Refused on rank 0 (null data): its stand-in meets the others' call.
+      if (rank == 0) {
+        EXPECT_THROW(allreduce(comm, nullptr, data.data(), count, DataType::float32, ReduceOp::sum,
+                               automatic),
+                     InvalidArgument);
+      } else {
+        EXPECT_THROW(allreduce(comm, data.data(), data.data(), count, DataType::float32,
+                               ReduceOp::sum, automatic),
+                     MismatchError);
+      }
+      agree();
+    }
+  }
+  std::string picks;
+  for (int call = 0; call < 4000; ++call) {  // a window of 64 B calls spans ~2000 calls here
+    const std::size_t count = call % 4 == 3 ? kFresh : kCount;
+    check_exact(comm, "auto", DataType::float32, ReduceOp::sum, count, call % 2 == 1, send, recv);
+    picks += std::string(collectives::select_allreduce_algorithm(args_of(count * 4), comm)) + " ";
+  }
+  const std::uint64_t hash = std::hash<std::string>{}(picks);
+  std::uint64_t lo = hash, hi = hash;
+  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(lo, hi) << "rank " << rank << " picked " << picks;
+}
+
 // auto_settled (gradcomm-bench times auto once it holds): false before a size's first window
 // ends and while a duel is under way, then true, at the same call on every rank; true at once
 // when auto does not measure.

@@ -625,6 +625,55 @@ def test_a_rank_without_data_joins_before_the_first_step():
     assert same_on_every_rank(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that joins and ranks that train")
+def test_a_step_that_fails_on_one_rank_while_another_has_joined():
+    """Rank 0 joins at once; the others hold their buckets until step(). The last rank's first
+    step fails (a gradient refused in synchronize(), made to): it raises its error after the
+    join round, the other training ranks a MismatchError naming it, and rank 0 stands in on.
+    The next step is exact, and rank 0 takes the model of the last rank to join."""
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    reference_model = copy.deepcopy(model)
+    unused = torch.nn.Parameter(torch.zeros(4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [unused], lr=0.1),
+                                   fusion_threshold=64)
+    assert len(opt._gradcomm_reducer.buckets()) > 1
+    bad = SIZE - 1
+    if RANK == 0:
+        last = hvd.join()
+    else:
+        for k in range(2):
+            opt.zero_grad()
+            xb, yb = join_batch(RANK, k)
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            if k == 1:
+                opt.step()
+            elif RANK == bad:
+                real_mark = opt._gradcomm_mark
+
+                def refusing(index):
+                    if opt._gradcomm_params[index] is unused:
+                        raise hvd.InvalidArgument("unused: refused on this rank")
+                    real_mark(index)
+                opt._gradcomm_mark = refusing
+                try:
+                    with pytest.raises(hvd.InvalidArgument, match="refused on this rank"):
+                        opt.step()
+                finally:
+                    del opt._gradcomm_mark
+            else:
+                with pytest.raises(hvd.MismatchError, match=f"failed on rank {bad}"):
+                    opt.step()
+        last = hvd.join()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    for r in range(1, SIZE):  # step 1 of every training rank, averaged over every rank
+        xr, yr = join_batch(r, 1)
+        (torch.nn.functional.mse_loss(reference_model(xr), yr) / SIZE).backward()
+    torch.optim.SGD(reference_model.parameters(), lr=0.1).step()
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_join_stands_in_for_broadcast_and_allgather_and_refuses_alltoall():
     """While rank 0 has joined, the others broadcast (from a rank still training), gather
     (rank 0 adds no rows) and reducescatter (rank 0 adds zeros); their alltoall fails on them,

@@ -171,22 +171,26 @@ def check_one_exact_step(model, reference):
         assert same_on_every_rank(p.grad)
 
 
-@pytest.mark.parametrize("which", ["first", "last"])
+@pytest.mark.parametrize("which", ["first", "last", "after"])
 def test_a_hook_error_on_one_rank_fails_the_step_on_every_rank(which):
     # The last rank's reducer refuses one gradient in the middle of backward (made to, here):
-    # the first one backward produces (its bucket not yet sent) or the last (the buckets before
-    # it sent already). That rank raises the refusal, every other one a MismatchError naming it
+    # the first one backward produces (its bucket not yet sent), the last (the buckets before
+    # it sent already), or the last once it was marked (every bucket complete: a gradient that
+    # came twice). That rank raises the refusal, every other one a MismatchError naming it
     # within seconds, with nothing written back; then the ranks go on together.
     model = gt.DistributedDataParallel(Net(18), bucket_cap_mb=0.002)
     bad = SIZE - 1
-    refused = {"first": "c.bias", "last": "a.weight"}[which]
+    refused = {"first": "c.bias", "last": "a.weight", "after": "a.weight"}[which]
     if RANK == bad:
         real_mark = model._reducer.mark
 
         def refusing(index, grad):
+            if which == "after":
+                real_mark(index, grad)
             if model._names[index] == refused:
                 raise gradcomm.InvalidArgument(f"{refused}: refused on this rank")
-            real_mark(index, grad)
+            if which != "after":
+                real_mark(index, grad)
         model._reducer.mark = refusing
     x, y = data(0)
     started = time.monotonic()
@@ -520,3 +524,46 @@ def test_a_sparse_gradient_refused_on_one_rank_fails_the_step_on_every_rank(dens
         (reference(batch(1, r)).sum() / SIZE).backward()
     ref_table = reference.table if dense_too else reference
     assert torch.allclose(grad.to_dense(), ref_table.weight.grad.to_dense(), atol=1e-6)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that joins and ranks that train")
+def test_a_step_that_fails_on_one_rank_while_another_has_joined():
+    # Rank 0 has no data: inside join() it stands in for the others' steps. The last rank's
+    # first step fails (a gradient refused there, made to): it raises its error, the other
+    # training ranks a MismatchError naming it, and rank 0 stands in on. The next step is
+    # exact (rank 0's zeros in it), and every rank leaves join() with the same model.
+    model = gt.DistributedDataParallel(Net(26), bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = Net(26)
+    bad = SIZE - 1
+    with model.join():
+        for step in range(0 if RANK == 0 else 2):
+            x, y = data(step)
+            opt.zero_grad()
+            if step == 0 and RANK == bad:
+                real_mark = model._reducer.mark
+
+                def refusing(index, grad):
+                    if model._names[index] == "a.weight":
+                        raise gradcomm.InvalidArgument("a.weight: refused on this rank")
+                    real_mark(index, grad)
+                model._reducer.mark = refusing
+                try:
+                    with pytest.raises(gradcomm.InvalidArgument, match="refused on this rank"):
+                        torch.nn.functional.cross_entropy(model(x), y).backward()
+                finally:
+                    del model._reducer.mark
+                continue
+            if step == 0 and SIZE > 2:
+                with pytest.raises(gradcomm.MismatchError, match=f"failed on rank {bad}"):
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                continue
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    for r in range(1, SIZE):  # step 1 of every training rank, averaged over every rank
+        g = torch.Generator().manual_seed(1000 + r)
+        x, y = torch.randn(12, 20, generator=g), torch.randint(0, 5, (12,), generator=g)
+        (torch.nn.functional.cross_entropy(reference(x), y) / SIZE).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert relative(flat(model), flat(reference)) <= TOLERANCE
+    assert same_on_every_rank(flat(model))

@@ -382,13 +382,23 @@ class GradientReducer(_ReducerBase):
         self._reducer.fail_iteration(self._failed)
 
     def finish(self):
-        self._mark_missing_with_zeros()
+        error = None
+        try:
+            self._mark_missing_with_zeros()
+        except Exception as e:  # noqa: BLE001 - this rank's step fails; the others learn of it
+            error = e
+            self.fail(e)
         try:
             self._reducer.finish()
             copied = [(g, h) for g, h in self._pending.values() if h is not g]
+        except Exception:
+            if error is None:
+                raise
         finally:
             self._pending.clear()
             self._failed = None
+        if error is not None:
+            raise error
         devices = set()
         for grad, host in copied:
             unstage(grad, host)
@@ -442,9 +452,10 @@ class NegotiatedReducer(_ReducerBase):
     bucket (the compiled reducer's first plan: packing::plan_reducer_buckets in reverse parameter
     order; not planned again from an observed order, which would take a collective outside the
     negotiation that a rank inside hvd.join could not match) is a flat tensor on the device; mark()
-    copies a gradient into its slot on the current stream, and a complete bucket is submitted to
-    the communicator's negotiator under a name of its own, after an event recorded there (the
-    negotiator's GPU path: NCCL on a stream of its own, once that event has run). finish() waits
+    copies a gradient into its slot on the current stream, and a complete bucket (but the last,
+    which finish() submits) is submitted to the communicator's negotiator under a name of its
+    own, after an event recorded there (the negotiator's GPU path: NCCL on a stream of its own,
+    once that event has run). finish() waits
     for every bucket and copies the results back on the current stream; work queued there after
     it sees them, and the next iteration's copies in wait for that. Names make the buckets'
     order free (ranks may complete them in different orders), a rank inside hvd.join stands in
@@ -492,6 +503,11 @@ class NegotiatedReducer(_ReducerBase):
                 self._slots[i] = flat[offset:offset + self._counts[i]]
                 self._bucket_of[i] = b
         self._views = {}
+        # The last bucket that holds elements is sent by finish() (as the compiled reducer's
+        # last bucket): complete only when backward is, it has nothing to overlap with, and a
+        # rank whose iteration fails always has it left to stand in for.
+        self._last = max((b for b, bucket in enumerate(self._buckets) if bucket[4] > 0),
+                         default=-1)
         self._start_iteration()
 
     def _start_iteration(self):
@@ -530,17 +546,9 @@ class NegotiatedReducer(_ReducerBase):
                 slot.div_(self.comm.size())
         self._pending[index] = grad
         self._waiting[b] -= 1
-        if self._overlap and self._waiting[b] == 0 and self._failed is None:
+        if (self._overlap and self._waiting[b] == 0 and self._failed is None and
+                b != self._last):
             self._submit(b)
-
-    def fail(self, error):
-        """_ReducerBase.fail, where a bucket is left to stand in for: buckets are sent as soon as
-        they are complete, so a failure after every one was sent (a gradient that is not this
-        reducer's: a sparse one gathered by rows) leaves nothing to fail; their sums are right,
-        and the caller's other calls tell the other ranks."""
-        if any(b not in self._states and self._buckets[b][4] > 0
-               for b in range(len(self._buckets))):
-            super().fail(error)
 
     def _fail_buckets(self):
         for b in range(len(self._buckets)):
@@ -741,6 +749,7 @@ class SparseRowsReducer:
                 self._results[i] = reduced
             failed_on = failed_on or failed
         if error is not None:
+            self._results.clear()
             raise error
         if inner_error is not None:
             self._results.clear()

@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch.autograd import Variable
 
-from . import InvalidArgument, world
+from . import InvalidArgument, MismatchError, world
 from ._torch_common import (JoinControl, SparseRowsReducer, broadcast_coalesced,
                             empty_sparse_like, grad_accumulator, gradient_reducer,
                             sparse_cost_warning, to_sparse_rows, verify_same_across_ranks)
@@ -396,7 +396,10 @@ class DistributedDataParallel(torch.nn.Module):
                 self._comm._allreduce_ptr(flags.data_ptr(), flags.data_ptr(), flags.numel(),
                                           "int32", "max", None)
         finally:
-            self._reducer.finish()
+            try:
+                self._reducer.finish()
+            except MismatchError:
+                pass  # the step failed on a training rank (each raises): this rank stands in on
 
     def _finish_backward(self):
         # Stand-ins for the parameters not marked: found unused by forward, reached with a None

@@ -1609,6 +1609,7 @@ class _DistributedOptimizerMixin:
         self._gradcomm_announced = False  # this step's join round made
         self._gradcomm_holding = False    # a rank has joined: buckets wait for step()
         self._gradcomm_held = {}          # index -> gradient, while holding
+        self._gradcomm_divided = []       # gradients divided by gradient_predivide_factor
         # index -> sparse_dim: the parameters whose gradients came sparse on this rank, handed
         # back sparse from then on (a rank learns it from its first sparse gradient)
         self._gradcomm_sparse = {}
@@ -1699,6 +1700,7 @@ class _DistributedOptimizerMixin:
         grad = p.grad.detach()  # same memory; a create_graph gradient is reduced as data
         if self._gradcomm_prediv != 1.0:
             _scale_(grad, 1.0 / self._gradcomm_prediv)
+            self._gradcomm_divided.append(grad)
         if self._gradcomm_holding:
             self._gradcomm_held[i] = grad
         else:
@@ -1709,8 +1711,9 @@ class _DistributedOptimizerMixin:
         produced: they count as zeros). step() calls it unless done since the last step."""
         reducer = self._gradcomm_reducer
         # Raised once the step's calls are complete, so the ranks stay in step. A gradient that
-        # cannot be marked fails this rank's step in the reducer: the other ranks' all-reduce of
-        # its buckets fails, naming this rank, instead of reducing without its gradients.
+        # cannot be marked fails this rank's step in the reducer (after the join round, which
+        # the other ranks make before their buckets): the other ranks' all-reduce of its
+        # buckets fails, naming this rank, instead of reducing without its gradients.
         error = None
         for i in range(len(self._gradcomm_params)):
             if not self._gradcomm_is_marked(i):
@@ -1718,7 +1721,6 @@ class _DistributedOptimizerMixin:
                     self._gradcomm_mark(i)
                 except Exception as e:  # noqa: BLE001 - raised below
                     error = error or e
-                    reducer.fail(e)
         finished = False  # (a failed step fails on every rank: none goes on to agree below)
         try:
             if self._gradcomm_holding:  # a rank has joined: it stands in from this round on
@@ -1726,6 +1728,8 @@ class _DistributedOptimizerMixin:
                             self._gradcomm_id)
                 for i, grad in self._gradcomm_held.items():
                     reducer.mark(i, grad)
+            if error is not None:
+                reducer.fail(error)
             try:
                 reducer.finish()
                 finished = error is None
@@ -1737,7 +1741,10 @@ class _DistributedOptimizerMixin:
             self._gradcomm_delay = [self._gradcomm_passes] * len(self._gradcomm_params)
             self._gradcomm_announced = self._gradcomm_holding = False
             self._gradcomm_held = {}
+            divided, self._gradcomm_divided = self._gradcomm_divided, []
             if not finished:
+                for grad in divided:  # as backward left them
+                    _scale_(grad, self._gradcomm_prediv)
                 self._gradcomm_sparse_again()
         if error is not None:
             raise error
@@ -1810,7 +1817,12 @@ class _DistributedOptimizerMixin:
             z = self._gradcomm_zeros[i]
             z.zero_()
             self._gradcomm_reducer.mark(i, z)
-        self._gradcomm_reducer.finish()
+        try:
+            self._gradcomm_reducer.finish()
+        except MismatchError:
+            # The step failed on a training rank: each of them raises, none agrees below; this
+            # rank stands in on for their next steps.
+            return
         self._gradcomm_agree_on_sparse()
 
     @contextlib.contextmanager
