@@ -412,6 +412,27 @@ def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_r
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
 
 
+def step_failing_on(bad, opt, unused):
+    """opt.step() where rank `bad` cannot hand the reducer parameter `unused`'s gradient (made to
+    refuse it): that rank raises the refusal, every other rank a MismatchError naming it."""
+    if RANK != bad:
+        with pytest.raises(hvd.MismatchError, match=f"failed on rank {bad}"):
+            opt.step()
+        return
+    real_mark = opt._gradcomm_mark
+
+    def refusing(index):
+        if opt._gradcomm_params[index] is unused:
+            raise hvd.InvalidArgument("unused: refused on this rank")
+        real_mark(index)
+    opt._gradcomm_mark = refusing
+    try:
+        with pytest.raises(hvd.InvalidArgument, match="refused on this rank"):
+            opt.step()
+    finally:
+        del opt._gradcomm_mark
+
+
 def test_a_step_that_fails_on_one_rank_fails_on_every_rank_and_keeps_them_in_step():
     # Rank 0 alone fails to hand the reducer a gradient for a parameter backward did not reach
     # (made to refuse it here): its step() raises its error, every other rank's a MismatchError
@@ -426,22 +447,7 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank_and_keeps_them_in_ste
     def grads():
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     local, before = grads().clone(), flat(model).clone()
-    if RANK == 0:
-        real_mark = opt._gradcomm_mark
-
-        def refusing(index):
-            if opt._gradcomm_params[index] is unused:
-                raise hvd.InvalidArgument("unused: refused on this rank")
-            real_mark(index)
-        opt._gradcomm_mark = refusing
-        try:
-            with pytest.raises(hvd.InvalidArgument, match="refused on this rank"):
-                opt.step()
-        finally:
-            del opt._gradcomm_mark
-    else:
-        with pytest.raises(hvd.MismatchError, match="failed on rank 0"):
-            opt.step()
+    step_failing_on(0, opt, unused)
     assert torch.equal(grads(), local)  # nothing written back
     assert torch.equal(flat(model), before)
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
@@ -648,22 +654,8 @@ def test_a_step_that_fails_on_one_rank_while_another_has_joined():
             torch.nn.functional.mse_loss(model(xb), yb).backward()
             if k == 1:
                 opt.step()
-            elif RANK == bad:
-                real_mark = opt._gradcomm_mark
-
-                def refusing(index):
-                    if opt._gradcomm_params[index] is unused:
-                        raise hvd.InvalidArgument("unused: refused on this rank")
-                    real_mark(index)
-                opt._gradcomm_mark = refusing
-                try:
-                    with pytest.raises(hvd.InvalidArgument, match="refused on this rank"):
-                        opt.step()
-                finally:
-                    del opt._gradcomm_mark
             else:
-                with pytest.raises(hvd.MismatchError, match=f"failed on rank {bad}"):
-                    opt.step()
+                step_failing_on(bad, opt, unused)
         last = hvd.join()
     hvd.broadcast_parameters(model.state_dict(), root_rank=last)
     for r in range(1, SIZE):  # step 1 of every training rank, averaged over every rank
