@@ -455,11 +455,11 @@ class NegotiatedReducer(_ReducerBase):
     copies a gradient into its slot on the current stream, and a complete bucket (but the last,
     which finish() submits) is submitted to the communicator's negotiator under a name of its
     own, after an event recorded there (the negotiator's GPU path: NCCL on a stream of its own,
-    once that event has run). finish() waits
-    for every bucket and copies the results back on the current stream; work queued there after
-    it sees them, and the next iteration's copies in wait for that. Names make the buckets'
-    order free (ranks may complete them in different orders), a rank inside hvd.join stands in
-    for them, and mismatched buckets fail on every rank, as every negotiated call."""
+    once that event has run). finish() waits for every bucket and copies the results back on
+    the current stream; work queued there after it sees them, and the next iteration's copies in
+    wait for that. Names make the buckets' order free (ranks may complete them in different
+    orders), a rank inside hvd.join stands in for them, and mismatched buckets fail on every
+    rank, as every negotiated call."""
 
     def __init__(self, params, names, call, comm=None, op="average", algorithm=None,
                  bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20, compression="none",

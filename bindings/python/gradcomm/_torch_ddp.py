@@ -451,8 +451,6 @@ class DistributedDataParallel(torch.nn.Module):
                     for i in standing_in:
                         if used is not None and not used[i]:
                             continue
-                        if used is None and i in missing:
-                            continue  # an error below; the gradient stays as it was
                         if i in self._sparse_rows:
                             continue  # (below)
                         p, s = self._params[i], self._scratch[i]
@@ -462,7 +460,7 @@ class DistributedDataParallel(torch.nn.Module):
                             p.grad.copy_(s)
                     for i in self._sparse_rows:  # their gathered rows, where torch writes
                         reduced = self._reducer.result(i)
-                        if (used is not None and not used[i]) or (used is None and i in missing):
+                        if used is not None and not used[i]:
                             continue
                         self._params[i].grad = reduced
                     if self._grad_scale != 1.0:  # join: the mean over the ranks still training
