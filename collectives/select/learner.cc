@@ -101,8 +101,8 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     } else if (untried != choice_) {
       challenger_ = untried;  // not expected to win, but never measured: try it once
     } else if (!was_duel) {
-      // Re-check the runner-up once what the duel would cost beyond the choice (its calls times
-      // the expected difference) is within recheck_budget of the solo time since the last one: a
+      // Re-check the runner-up once what the duel would cost beyond the choice (its calls, the
+      // untimed ones between its timed ones included, times the expected difference) is within recheck_budget of the solo time since the last one: a
       // near tie is re-checked every few windows, so a change of the machine's state that turns
       // it is found soon; one expected twice as slow rarely. Re-checks that keep confirming the
       // choice back off (max_recheck_backoff), so that a settled near tie costs less.
@@ -110,7 +110,8 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
       const bool paid =
           tuning_.recheck_budget > 0 && since_recheck_ >= tuning_.min_recheck * backoff_ &&
-          solo_seconds_ * tuning_.recheck_budget >= backoff_ * challenger_calls_ * (theirs - mine);
+          solo_seconds_ * tuning_.recheck_budget >=
+              static_cast<double>(backoff_) * challenger_calls_ * stride_ * (theirs - mine);
       if (paid && theirs <= tuning_.recheck_factor * mine) {
         since_recheck_ = 0;
         solo_seconds_ = 0;

@@ -255,19 +255,25 @@ TEST(Selection, ShortCallsAreTimedOneInStride) {
   }
   m.decide(m.figures(), predicted);
   ASSERT_TRUE(m.dueling());
+  // The challenger runs its 4 timed calls and the 11 untimed calls before each: every timed
+  // call follows calls of its own algorithm (a lone call after another algorithm's measures the
+  // switch).
   int challenger = 0;
+  bool previous_b = false;
   for (int i = 0; i < 144; ++i) {
     const collectives::MeasuredChoice::Pick pick = m.pick();
     const bool b = pick.algorithm == "b";
     challenger += b;
-    if (b) {
-      EXPECT_TRUE(pick.timed);
+    if (pick.timed) {
+      EXPECT_EQ(b, previous_b) << i;
+      EXPECT_EQ(b, i >= 48 && i < 96) << i;  // timed calls 4 - 7
     }
+    previous_b = b;
     if (pick.timed && m.record(b ? 1.0 : 3.0)) {
       EXPECT_EQ(i, 132);  // the 12th timed call
     }
   }
-  EXPECT_EQ(challenger, 4);
+  EXPECT_EQ(challenger, 4 * 12);
   m.decide(m.figures(), predicted);
   EXPECT_EQ(m.choice(), "b");
   // Reshaped (by what "b" measured): one call in 3 timed, windows of 5 timed calls.
