@@ -32,19 +32,22 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
   if (args.op == ReduceOp::avg) divide_by(result, n, args.dtype, ranks);
 }
 
+static_assert(CostModel{}.shm_small_own_cpu == kShmSmallOwnCpuBytes,
+              "the model's default latency-path limit is shm's");
+
 bool AllreduceShm::proves_call(const AllreduceArgs& args, Communicator& comm) const {
   // Not before the segment is made: making it is collective, and the check before an
   // algorithm's first use must come first (ranks that disagree would not all make it).
   const ShmState* s = comm.find_attachment<ShmState>();
   return s != nullptr && s->unavailable.empty() && !args.device &&
-         args.count * args.element_bytes() <= shm_small_limit(s->spin == 0);
+         args.count * args.element_bytes() <= s->small_limit();
 }
 
 std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
                                                       const CostQuery& q) const {
   if (!model.one_host || q.groups > 1) return std::nullopt;  // emulated nodes count as nodes
   const double S = static_cast<double>(q.bytes);
-  if (q.bytes <= shm_small_limit(model.crowded)) {
+  if (q.bytes <= shm_small_limit(model.crowded, model.shm_small_own_cpu)) {
     return model.flag_alpha + S * model.copy_beta + q.ranks * S * model.gamma;
   }
   // The machine-wide view (more ranks than hardware threads) stands in for the segment's own.
@@ -63,7 +66,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   const std::uint64_t first = s.round + 1;
   // No gate before reusing round first - 2's halves (descriptor, packet, small slot): this rank's
   // last round, first - 1, waited until every peer had begun it, so every peer is done with them.
-  const ShmPath path = bytes <= shm_small_limit(s.spin == 0) ? ShmPath::small : ShmPath::staged;
+  const ShmPath path = bytes <= s.small_limit() ? ShmPath::small : ShmPath::staged;
   SmallPacket& packet = fill_packet(s, first, args, path);
 
   if (path == ShmPath::small) {  // latency path: one flag round, in one line where it fits

@@ -102,10 +102,11 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       challenger_ = untried;  // not expected to win, but never measured: try it once
     } else if (!was_duel) {
       // Re-check the runner-up once what the duel would cost beyond the choice (its calls, the
-      // untimed ones between its timed ones included, times the expected difference) is within recheck_budget of the solo time since the last one: a
-      // near tie is re-checked every few windows, so a change of the machine's state that turns
-      // it is found soon; one expected twice as slow rarely. Re-checks that keep confirming the
-      // choice back off (max_recheck_backoff), so that a settled near tie costs less.
+      // untimed ones between its timed ones included, times the expected difference) is within
+      // recheck_budget of the solo time since the last one: a near tie is re-checked every few
+      // windows, so a change of the machine's state that turns it is found soon; one expected twice
+      // as slow rarely. Re-checks that keep confirming the choice back off (max_recheck_backoff),
+      // so that a settled near tie costs less.
       ++since_recheck_;
       solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
       const bool paid =
