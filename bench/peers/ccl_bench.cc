@@ -2,7 +2,10 @@
 // sums from 8 B to 64 MiB, alternating call by call, every result checked against the sum every
 // rank computes itself. Two timings: back to back (the same buffer again at once), and a
 // training-like cycle (the send buffer rewritten before each call, as backward writes gradients).
-// A call's time is its slowest rank's; medians and ranges over the iterations.
+// A call's time is its slowest rank's; medians and ranges over the iterations. Before a size's
+// timed calls, gradcomm's auto is called until it has settled there (at most 2 s), as
+// gradcomm-bench --explore does: a training loop repeats its sizes thousands of times, and the
+// timed calls then see auto's steady state, not its exploring.
 // Built by bench/peers/run.sh against the oneCCL wheel's Intel MPI, launched with its mpiexec.
 #include <mpi.h>
 
@@ -19,6 +22,8 @@
 #include <limits>
 #include <string>
 #include <vector>
+
+#include "collectives/select/auto_select.h"
 
 namespace {
 
@@ -76,6 +81,24 @@ int main(int argc, char** argv) {
     if (sizes.empty() || sizes.back() != max_bytes) sizes.push_back(max_bytes);
     for (const std::size_t bytes : sizes) {
       const std::size_t count = bytes / 4;
+      // auto's exploring at this size, untimed (the same calls on every rank: the slowest
+      // rank's clock decides when to stop).
+      const gradcomm::collectives::AllreduceArgs args{
+          nullptr, nullptr, count, gradcomm::DataType::float32, gradcomm::ReduceOp::sum};
+      const double explore_start = now();
+      int explored = 0;
+      while (!gradcomm::collectives::auto_settled(args, comm)) {
+        for (int i = 0; i < 8; ++i, ++explored) {
+          gradcomm::allreduce(comm, send.data(), recv.data(), count, gradcomm::DataType::float32,
+                              gradcomm::ReduceOp::sum);
+        }
+        double elapsed = now() - explore_start;
+        MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (elapsed > 2.0) break;
+      }
+      if (rank == 0 && explored > 0) {
+        std::printf("# %zu bytes: auto explored %d untimed calls first\n", bytes, explored);
+      }
       for (int cycle = 0; cycle < 2; ++cycle) {
         std::vector<double> t_ccl, t_gc;
         for (int it = -2; it < iters; ++it) {

@@ -48,6 +48,18 @@ build_bench() {
     >/dev/null && cmake --build "$dir" -j "$(nproc)" --target "${5:-gradcomm-bench}" >/dev/null
 }
 
+# project_build TARGET...: those targets of the project's own build (Debian's Open MPI), first
+# configured as scripts/test configures it (Debian's torch and the torch 2.x environment) where
+# it was not: a fresh machine, or a build made without the torch 2.x backend.
+project_build() {
+  if ! grep -qxF "GRADCOMM_TORCH_PYTHONS:STRING=$(torch_pythons)" "$BUILD_DIR/CMakeCache.txt" \
+    2>/dev/null; then
+    cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADCOMM_WERROR=ON \
+      "-DGRADCOMM_TORCH_PYTHONS=$(torch_pythons)" >/dev/null || return 1
+  fi
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target "$@" >/dev/null
+}
+
 # run_mpi_peer PEER "LAUNCH..." "SETTINGS": both timings at every rank count.
 run_mpi_peer() {
   local peer=$1 launch=$2 settings=$3 np
@@ -74,7 +86,7 @@ for peer in "${peers[@]}"; do
   case $peer in
     openmpi4)  # the project's own build is against it
       mkdir -p "$ROOT/build-peers" && ln -sfn "$BUILD_DIR" "$ROOT/build-peers/openmpi4" &&
-        cmake --build "$BUILD_DIR" --target gradcomm-bench >/dev/null &&
+        project_build gradcomm-bench &&
         run_mpi_peer openmpi4 "mpirun.openmpi --oversubscribe --bind-to none" \
           "Open MPI $(mpirun.openmpi --version | head -1 | grep -o '[0-9.]*$') (Debian), defaults (vader shared memory), no binding" ||
         echo "== openmpi4: could not be built" | tee "$OUT/openmpi4.txt"
@@ -137,7 +149,14 @@ for peer in "${peers[@]}"; do
       fi
       ;;
     gloo)
-      torch2_venv >/dev/null
+      # torch 2.x, and gradcomm's module and torch.distributed backend for it
+      if ! { torch2_venv >/dev/null &&
+        tag=$("$TORCH2_VENV/bin/python" -c 'import torch; print("_".join(torch.__version__.split(".")[:2]))') &&
+        project_build _gradcomm gradcomm_python_package "_c10d_torch$tag"; }; then
+        echo "== gloo: torch 2.x or gradcomm's backend for it could not be installed or built" |
+          tee "$OUT/gloo.txt"
+        continue
+      fi
       {
         echo "== gloo: torch $("$TORCH2_VENV/bin/python" -c 'import torch; print(torch.__version__)') gloo over loopback TCP (GLOO_SOCKET_IFNAME=lo), beside gradcomm's torch.distributed backend and its native call"
         for np in $RANKS; do
