@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/explore.h"
 #include "collectives/allreduce.h"
 #include "collectives/allreduce_nccl.h"
 #include "collectives/registry.h"
@@ -69,13 +70,6 @@ struct Options {
   bool lead_in = true;          // --no-lead-in: no untimed call before each round's timed ones
   bool gpu = false;             // --device gpu: device buffers, nccl baseline
   bool algorithms_given = false;
-};
-
-// auto's exploration of one size before its timed rounds (see measure_size).
-struct Exploration {
-  int calls = 0;
-  double seconds = 0;
-  bool settled = true;
 };
 
 struct Row {

@@ -113,30 +113,6 @@ std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator) 
   return order;
 }
 
-// Calls auto until it has settled at this size (gradcomm::collectives::auto_settled: the same on
-// every rank), for at most Options::explore_seconds (the slowest rank's clock decides, so every
-// rank stops at the same call).
-template <class Call>
-Exploration explore_auto(Communicator& comm, const Options& o, std::size_t count, Call call) {
-  const gradcomm::collectives::AllreduceArgs args{nullptr, nullptr, count, o.dtype, o.op};
-  const MPI_Comm mpi = comm.mpi_comm();
-  Exploration e;
-  MPI_Barrier(mpi);
-  const double t0 = MPI_Wtime();
-  while (!gradcomm::collectives::auto_settled(args, comm)) {
-    for (int i = 0; i < 8; ++i, ++e.calls)
-      call();
-    double elapsed = MPI_Wtime() - t0;
-    MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, mpi);
-    e.seconds = elapsed;
-    if (elapsed > o.explore_seconds) {
-      e.settled = gradcomm::collectives::auto_settled(args, comm);
-      break;
-    }
-  }
-  return e;
-}
-
 // A round lasts at least kRoundSeconds for the fastest algorithm; the estimate of each
 // algorithm's time per call comes from calls that last at least kEstimateSeconds.
 constexpr double kRoundSeconds = 200e-6;
@@ -198,7 +174,8 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
       call(o.algorithms[a]);
     sync();
     if (base_algorithm(o.algorithms[a]) == "auto" && !o.gpu && o.explore_seconds > 0) {
-      explored = explore_auto(comm_for(o.algorithms[a]), o, count, [&] { call(o.algorithms[a]); });
+      explored = explore_auto(comm_for(o.algorithms[a]), {nullptr, nullptr, count, o.dtype, o.op},
+                              o.explore_seconds, [&] { call(o.algorithms[a]); });
     }
     const double one = time_calls(o.algorithms[a], 1);  // includes the barrier's exit skew
     per_call[a] = time_calls(o.algorithms[a], calls_for(kEstimateSeconds, one));

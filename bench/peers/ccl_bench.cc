@@ -4,8 +4,7 @@
 // training-like cycle (the send buffer rewritten before each call, as backward writes gradients).
 // A call's time is its slowest rank's; medians and ranges over the iterations. Before a size's
 // timed calls, gradcomm's auto is called until it has settled there (at most 2 s), as
-// gradcomm-bench --explore does: a training loop repeats its sizes thousands of times, and the
-// timed calls then see auto's steady state, not its exploring.
+// gradcomm-bench --explore does (bench/explore.h).
 // Built by bench/peers/run.sh against the oneCCL wheel's Intel MPI, launched with its mpiexec.
 #include <mpi.h>
 
@@ -23,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "collectives/select/auto_select.h"
+#include "bench/explore.h"
 
 namespace {
 
@@ -81,23 +80,14 @@ int main(int argc, char** argv) {
     if (sizes.empty() || sizes.back() != max_bytes) sizes.push_back(max_bytes);
     for (const std::size_t bytes : sizes) {
       const std::size_t count = bytes / 4;
-      // auto's exploring at this size, untimed (the same calls on every rank: the slowest
-      // rank's clock decides when to stop).
-      const gradcomm::collectives::AllreduceArgs args{
-          nullptr, nullptr, count, gradcomm::DataType::float32, gradcomm::ReduceOp::sum};
-      const double explore_start = now();
-      int explored = 0;
-      while (!gradcomm::collectives::auto_settled(args, comm)) {
-        for (int i = 0; i < 8; ++i, ++explored) {
-          gradcomm::allreduce(comm, send.data(), recv.data(), count, gradcomm::DataType::float32,
-                              gradcomm::ReduceOp::sum);
-        }
-        double elapsed = now() - explore_start;
-        MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-        if (elapsed > 2.0) break;
-      }
-      if (rank == 0 && explored > 0) {
-        std::printf("# %zu bytes: auto explored %d untimed calls first\n", bytes, explored);
+      const gradcomm::bench::Exploration explored = gradcomm::bench::explore_auto(
+          comm, {nullptr, nullptr, count, gradcomm::DataType::float32, gradcomm::ReduceOp::sum},
+          2.0, [&] {
+            gradcomm::allreduce(comm, send.data(), recv.data(), count, gradcomm::DataType::float32,
+                                gradcomm::ReduceOp::sum);
+          });
+      if (rank == 0 && explored.calls > 0) {
+        std::printf("# %zu bytes: auto explored %d untimed calls first\n", bytes, explored.calls);
       }
       for (int cycle = 0; cycle < 2; ++cycle) {
         std::vector<double> t_ccl, t_gc;
