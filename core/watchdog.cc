@@ -15,9 +15,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 namespace gradcomm::watchdog {
 namespace {
@@ -431,53 +433,130 @@ Recorder::Recorder(int rank, int size, int timeout_seconds, std::string timeout_
       id_(id),
       peers_(std::move(peers)) {}
 
+namespace {
+
+// The recorder's clock: CLOCK_MONOTONIC_COARSE (a read costs a quarter of a precise one; its
+// tick, 1-4 ms, is far below any timeout).
+double clock_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+double clock_tick() {
+  static const double tick = [] {
+    timespec t{};
+    clock_getres(CLOCK_MONOTONIC_COARSE, &t);
+    return std::max(1e-9, static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9);
+  }();
+  return tick;
+}
+
+// A duration read on the recorder's clock: below its tick it says so.
+std::string duration_text(double s) {
+  return s < clock_tick() ? "under " + seconds_text(clock_tick()) : seconds_text(s);
+}
+
+}  // namespace
+
+static_assert(std::is_trivially_copyable_v<Record>, "entries are copied as words");
+
+template <class Write>
+void Recorder::write(Write&& body) {
+  const std::uint64_t v = version_.load(std::memory_order_relaxed);
+  version_.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);  // the odd version before any word
+  body();
+  version_.store(v + 2, std::memory_order_release);
+}
+
+void Recorder::store(std::size_t slot, const Entry& e) {
+  std::array<std::uint64_t, kEntryWords> words{};
+  std::memcpy(words.data(), &e, sizeof e);
+  for (std::size_t i = 0; i < kEntryWords; ++i)
+    entries_[slot][i].store(words[i], std::memory_order_relaxed);
+}
+
+Recorder::Entry Recorder::load(std::size_t slot) const {
+  std::array<std::uint64_t, kEntryWords> words{};
+  for (std::size_t i = 0; i < kEntryWords; ++i)
+    words[i] = entries_[slot][i].load(std::memory_order_relaxed);
+  Entry e;
+  std::memcpy(static_cast<void*>(&e), words.data(), sizeof e);  // (trivially copyable)
+  return e;
+}
+
+Recorder::Snapshot Recorder::snapshot(bool all) const {
+  for (;;) {
+    const std::uint64_t v = version_.load(std::memory_order_acquire);
+    if (v % 2 == 0) {
+      Snapshot s;
+      s.calls = calls_.load(std::memory_order_relaxed);
+      s.running = running_.load(std::memory_order_relaxed);
+      for (std::uint64_t i = 0; i < std::min<std::uint64_t>(s.calls, all ? kDepth : 1); ++i) {
+        const std::size_t slot = (s.calls - 1 - i) % kDepth;
+        s.entries[slot] = load(slot);
+      }
+      std::atomic_thread_fence(std::memory_order_acquire);  // every word before the re-read
+      if (version_.load(std::memory_order_relaxed) == v) return s;
+    }
+    std::this_thread::yield();  // the writer is inside a write (a few stores)
+  }
+}
+
 void Recorder::begin(const Record& call) {
-  const double t = now_seconds();
-  std::lock_guard lock(mutex_);
-  Entry& e = entries_[calls_ % kDepth];
-  e.call = call;
-  e.state = State::running;
-  e.started = t;
-  ++calls_;
-  running_ = true;
+  const double t = clock_seconds();
+  write([&] {
+    const std::uint64_t calls = calls_.load(std::memory_order_relaxed);
+    last_ = Entry{call, State::running, t, 0};
+    store(calls % kDepth, last_);
+    calls_.store(calls + 1, std::memory_order_relaxed);
+    running_.store(true, std::memory_order_relaxed);
+  });
 }
 
 void Recorder::update(const Record& call) {
-  std::lock_guard lock(mutex_);
-  if (running_ && calls_ > 0) entries_[(calls_ - 1) % kDepth].call = call;
+  const std::uint64_t calls = calls_.load(std::memory_order_relaxed);
+  if (!running_.load(std::memory_order_relaxed) || calls == 0) return;
+  write([&] {
+    last_.call = call;
+    store((calls - 1) % kDepth, last_);
+  });
 }
 
 void Recorder::end(bool ok) {
-  const double t = now_seconds();
-  std::lock_guard lock(mutex_);
-  if (!running_ || calls_ == 0) return;
-  Entry& e = entries_[(calls_ - 1) % kDepth];
-  e.state = ok ? State::completed : State::failed;
-  e.finished = t;
-  running_ = false;
+  const std::uint64_t calls = calls_.load(std::memory_order_relaxed);
+  if (!running_.load(std::memory_order_relaxed) || calls == 0) return;
+  const double t = clock_seconds();
+  write([&] {
+    last_.state = ok ? State::completed : State::failed;
+    last_.finished = t;
+    store((calls - 1) % kDepth, last_);
+    running_.store(false, std::memory_order_relaxed);
+  });
 }
 
 std::string Recorder::dump() const {
-  const double t = now_seconds();
-  std::lock_guard lock(mutex_);
-  if (calls_ == 0) return "state - 0\n    no collective called yet\n";
-  const Entry& newest = entries_[(calls_ - 1) % kDepth];
+  const Snapshot s = snapshot(true);
+  const double t = clock_seconds();
+  if (s.calls == 0) return "state - 0\n    no collective called yet\n";
+  const Entry& newest = s.newest();
   std::string text = "state " + std::to_string(newest.call.sequence) + " " +
                      (newest.state == State::running ? "1" : "0") + "\n";
-  const std::uint64_t shown = std::min<std::uint64_t>(calls_, kDepth);
+  const std::uint64_t shown = std::min<std::uint64_t>(s.calls, kDepth);
   for (std::uint64_t i = 0; i < shown; ++i) {
-    const Entry& e = entries_[(calls_ - 1 - i) % kDepth];
+    const Entry& e = s.entries[(s.calls - 1 - i) % kDepth];
     const std::string call =
         e.call.describe ? e.call.describe(e.call) : "call #" + std::to_string(e.call.sequence);
     switch (e.state) {
       case State::running:
-        text += "    running   " + call + " (for " + seconds_text(t - e.started) + ")\n";
+        text += "    running   " + call + " (for " + duration_text(t - e.started) + ")\n";
         break;
       case State::completed:
       case State::failed:
         text += std::string(e.state == State::completed ? "    completed " : "    failed    ") +
-                call + " (took " + seconds_text(e.finished - e.started) + ", ended " +
-                seconds_text(t - e.finished) + " ago)\n";
+                call + " (took " + duration_text(e.finished - e.started) + ", ended " +
+                duration_text(t - e.finished) + " ago)\n";
         break;
     }
   }
@@ -485,22 +564,21 @@ std::string Recorder::dump() const {
 }
 
 bool Recorder::running(std::string* call, double* seconds) const {
-  const double t = now_seconds();
-  std::lock_guard lock(mutex_);
-  if (!running_) return false;
-  const Entry& e = entries_[(calls_ - 1) % kDepth];
+  const Snapshot s = snapshot(false);
+  if (!s.running) return false;
+  const Entry& e = s.newest();
   *call = e.call.describe ? e.call.describe(e.call) : "call #" + std::to_string(e.call.sequence);
-  *seconds = t - e.started;
+  *seconds = clock_seconds() - e.started;
   return true;
 }
 
 bool Recorder::overdue(std::string* call, double* seconds) const {
   if (timeout_ <= 0) return false;
-  const double t = now_seconds();
-  std::lock_guard lock(mutex_);
-  if (!running_) return false;
-  const Entry& e = entries_[(calls_ - 1) % kDepth];
+  const Snapshot s = snapshot(false);
+  if (!s.running) return false;
+  const Entry& e = s.newest();
   const double limit = timeout_ + e.call.grace_seconds;
+  const double t = clock_seconds();
   if (t - e.started < limit) return false;
   *call = e.call.describe ? e.call.describe(e.call) : "call #" + std::to_string(e.call.sequence);
   *seconds = t - e.started;

@@ -10,10 +10,10 @@
 // bounded: a process still alive 10 s after MPI_Abort exits with _exit.
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -39,7 +39,11 @@ struct Endpoint {
 };
 
 // The flight recorder of one communicator: its last kDepth calls and, while one runs, when it
-// started. begin/end are called by the thread making the calls; the watchdog thread reads.
+// started. begin/update/end are called by the thread making the calls (one at a time: calls on a
+// communicator never overlap); the watchdog thread reads. The writer takes no lock and reads a
+// coarse clock (a millisecond-scale tick: timeouts are whole seconds), since it runs in every
+// call: the mutex and the two precise clock reads it replaced were a fifth of an 8-byte shm
+// all-reduce's time on 2 ranks (docs/results/shm.md, "A call's own overhead").
 class Recorder {
  public:
   static constexpr int kDepth = 8;
@@ -72,17 +76,36 @@ class Recorder {
   struct Entry {
     Record call;
     State state = State::completed;
-    double started = 0, finished = 0;  // steady-clock seconds
+    double started = 0, finished = 0;  // coarse monotonic seconds (clock_seconds)
   };
+  // An entry as words, each read and written atomically, so that a read racing the writer is no
+  // data race; version_ tells the reader to read again.
+  static constexpr std::size_t kEntryWords = (sizeof(Entry) + 7) / 8;
+  using EntryWords = std::array<std::atomic<std::uint64_t>, kEntryWords>;
+  struct Snapshot {
+    std::array<Entry, kDepth> entries{};
+    std::uint64_t calls = 0;
+    bool running = false;
+    const Entry& newest() const { return entries[(calls - 1) % kDepth]; }
+  };
+
+  // The writer's side of the sequence lock: `write` runs between an odd and an even version.
+  template <class Write>
+  void write(Write&& body);
+  void store(std::size_t slot, const Entry& e);
+  Entry load(std::size_t slot) const;
+  // A consistent copy: of every entry (all) or of the newest only.
+  Snapshot snapshot(bool all) const;
 
   const int rank_, size_, timeout_;
   const std::string timeout_text_;
   const std::uint64_t id_;
   const std::vector<Endpoint> peers_;
-  mutable std::mutex mutex_;
-  std::array<Entry, kDepth> entries_{};
-  std::uint64_t calls_ = 0;  // entries written so far
-  bool running_ = false;
+  std::atomic<std::uint64_t> version_{0};  // odd while the writer writes
+  std::array<EntryWords, kDepth> entries_{};
+  std::atomic<std::uint64_t> calls_{0};  // entries written so far
+  std::atomic<bool> running_{false};
+  Entry last_;  // the writer's copy of the newest entry (only the writer touches it)
 };
 
 // This process's endpoint (starts the watchdog thread and its listener on first use). When no

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -19,6 +21,7 @@
 #include "core/progress_engine.h"
 #include "core/reduce_kernels.h"
 #include "core/request.h"
+#include "core/watchdog.h"
 
 namespace gradcomm {
 namespace {
@@ -310,6 +313,59 @@ TEST(ProgressEngine, RunHereLeavesWhatTheEngineHas) {
   EXPECT_EQ(order, (std::vector<int>{1, 2}));
   EXPECT_FALSE(engine.run_here(second.get()));  // done
   EXPECT_FALSE(engine.in_request());
+}
+
+// The flight recorder is written by the calling thread with no lock and read by the watchdog
+// thread: every read sees one consistent state. Each record's payload repeats its number, and the
+// dump lists consecutive numbers from the newest down; a read torn by a write breaks either.
+std::string describe_numbered(const watchdog::Record& r) {
+  std::uint64_t copy = 0;
+  std::memcpy(&copy, r.payload.data(), sizeof copy);
+  return "call " + std::to_string(r.sequence) + " " + std::to_string(copy);
+}
+
+TEST(WatchdogRecorder, ReadsWhileCallsRunSeeOneStateEach) {
+  watchdog::Recorder recorder(0, 1, 300, "GRADCOMM_TIMEOUT=300 s", 1, {});
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> written{0};
+  std::thread writer([&] {
+    for (std::uint64_t k = 1; !stop.load(); ++k) {
+      watchdog::Record r;
+      r.sequence = k;
+      r.describe = describe_numbered;
+      std::memcpy(r.payload.data(), &k, sizeof k);
+      recorder.begin(r);
+      recorder.end(k % 3 != 0);
+      written.store(k);
+    }
+  });
+  int reads = 0, torn = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (std::chrono::steady_clock::now() < deadline || written.load() < 1000) {
+    std::istringstream lines(recorder.dump());
+    std::string line;
+    std::uint64_t previous = 0;
+    while (std::getline(lines, line)) {
+      const std::size_t at = line.find("call ");
+      if (at == std::string::npos) continue;
+      std::uint64_t number = 0, copy = 0;
+      std::istringstream(line.substr(at + 5)) >> number >> copy;
+      torn += number != copy || (previous != 0 && number + 1 != previous);
+      previous = number;
+    }
+    std::string call;
+    double seconds = 0;
+    if (recorder.running(&call, &seconds)) {
+      std::uint64_t number = 0, copy = 0;
+      std::istringstream(call.substr(5)) >> number >> copy;
+      torn += number != copy;
+    }
+    ++reads;
+  }
+  stop.store(true);
+  writer.join();
+  EXPECT_EQ(torn, 0) << "of " << reads << " reads, " << written.load() << " calls written";
+  EXPECT_GT(written.load(), 1000u);
 }
 
 }  // namespace
