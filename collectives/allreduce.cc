@@ -46,6 +46,7 @@ namespace {
 // caller's options) and where the buffers live.
 struct Validated {
   std::string_view requested;
+  int index = -1;  // algorithm_index(requested), looked up once per call
   bool device = false;
   int gpu = -1;
 };
@@ -68,9 +69,8 @@ Validated validate(std::string_view prefix, const Communicator& comm, const void
   };
   if (mpi_finalized()) invalid("MPI has been finalized: no collective can run after it");
 
-  if (!collectives::is_algorithm_name(requested)) {
-    invalid(collectives::unknown_algorithm(requested, options.algorithm.empty()));
-  }
+  const int index = collectives::algorithm_index(requested);
+  if (index < 0) invalid(collectives::unknown_algorithm(requested, options.algorithm.empty()));
   if (!is_valid(dtype)) invalid("invalid dtype " + std::to_string(static_cast<int>(dtype)));
   if (!is_valid(op)) invalid("invalid reduce op " + std::to_string(static_cast<int>(op)));
   const std::size_t es = element_size(dtype);
@@ -95,7 +95,7 @@ Validated validate(std::string_view prefix, const Communicator& comm, const void
 
   // Where the buffers live. Asked only when CUDA is live in the process (or a device-only
   // algorithm is named), so a CPU-only program never loads the GPU module.
-  const collectives::AllreduceAlgorithm* named = collectives::find_prototype(requested);
+  const collectives::AllreduceAlgorithm* named = collectives::prototype_at(index);
   const collectives::AllreduceCapabilities caps =
       named ? named->capabilities()
             : collectives::AllreduceCapabilities{.host_buffers = true, .device_buffers = true};
@@ -139,8 +139,7 @@ Validated validate(std::string_view prefix, const Communicator& comm, const void
     }
   }
 
-  return {collectives::algorithm_name_at(collectives::algorithm_index(requested)), device,
-          gpu_index};
+  return {collectives::algorithm_name_at(index), index, device, gpu_index};
 }
 
 // Runs a validated call. `outer` is null for a user's call, the enclosing call's context
@@ -163,8 +162,8 @@ void execute(const collectives::CallContext* outer, Communicator& comm, const Va
   info.count = count;
   info.dtype = static_cast<int>(dtype);
   info.op = static_cast<int>(op);
-  info.algorithm = collectives::algorithm_index(requested);
-  info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
+  info.algorithm = v.index;
+  info.algorithm_name = collectives::algorithm_name_at(v.index);
   info.device = device;
   collectives::CallScope scope(comm, info, "allreduce", outer);
   args.call = scope.context();

@@ -118,6 +118,14 @@ const char* algorithm_name_at(int index) {
              : nullptr;
 }
 
+const AllreduceAlgorithm* prototype_at(int index) {
+  const std::vector<AlgorithmEntry>& entries = registered_algorithms();
+  // algorithm_names() is "auto", then the registered algorithms in order.
+  return index >= 1 && static_cast<std::size_t>(index) <= entries.size()
+             ? entries[static_cast<std::size_t>(index) - 1].prototype.get()
+             : nullptr;
+}
+
 AllreduceAlgorithm* AlgorithmCache::find(std::string_view name) {
   for (const auto& algorithm : algorithms_) {
     if (algorithm->name() == name) return algorithm.get();

@@ -44,6 +44,9 @@ bool is_algorithm_name(std::string_view name);
 // position in static storage (null when out of range): how call fingerprints carry algorithms.
 int algorithm_index(std::string_view name);
 const char* algorithm_name_at(int index);
+// The prototype of the algorithm at that position (null for auto's 0 and out of range): what
+// find_prototype gives for its name, without comparing names again.
+const AllreduceAlgorithm* prototype_at(int index);
 
 // The algorithm objects of one communicator, created on first use and reused.
 class AlgorithmCache : public Attachment {
