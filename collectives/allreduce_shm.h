@@ -7,10 +7,10 @@ namespace gradcomm::collectives {
 // Intra-node all-reduce through shared memory, for communicators whose ranks all share one
 // host. No rank ever stores into a cache line a peer has just read, and there is no shared result
 // area (the slow case on these machines: docs/algorithms.md#shm). Paths:
-//   - latency path (up to 1 KiB, or 8 KiB where ranks share CPUs: shm_small_limit in
-//     shm/segment.h): each rank writes one cache-line packet (the
-//     call's fingerprint, data up to 16 B, the round as flag); every rank reduces all inputs in
-//     rank order straight into its output: one flag round;
+//   - latency path (up to 1 KiB, 2 KiB on Intel CPUs, or 8 KiB where ranks share CPUs:
+//     shm_small_limit in shm/segment.h): each rank writes one cache-line packet (the call's
+//     fingerprint, data up to 32 B, the round as flag) and its input, if larger, into its small
+//     slot; every rank reduces all inputs in rank order straight into its output: one flag round;
 //   - registered buffers (Communicator::allocate) where every rank's input and output are
 //     registered: one round; each rank reduces its 1/n slice from all n inputs into all n
 //     outputs, the lines it just read; no copy-in, no copy-out;
@@ -31,7 +31,8 @@ class AllreduceShm : public AllreduceAlgorithm {
     return {.host_buffers = true, .device_buffers = false, .polls_check = true};
   }
   void run(const AllreduceArgs& args, Communicator& comm) override;
-  // The latency path's one line per rank carries the call's whole fingerprint.
+  // Every call's first round carries each rank's packet, the call's whole fingerprint in it
+  // (the latency path's flag; the other paths' packets are read once `copied` is up).
   bool proves_call(const AllreduceArgs& args, Communicator& comm) const override;
   std::optional<double> predicted_seconds(const CostModel& model,
                                           const CostQuery& q) const override;

@@ -65,6 +65,8 @@ ShmState::ShmState(Communicator& comm)
   }
   const auto n = static_cast<std::size_t>(size);
   sources.resize(n);
+  targets.resize(n);
+  descriptors.resize(n);
   control_bytes = align_up(n * sizeof(RankControl), 4096);
   small_offset = control_bytes;
   stage_offset = small_offset + n * 2 * kShmSmallBytes;
@@ -200,13 +202,21 @@ ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
 }
 
 ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& context) {
+  ShmPeers peers;
+  agree_on_call(s, first, context, peers);
+  return peers;
+}
+
+const ShmPeers& agree_on_call(ShmState& s, std::uint64_t first, const CallContext& context,
+                              ShmPeers& peers) {
   const int n = s.size, me = s.rank;
   const CallInfo* call = context.info();
-  std::vector<ShmDescriptor> calls(static_cast<std::size_t>(n));
+  std::vector<ShmDescriptor>& calls = s.descriptors;
+  calls.resize(static_cast<std::size_t>(n));
   for (int j = 0; j < n; ++j)
     calls[static_cast<std::size_t>(j)] = s.control(j).descriptor[first % 2];
-  ShmPeers peers{std::vector<const std::byte*>(static_cast<std::size_t>(n), nullptr),
-                 std::vector<std::byte*>(static_cast<std::size_t>(n), nullptr)};
+  peers.inputs.assign(static_cast<std::size_t>(n), nullptr);
+  peers.outputs.assign(static_cast<std::size_t>(n), nullptr);
   std::string problem;
   bool mismatch = false;
   for (int j = 0; j < n && problem.empty(); ++j) {

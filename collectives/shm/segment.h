@@ -123,6 +123,12 @@ struct RankControl {
   SmallPacket packet[2];  // by round parity, as the descriptors
 };
 
+// Where every rank's registered buffers lie in this process (nullptr where not registered).
+struct ShmPeers {
+  std::vector<const std::byte*> inputs;
+  std::vector<std::byte*> outputs;
+};
+
 inline std::size_t align_up(std::size_t value, std::size_t to) {
   return (value + to - 1) / to * to;
 }
@@ -165,8 +171,13 @@ class ShmState : public Attachment {
   // shm_small_own_cpu_bytes_here().
   std::size_t small_own_cpu = kShmSmallOwnCpuBytes;
   std::size_t small_limit() const { return shm_small_limit(spin == 0, small_own_cpu); }
-  std::uint64_t round = 0;                // the last round this rank started
-  std::vector<const std::byte*> sources;  // the latency path's, one per rank
+  std::uint64_t round = 0;  // the last round this rank started
+  // The all-reduce's per-call scratch, one entry per rank (no allocation per call): its sources
+  // and targets, the descriptors agree_on_call reads, and where registered buffers lie.
+  std::vector<const std::byte*> sources;
+  std::vector<std::byte*> targets;
+  std::vector<ShmDescriptor> descriptors;
+  ShmPeers peers;
 };
 
 // The communicator's shm state; throws Unsupported (why) where shm cannot run.
@@ -209,17 +220,14 @@ ShmDescriptor descriptor_of(const AllreduceArgs& args, ShmPath path,
                             const std::optional<RegisteredLocation>& input,
                             const std::optional<RegisteredLocation>& output = std::nullopt);
 
-// Where every rank's registered buffers lie in this process (nullptr where not registered).
-struct ShmPeers {
-  std::vector<const std::byte*> inputs;
-  std::vector<std::byte*> outputs;
-};
-
 // Once every rank's `copied` counter has reached `first` (the call's first round), every rank
 // reads the same descriptors and decides the same way: returns where each rank's registered
 // buffers lie here, or, when the ranks disagree, leaves the counters where every rank expects
 // them and throws on every rank.
 ShmPeers agree_on_call(ShmState& s, std::uint64_t first, const CallContext& call);
+// The same into `peers` (the all-reduce's s.peers: no allocation per call); returns it.
+const ShmPeers& agree_on_call(ShmState& s, std::uint64_t first, const CallContext& call,
+                              ShmPeers& peers);
 
 // result = sources[0] op sources[1] op ... in rank order, over `n` elements of args.dtype with
 // args.op (at least two sources); avg divides by `ranks` at the end.

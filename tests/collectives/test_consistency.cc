@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -224,47 +225,68 @@ TEST(ConsistencyModes, GroupedTensorListsAreComparedInEveryMode) {
   }
 }
 
-// shm's latency path carries the call's whole fingerprint in its one line per rank, so with the
-// board the check posts nothing and reads no peer's post when the lines agree.
-TEST(ConsistencyModes, ShmLatencyPathProvesTheCallOrReportsTheDifference) {
+// shm's packets carry the call's whole fingerprint, one cache line per rank in every call's first
+// round (the latency path's flag; the staged path's, private or registered, read once the round's
+// input is up), so with the board the check posts nothing and reads no peer's post when the lines
+// agree.
+void expect_exact_in(Communicator& comm, float* data, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) data[i] = static_cast<float>(comm.rank() + 1);
+  allreduce(comm, data, data, count, DataType::float32, ReduceOp::sum, {.algorithm = "shm"});
+  const int n = comm.size();
+  for (std::size_t i = 0; i < count; ++i)
+    ASSERT_EQ(data[i], static_cast<float>(n * (n + 1) / 2)) << "element " << i << " of " << count;
+}
+
+TEST(ConsistencyModes, ShmPacketsProveTheCallOrReportTheDifference) {
   if (world().size() < 2) GTEST_SKIP() << "needs 2 ranks";
   Communicator comm(MPI_COMM_WORLD);
   const AllreduceOptions shm{.algorithm = "shm"};
   expect_exact(comm, shm, 8);
-  // A late rank: the others' waits post their fingerprints meanwhile; every rank still proves the
-  // call from the lines and none waits for a post the late one never made.
-  // With auto too, whose timed calls complete the check again at the end of a window.
-  for (int late = 0; late < comm.size(); ++late) {
-    if (comm.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    expect_exact(comm, shm, 5);
-    if (comm.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    expect_exact(comm, {}, 6);
+  // 4: the latency path; 3001 (12 KB, a prime): the staged path on every CPU, private and
+  // registered (one round, nothing staged).
+  RegisteredBuffer registered = comm.allocate(3001 * sizeof(float));
+  std::vector<float> priv(3001);
+  for (std::size_t count : {std::size_t{4}, std::size_t{3001}}) {
+    for (float* buffer : {priv.data(), reinterpret_cast<float*>(registered.data())}) {
+      SCOPED_TRACE(std::to_string(count) + (buffer == priv.data() ? " private" : " registered"));
+      // A late rank: the others' waits post their fingerprints meanwhile; every rank still proves
+      // the call from the lines and none waits for a post the late one never made.
+      // With auto too, whose timed calls complete the check again at the end of a window.
+      for (int late = 0; late < comm.size(); ++late) {
+        if (comm.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        expect_exact_in(comm, buffer, count);
+        if (comm.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        expect_exact(comm, {}, 6);
+      }
+      // Lines that agree on the buffers, sequence and algorithm of another kind of call: only
+      // the fingerprints differ, and the board's comparison reports it on every rank before
+      // anything is written.
+      std::fill(buffer, buffer + count, 1.0f);
+      collectives::CallInfo info;
+      info.sequence = comm.next_sequence();
+      info.kind = odd_rank() ? collectives::CallKind::broadcast : collectives::CallKind::allreduce;
+      info.count = count;
+      info.dtype = static_cast<int>(DataType::float32);
+      info.op = static_cast<int>(ReduceOp::sum);
+      info.algorithm = collectives::algorithm_index("shm");
+      info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
+      auto call = [&] {
+        collectives::CallScope scope(comm, info, "allreduce(shm)");
+        scope.start("shm", /*polls_check=*/true, /*proves_call=*/true);
+        collectives::AllreduceArgs args{buffer,            buffer,        count,
+                                        DataType::float32, ReduceOp::sum, info.sequence};
+        args.call = scope.context();
+        comm.attachment<collectives::AlgorithmCache>().find("shm")->run(args, comm);
+        scope.finish(buffer, sizeof(float) * count);
+      };
+      EXPECT_THAT(call, ::testing::ThrowsMessage<MismatchError>(HasSubstr("kind of call")));
+      EXPECT_EQ(std::vector<float>(buffer, buffer + count), std::vector<float>(count, 1.0f))
+          << "reported before the reduction wrote anything";
+      expect_exact_in(comm, buffer, count);
+      expect_exact(comm, shm, 1000);
+      expect_exact(comm, shm, 3);
+    }
   }
-  // Lines that agree on the buffers, sequence and algorithm of another kind of call: only the
-  // fingerprints differ, and the board's comparison reports it on every rank before anything is
-  // written.
-  std::vector<float> data(4, 1.0f);
-  collectives::CallInfo info;
-  info.sequence = comm.next_sequence();
-  info.kind = odd_rank() ? collectives::CallKind::broadcast : collectives::CallKind::allreduce;
-  info.count = 4;
-  info.dtype = static_cast<int>(DataType::float32);
-  info.op = static_cast<int>(ReduceOp::sum);
-  info.algorithm = collectives::algorithm_index("shm");
-  info.algorithm_name = collectives::algorithm_name_at(info.algorithm);
-  auto call = [&] {
-    collectives::CallScope scope(comm, info, "allreduce(shm)");
-    scope.start("shm", /*polls_check=*/true, /*proves_call=*/true);
-    collectives::AllreduceArgs args{data.data(),       data.data(),   4,
-                                    DataType::float32, ReduceOp::sum, info.sequence};
-    args.call = scope.context();
-    comm.attachment<collectives::AlgorithmCache>().find("shm")->run(args, comm);
-    scope.finish(data.data(), sizeof(float) * 4);
-  };
-  EXPECT_THAT(call, ::testing::ThrowsMessage<MismatchError>(HasSubstr("kind of call")));
-  EXPECT_EQ(data, std::vector<float>(4, 1.0f)) << "reported before the reduction wrote anything";
-  expect_exact(comm, shm, 1000);
-  expect_exact(comm, shm, 3);
 }
 
 TEST(ConsistencyModes, InvalidVariableNamesTheValidValues) {
