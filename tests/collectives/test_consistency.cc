@@ -230,7 +230,8 @@ TEST(ConsistencyModes, GroupedTensorListsAreComparedInEveryMode) {
 // input is up), so with the board the check posts nothing and reads no peer's post when the lines
 // agree.
 void expect_exact_in(Communicator& comm, float* data, std::size_t count) {
-  for (std::size_t i = 0; i < count; ++i) data[i] = static_cast<float>(comm.rank() + 1);
+  for (std::size_t i = 0; i < count; ++i)
+    data[i] = static_cast<float>(comm.rank() + 1);
   allreduce(comm, data, data, count, DataType::float32, ReduceOp::sum, {.algorithm = "shm"});
   const int n = comm.size();
   for (std::size_t i = 0; i < count; ++i)
@@ -273,8 +274,8 @@ TEST(ConsistencyModes, ShmPacketsProveTheCallOrReportTheDifference) {
       auto call = [&] {
         collectives::CallScope scope(comm, info, "allreduce(shm)");
         scope.start("shm", /*polls_check=*/true, /*proves_call=*/true);
-        collectives::AllreduceArgs args{buffer,            buffer,        count,
-                                        DataType::float32, ReduceOp::sum, info.sequence};
+        collectives::AllreduceArgs args{buffer,        buffer,       count, DataType::float32,
+                                        ReduceOp::sum, info.sequence};
         args.call = scope.context();
         comm.attachment<collectives::AlgorithmCache>().find("shm")->run(args, comm);
         scope.finish(buffer, sizeof(float) * count);
