@@ -154,10 +154,9 @@ CostModel calibrate(Communicator& comm, const topology::Topology& topo) {
 void set_placement(Communicator& comm, const topology::Topology& topo, CostModel& model) {
   const std::string& form = comm.config().hierarchical_intra;
   // Whether every group may run shm: agreed, so that every rank's model predicts alike.
-  long group_shm = (form == "auto" || form == "shm") && topology::ranks_on_this_host(comm) >=
-                                                            static_cast<int>(topo.my_group().size())
-                       ? 1L
-                       : 0L;
+  const bool group_on_this_host =
+      topology::ranks_on_this_host(comm) >= static_cast<int>(topo.my_group().size());
+  long group_shm = (form == "auto" || form == "shm") && group_on_this_host ? 1L : 0L;
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, &group_shm, 1, MPI_LONG, MPI_MIN, comm.mpi_comm()),
             "auto: MPI_Allreduce of the group view", comm.rank());
   model.group_shm = group_shm != 0;
