@@ -214,6 +214,9 @@ std::vector<std::size_t> ranking(const Trace& t) {
 // - as measured: the model's predictions as the trace recorded them;
 // - model wrong (1.5x, 3x): the fastest algorithm predicted at 1.5x (within the trial factor) or
 //   3x (beyond it) the lowest prediction of the others, so the model picks another;
+// - model wrong (1.5x) and 10x slow: the same, and every prediction 10x (a link's latency
+//   calibrated far too high, as Intel MPI's ping-pong once did on a 2-CPU Xeon: every algorithm
+//   then measures far below its prediction);
 // - state change: from the trace's middle on, the fastest and the second swap their times (the
 //   machine changed under a settled choice).
 int main(int argc, char** argv) {
@@ -236,6 +239,10 @@ int main(int argc, char** argv) {
         Trace wrong = t;
         wrong.predicted[order[0]] = factor * lowest_other;
         evaluate(wrong, factor < 2 ? "model wrong (1.5x)" : "model wrong (3x)");
+        if (factor < 2) {
+          for (double& p : wrong.predicted) p *= 10;
+          evaluate(wrong, "model wrong (1.5x) and 10x slow");
+        }
       }
       Trace changed = t;
       for (std::size_t r = changed.rounds.size() / 2; r < changed.rounds.size(); ++r)

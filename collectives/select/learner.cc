@@ -85,11 +85,14 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   // The most promising algorithm never measured here whose prediction is within
   // recheck_factor of the choice: the model is off by up to 2x for single algorithms on this
   // machine (shm on 4 ranks sharing 2 cores at 2 MiB), and the re-checks below only ever look at
-  // the strongest other, so each such algorithm is tried once.
+  // the strongest other, so each such algorithm is tried once. Within recheck_factor of the
+  // choice's measured time or of its prediction, whichever is larger: a model off by one factor
+  // for every algorithm (a link's latency calibrated 30x too high) makes the choice measure far
+  // below its prediction, and the others' bare predictions would then never come within reach.
   std::size_t untried = choice_;
+  const double reach = tuning_.recheck_factor * std::max(mine, predicted[choice_]);
   for (std::size_t i = 0; i < names_.size(); ++i) {
-    if (tuning_.try_untried && i != choice_ && !measured(i) &&
-        predicted[i] <= tuning_.recheck_factor * mine &&
+    if (tuning_.try_untried && i != choice_ && !measured(i) && predicted[i] <= reach &&
         (untried == choice_ || predicted[i] < predicted[untried])) {
       untried = i;
     }

@@ -46,8 +46,9 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // says, a measured one what the model says times its measured ratio. When some other algorithm is
 // expected to beat the choice (never measured and predicted faster than the choice measured, or
 // measured faster earlier), the next window is a duel with it, and the winner by more than 2%
-// stays. An algorithm never measured whose prediction is within 2x of the choice's expectation
-// is tried once in a duel as well (the model can be that wrong about one algorithm). So a model
+// stays. An algorithm never measured whose prediction is within 2x of the choice's expectation,
+// or of its prediction where the choice measured faster than predicted, is tried once in a duel
+// as well (the model can be that wrong about one algorithm, and off by one factor for all). So a model
 // that is right costs one solo window and a duel per close runner-up, and one that is wrong about
 // its pick (the machine's state changed: both ranks moved onto one core, a cache domain split) is
 // corrected after a duel per algorithm that could beat it. The runner-up is challenged again now

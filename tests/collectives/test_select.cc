@@ -174,6 +174,24 @@ TEST(Selection, MeasuringAWrongModelSwitchesAfterADuel) {
   EXPECT_EQ(ran[2], 4);
 }
 
+// A model off by one factor for every algorithm (a latency calibrated 10x too high): the choice
+// measures far below its prediction, and an algorithm the model puts within 2x of the choice is
+// still tried once (against the choice's prediction, not only its measured time) and wins.
+TEST(Selection, AModelSlowForEveryAlgorithmStillTriesTheOthers) {
+  const std::vector<double> predicted = {1, 1.5, 4};
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
+  const std::vector<double> truth = {0.1, 0.05, 0.4};  // the model's times / 10, and "b" faster
+  std::vector<int> ran = simulate(
+      m, predicted, [&](std::size_t a) { return truth[a]; }, 4 + 8);
+  EXPECT_EQ(m.choice(), "b") << "b (predicted 1.5, within 2x of a's 1) tried after one window";
+  EXPECT_EQ(ran[1], 4);
+  // "c" (predicted 4: beyond 2x of both b's prediction and its measured time) is never tried.
+  ran = simulate(
+      m, predicted, [&](std::size_t a) { return truth[a]; }, 400);
+  EXPECT_EQ(m.choice(), "b");
+  EXPECT_EQ(ran[2], 0);
+}
+
 TEST(Selection, MeasuringFollowsAMachineThatChanges) {
   const std::vector<double> predicted = {1, 2, 3};
   collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
