@@ -240,7 +240,8 @@ int main(int argc, char** argv) {
         wrong.predicted[order[0]] = factor * lowest_other;
         evaluate(wrong, factor < 2 ? "model wrong (1.5x)" : "model wrong (3x)");
         if (factor < 2) {
-          for (double& p : wrong.predicted) p *= 10;
+          for (double& p : wrong.predicted)
+            p *= 10;
           evaluate(wrong, "model wrong (1.5x) and 10x slow");
         }
       }

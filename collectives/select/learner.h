@@ -48,16 +48,16 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // measured faster earlier), the next window is a duel with it, and the winner by more than 2%
 // stays. An algorithm never measured whose prediction is within 2x of the choice's expectation,
 // or of its prediction where the choice measured faster than predicted, is tried once in a duel
-// as well (the model can be that wrong about one algorithm, and off by one factor for all). So a model
-// that is right costs one solo window and a duel per close runner-up, and one that is wrong about
-// its pick (the machine's state changed: both ranks moved onto one core, a cache domain split) is
-// corrected after a duel per algorithm that could beat it. The runner-up is challenged again now
-// and then, so that a choice that became wrong later is found: once the re-check's expected cost
-// (its calls times how much slower it is expected to be) is 3% of the solo time since the last
-// one, so a near tie is re-checked every few windows and an algorithm expected 2x slower once
-// the choice ran 33 times the re-check's calls; each re-check that confirms the choice
-// doubles that wait, up to 8x, until a switch. A duel is decided by its one window; a switch a
-// transient caused is undone by the re-checks.
+// as well (the model can be that wrong about one algorithm, and off by one factor for all). So a
+// model that is right costs one solo window and a duel per close runner-up, and one that is wrong
+// about its pick (the machine's state changed: both ranks moved onto one core, a cache domain
+// split) is corrected after a duel per algorithm that could beat it. The runner-up is challenged
+// again now and then, so that a choice that became wrong later is found: once the re-check's
+// expected cost (its calls times how much slower it is expected to be) is 3% of the solo time since
+// the last one, so a near tie is re-checked every few windows and an algorithm expected 2x slower
+// once the choice ran 33 times the re-check's calls; each re-check that confirms the choice doubles
+// that wait, up to 8x, until a switch. A duel is decided by its one window; a switch a transient
+// caused is undone by the re-checks.
 //
 // The constants are LearnerTuning's defaults. bench/learner_replay replays measured traces
 // through variants of them: the trials and the re-checks pay for themselves there, and two
