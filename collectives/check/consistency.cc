@@ -115,8 +115,9 @@ struct alignas(64) BoardSlot {
   std::int64_t fields[kFields];
 };
 // A rank can be at most one call ahead of another's posting (a call completes only once every
-// rank has entered it: posted it, or for a call shm's packets proved, written its packet, which
-// follows any post it makes), so slots of 4 calls per rank never overwrite one still being read.
+// rank has entered it: posted it, or for a call shm's packets proved, written its packet; a post
+// its waits make comes before it marks the round reduced, which every peer waits for), so slots
+// of 4 calls per rank never overwrite one still being read.
 constexpr std::uint64_t kBoardDepth = 4;
 
 }  // namespace

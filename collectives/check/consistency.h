@@ -11,11 +11,12 @@
 //   memory board (each rank writes its own and reads the others', no message); across hosts
 //   through one MPI_Iallreduce of the fields' minima and maxima. Message tags carry a hash of the
 //   fingerprint, so mismatched calls never exchange data; shm also compares the fingerprints in
-//   its shared call descriptors. shm's latency path carries a hash of the whole fingerprint in
-//   the one line each rank writes anyway: on the board its fingerprint is posted only when a
-//   wait grows long (a peer in another call may be polling for it), and a call whose lines all
-//   agree reads no peer's post (CallContext::call_proven). After a mismatch every rank
-//   re-duplicates its MPI communicator and drops its shm segment (the next call maps a fresh one).
+//   its shared call descriptors. shm carries a hash of the whole fingerprint in the one line each
+//   rank writes in a call's first round anyway (its packet, on every path): on the board its
+//   fingerprint is posted only when a wait grows long (a peer in another call may be polling for
+//   it), and a call whose lines all agree reads no peer's post (CallContext::call_proven). After
+//   a mismatch every rank re-duplicates its MPI communicator and drops its shm segment (the next
+//   call maps a fresh one).
 //   Everything else (mpi, hierarchical, broadcast, allgatherv, grouped_allreduce, calls with count
 //   0, an algorithm's first use on a communicator) completes the comparison before it starts.
 // - full: every call compares before it starts, and an all-reduce then compares a hash of every

@@ -3,8 +3,6 @@
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#endif
 
 #include <algorithm>
 #include <cerrno>

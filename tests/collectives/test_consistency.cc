@@ -244,10 +244,12 @@ TEST(ConsistencyModes, ShmPacketsProveTheCallOrReportTheDifference) {
   const AllreduceOptions shm{.algorithm = "shm"};
   expect_exact(comm, shm, 8);
   // 4: the latency path; 3001 (12 KB, a prime): the staged path on every CPU, private and
-  // registered (one round, nothing staged).
-  RegisteredBuffer registered = comm.allocate(3001 * sizeof(float));
-  std::vector<float> priv(3001);
-  for (std::size_t count : {std::size_t{4}, std::size_t{3001}}) {
+  // registered (one round, nothing staged); 300007 (1.2 MB, a prime): private, several staged
+  // rounds (256 KiB, or 1 MiB where ranks share CPUs), whose packets' halves are reused.
+  constexpr std::size_t kLargest = 300007;
+  RegisteredBuffer registered = comm.allocate(kLargest * sizeof(float));
+  std::vector<float> priv(kLargest);
+  for (std::size_t count : {std::size_t{4}, std::size_t{3001}, kLargest}) {
     for (float* buffer : {priv.data(), reinterpret_cast<float*>(registered.data())}) {
       SCOPED_TRACE(std::to_string(count) + (buffer == priv.data() ? " private" : " registered"));
       // A late rank: the others' waits post their fingerprints meanwhile; every rank still proves

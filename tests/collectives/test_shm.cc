@@ -199,8 +199,9 @@ TEST_F(Shm, SwitchingBetweenRegisteredAndPrivateBackToBack) {
 TEST_F(Shm, DisagreeingCallsFailOnEveryRank) {
   Communicator& comm = world();
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  // 256 / 257: either side of the latency path's limit (1 KiB), so that the ranks take different
-  // paths; 512 / 513: both staged; 524287 / 524288: a count either side of 2 MiB.
+  // 256 / 257: either side of the latency path's limit where ranks have CPUs of their own
+  // (1 KiB), so that the ranks take different paths there; 512 / 513: both staged there;
+  // 524287 / 524288: a count either side of 2 MiB.
   for (std::size_t base : {std::size_t{10}, std::size_t{256}, std::size_t{512}, std::size_t{200000},
                            std::size_t{524287}}) {
     const std::size_t count = base + (comm.rank() == comm.size() - 1 ? 1 : 0);
