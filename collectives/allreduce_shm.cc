@@ -48,7 +48,8 @@ std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
   }
   // The machine-wide view (more ranks than hardware threads) stands in for the segment's own.
   const double rounds = std::ceil(S / static_cast<double>(round_bytes(model.crowded)));
-  return 3 * rounds * model.flag_alpha + 2 * S * model.copy_beta + S * model.gamma;
+  // Two waits per round: every rank's copy-in, then every rank's reduction (run()).
+  return 2 * rounds * model.flag_alpha + 2 * S * model.copy_beta + S * model.gamma;
 }
 
 void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {

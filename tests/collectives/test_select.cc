@@ -101,10 +101,11 @@ TEST(Selection, ShmModelCountsTheRoundsTheCallRuns) {
   auto t = [&](const collectives::CostModel& m, std::size_t bytes) {
     return *shm->predicted_seconds(m, {bytes, 2});
   };
-  // 4 MiB: 16 rounds of 256 KiB against 4 of 1 MiB, three flag rounds each.
-  EXPECT_NEAR(t(own, 4 << 20) - t(crowded, 4 << 20), 3 * 12 * own.flag_alpha, 1e-12);
+  // 4 MiB: 16 rounds of 256 KiB against 4 of 1 MiB, two flag rounds each (every rank's copy-in,
+  // then every rank's reduction).
+  EXPECT_NEAR(t(own, 4 << 20) - t(crowded, 4 << 20), 2 * 12 * own.flag_alpha, 1e-12);
   // 1 MiB + 1: 5 rounds against 2.
-  EXPECT_NEAR(t(own, (1 << 20) + 1) - t(crowded, (1 << 20) + 1), 3 * 3 * own.flag_alpha, 1e-12);
+  EXPECT_NEAR(t(own, (1 << 20) + 1) - t(crowded, (1 << 20) + 1), 2 * 3 * own.flag_alpha, 1e-12);
   EXPECT_EQ(t(own, 200 << 10), t(crowded, 200 << 10));  // one round either way
 }
 
