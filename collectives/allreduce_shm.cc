@@ -33,6 +33,25 @@ void prefetch_for_write(const void* p, std::size_t bytes) {
 #endif
 }
 
+// Once every rank's packet of round `first` is readable (its `round` or `copied` counter seen):
+// where all carry this call's fingerprint the check reads no peer's post; where they agree on
+// the descriptors but not on the hash (the same buffers and sequence, another call: kind, tensor
+// list), completing the check throws on every rank alike, before anything is reduced.
+void prove_from_packets(const ShmState& s, std::uint64_t first, const SmallPacket& packet,
+                        const AllreduceArgs& args, Communicator& comm) {
+  bool proven = packet.in_call != 0;
+  for (int j = 0; j < s.size && proven; ++j) {
+    const SmallPacket& theirs = s.control(j).packet[first % 2];
+    proven = theirs.round.load(std::memory_order_relaxed) == first && theirs.in_call &&
+             theirs.fingerprint == packet.fingerprint;
+  }
+  if (proven) {
+    args.call.call_proven(comm);
+  } else if (packet.in_call) {
+    args.call.require_check();
+  }
+}
+
 }  // namespace
 
 void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sources, std::size_t n,
@@ -86,7 +105,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
     mine.descriptor[first % 2] = descriptor_of(args, path, std::nullopt);
     packet.round.store(first, std::memory_order_release);
     mine.copied.store(first, std::memory_order_release);
-    bool same = true, proven = packet.in_call != 0;
+    bool same = true;
     for (int j = 0; j < n; ++j) {
       if (j == me) continue;
       const SmallPacket& theirs = s.control(j).packet[first % 2];
@@ -95,19 +114,12 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
              theirs.op == packet.op && theirs.path == packet.path &&
              (!theirs.in_call || !packet.in_call ||
               (theirs.sequence == packet.sequence && theirs.algorithm == packet.algorithm));
-      proven = proven && theirs.in_call && theirs.fingerprint == packet.fingerprint;
     }
     if (!same) {  // every rank finds the difference in the descriptors and throws alike
       s.wait_all(&RankControl::copied, first, "copy-in", args.call);
       agree_on_call(s, first, args.call);
     }
-    if (proven) {
-      args.call.call_proven(comm);  // the check reads no peer's post
-    } else if (packet.in_call) {
-      // The same buffers and sequence, another call (kind, tensor list): every rank sees a
-      // difference here and completes the check, which throws on every rank alike.
-      args.call.require_check();
-    }
+    prove_from_packets(s, first, packet, args, comm);
     std::vector<const std::byte*>& sources = s.sources;  // no allocation per call
     for (int j = 0; j < n; ++j) {
       sources[static_cast<std::size_t>(j)] =
@@ -166,19 +178,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   mine.copied.store(first, std::memory_order_release);
   s.wait_all(&RankControl::copied, first, "copy-in", args.call);
   const ShmPeers& peers = agree_on_call(s, first, args.call, s.peers);
-  // Every packet of this round was filled before its rank's `copied`: as on the latency path,
-  // where they all carry this call's fingerprint the check reads no peer's post.
-  bool proven = packet.in_call != 0;
-  for (int j = 0; j < n && proven; ++j) {
-    const SmallPacket& theirs = s.control(j).packet[first % 2];
-    proven = theirs.round.load(std::memory_order_relaxed) == first && theirs.in_call &&
-             theirs.fingerprint == packet.fingerprint;
-  }
-  if (proven) {
-    args.call.call_proven(comm);
-  } else if (packet.in_call) {
-    args.call.require_check();  // the same descriptors, another call (kind, tensor list)
-  }
+  prove_from_packets(s, first, packet, args, comm);  // (each filled before its rank's `copied`)
   bool all_registered = true;
   for (int j = 0; j < n; ++j) {
     const auto jj = static_cast<std::size_t>(j);
