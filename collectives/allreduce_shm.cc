@@ -64,6 +64,9 @@ void reduce_sources(std::byte* result, const std::vector<const std::byte*>& sour
   if (args.op == ReduceOp::avg) divide_by(result, n, args.dtype, ranks);
 }
 
+static_assert(CostModel{}.shm_small_own_cpu == kShmSmallOwnCpuBytes,
+              "the model's default latency-path limit is shm's");
+
 bool AllreduceShm::proves_call(const AllreduceArgs& args, Communicator& comm) const {
   // Not before the segment is made: making it is collective, and the check before an
   // algorithm's first use must come first (ranks that disagree would not all make it).
@@ -75,7 +78,7 @@ std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
                                                       const CostQuery& q) const {
   if (!model.one_host || q.groups > 1) return std::nullopt;  // emulated nodes count as nodes
   const double S = static_cast<double>(q.bytes);
-  if (q.bytes <= shm_small_limit(model.crowded)) {
+  if (q.bytes <= shm_small_limit(model.crowded, model.shm_small_own_cpu)) {
     return model.flag_alpha + S * model.copy_beta + q.ranks * S * model.gamma;
   }
   // The machine-wide view (more ranks than hardware threads) stands in for the segment's own.

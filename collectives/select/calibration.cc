@@ -161,13 +161,16 @@ CostModel calibrate(Communicator& comm, const topology::Topology& topo) {
 
 void set_placement(Communicator& comm, const topology::Topology& topo, CostModel& model) {
   const std::string& form = comm.config().hierarchical_intra;
-  // Whether every group may run shm: agreed, so that every rank's model predicts alike.
+  // Whether every group may run shm, and shm's latency-path limit (the smallest rank's): agreed,
+  // so that every rank's model predicts alike.
   const bool group_on_this_host =
       topology::ranks_on_this_host(comm) >= static_cast<int>(topo.my_group().size());
-  long group_shm = (form == "auto" || form == "shm") && group_on_this_host ? 1L : 0L;
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &group_shm, 1, MPI_LONG, MPI_MIN, comm.mpi_comm()),
+  long agreed[2] = {(form == "auto" || form == "shm") && group_on_this_host ? 1L : 0L,
+                    static_cast<long>(shm_small_own_cpu_bytes_here())};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, agreed, 2, MPI_LONG, MPI_MIN, comm.mpi_comm()),
             "auto: MPI_Allreduce of the group view", comm.rank());
-  model.group_shm = group_shm != 0;
+  model.group_shm = agreed[0] != 0;
+  model.shm_small_own_cpu = static_cast<std::size_t>(agreed[1]);
   model.crowded = topology::machine_oversubscribed(comm);
 }
 

@@ -25,6 +25,9 @@ struct CostModel {
   // hardware threads (auto then probes the algorithms' times before trusting the model).
   bool group_shm = false;
   bool crowded = false;
+  // shm's latency-path limit where ranks have CPUs of their own (the smallest rank's
+  // shm_small_own_cpu_bytes_here(), agreed by set_placement).
+  std::size_t shm_small_own_cpu = std::size_t{1} << 10;
 
   // The link of an algorithm that does not know groups: as slow as its worst link.
   Link worst_link(int groups) const { return groups > 1 ? inter : intra; }

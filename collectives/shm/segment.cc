@@ -3,6 +3,9 @@
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -37,6 +40,20 @@ std::string describe_descriptor(const ShmDescriptor& d) {
 
 }  // namespace
 
+std::size_t shm_small_own_cpu_bytes_here() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0) {
+    char vendor[12];
+    std::memcpy(vendor, &ebx, 4);
+    std::memcpy(vendor + 4, &edx, 4);
+    std::memcpy(vendor + 8, &ecx, 4);
+    if (std::memcmp(vendor, "GenuineIntel", 12) == 0) return kShmSmallOwnCpuIntelBytes;
+  }
+#endif
+  return kShmSmallOwnCpuBytes;
+}
+
 ShmState::ShmState(Communicator& comm)
     : rank(comm.rank()), size(comm.size()), mpi(comm.mpi_comm()) {
   const int on_host = topology::ranks_on_this_host(comm);
@@ -70,14 +87,18 @@ ShmState::ShmState(Communicator& comm)
   // elsewhere: hierarchical's groups): yield at once instead of spinning. The CPUs are those any
   // rank may run on: ranks bound to a core each (mpirun --bind-to core) see one in their own
   // affinity, but together have as many as there are ranks.
+  // The same all-reduce agrees the latency path's limit: the last word has a rank's bit set where
+  // its CPU's limit is the smaller one.
   cpu_set_t set;
   CPU_ZERO(&set);
-  std::vector<unsigned long> cpus(sizeof set / sizeof(unsigned long), 0);
+  std::vector<unsigned long> cpus(sizeof set / sizeof(unsigned long) + 1, 0);
   if (sched_getaffinity(0, sizeof set, &set) == 0) std::memcpy(cpus.data(), &set, sizeof set);
+  cpus.back() = shm_small_own_cpu_bytes_here() == kShmSmallOwnCpuBytes ? 1 : 0;
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, cpus.data(), static_cast<int>(cpus.size()),
                           MPI_UNSIGNED_LONG, MPI_BOR, comm.mpi_comm()),
             "allreduce(shm): MPI_Allreduce of the ranks' CPU sets", rank);
   std::memcpy(&set, cpus.data(), sizeof set);
+  small_own_cpu = cpus.back() != 0 ? kShmSmallOwnCpuBytes : kShmSmallOwnCpuIntelBytes;
   const int cpus_of_ranks = std::max(topology::usable_cores(), CPU_COUNT(&set));
   const int busy = std::max(size, comm.attachment<MachineRanks>().ranks);
   // The same on every rank (from values every rank gathered alike): the all-reduce's round size

@@ -47,22 +47,29 @@ inline constexpr std::string_view kShmCall = "allreduce(shm)";
 inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
 // Where the all-reduce takes its latency path (one flag round, every rank reading every input
 // whole): up to 8 KiB where ranks share CPUs, and every flag round may cost a context switch.
-// Where each rank has a CPU of its own the staged path's flag rounds cost less than reading the
-// peers' inputs whole from above 1 KiB, on AMD EPYC and on Intel Xeon (docs/results/shm.md, "The
-// latency path's limit" and "The latency path on Intel Xeon"):
-// - AMD EPYC, 2 ranks: at 4 KiB 0.77 against 0.95 us, 8 KiB 0.96 against 1.66; at 2 KiB even in
-//   the VM's fast spells and 1.46-1.58 against 1.84-1.89 us in its slow ones;
-// - Intel Xeon, 2 ranks, since the staged path proves the call from its packets: at 2 KiB 1.02
-//   against 1.20 us (0.76-0.86 of the latency path's time, private and registered, back to back
-//   and in the cycle), at 1 KiB the latency path 4-11% ahead. Before, when the staged path's
-//   call check posted on the board, the latency path was ahead at 2 KiB there.
-// `crowded` must be the same on every rank of the segment (ShmState agrees it).
+// Where each rank has a CPU of its own the staged path's two flag rounds cost less than reading
+// the peers' inputs whole from somewhat above 1 KiB, and where depends on the CPU
+// (docs/results/shm.md, "The latency path's limit", "The latency path on Intel Xeon" and "The
+// staged path proves the call"):
+// - AMD EPYC, 2 ranks: 1 KiB. At 4 KiB 0.77 against 0.95 us, 8 KiB 0.96 against 1.66; at 2 KiB
+//   even in the VM's fast spells and 1.46-1.58 against 1.84-1.89 us in its slow ones (measured
+//   before either path's changes of 2026-12-06 below; not measured since);
+// - Intel Xeon, 2 ranks: 2 KiB. With the staged path proving the call from its packets and the
+//   latency path prefetching its next slot (both 2026-12-06), the latency path at 2 KiB takes
+//   0.81-0.86 of the staged path's time (0.82-0.89 against 1.00-1.08 us, private and registered,
+//   back to back and in the cycle); at 4 KiB the staged path is ahead.
+// `crowded` and `own_cpu` must be the same on every rank of the segment (ShmState agrees them).
 inline constexpr std::size_t kShmSmallCrowdedBytes = std::size_t{8} << 10;
 inline constexpr std::size_t kShmSmallOwnCpuBytes = std::size_t{1} << 10;
-constexpr std::size_t shm_small_limit(bool crowded) {
-  return crowded ? kShmSmallCrowdedBytes : kShmSmallOwnCpuBytes;
+inline constexpr std::size_t kShmSmallOwnCpuIntelBytes = std::size_t{2} << 10;
+constexpr std::size_t shm_small_limit(bool crowded, std::size_t own_cpu) {
+  return crowded ? kShmSmallCrowdedBytes : own_cpu;
 }
-static_assert(kShmSmallCrowdedBytes <= kShmSmallBytes && kShmSmallOwnCpuBytes <= kShmSmallBytes);
+static_assert(kShmSmallCrowdedBytes <= kShmSmallBytes && kShmSmallOwnCpuBytes <= kShmSmallBytes &&
+              kShmSmallOwnCpuIntelBytes <= kShmSmallBytes);
+// This rank's CPU's limit where ranks have CPUs of their own: kShmSmallOwnCpuIntelBytes on an
+// Intel x86 CPU (cpuid's vendor), else kShmSmallOwnCpuBytes. Ranks take the smallest of theirs.
+std::size_t shm_small_own_cpu_bytes_here();
 inline constexpr std::size_t kShmRoundBytes = std::size_t{256} << 10;
 inline constexpr std::size_t kShmStageSlots = 4;
 inline constexpr std::size_t kShmLine = 64;
@@ -163,7 +170,10 @@ class ShmState : public Attachment {
   std::size_t control_bytes = 0, small_offset = 0, stage_offset = 0;
   std::vector<pid_t> pids;
   long spin = 0;
-  std::size_t small_limit() const { return shm_small_limit(spin == 0); }
+  // The latency path's limit where ranks have CPUs of their own: the smallest rank's
+  // shm_small_own_cpu_bytes_here().
+  std::size_t small_own_cpu = kShmSmallOwnCpuBytes;
+  std::size_t small_limit() const { return shm_small_limit(spin == 0, small_own_cpu); }
   std::uint64_t round = 0;  // the last round this rank started
   // The all-reduce's per-call scratch, one entry per rank (no allocation per call): its sources
   // and targets, the descriptors agree_on_call reads, and where registered buffers lie.

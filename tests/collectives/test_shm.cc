@@ -41,9 +41,9 @@ float expected_sum(int ranks, std::size_t i) {
 }
 
 // Counts on both paths: empty, tiny, primes, not divisible by the rank count, either side of each
-// latency-path limit (1 KiB, 8 KiB with ranks sharing CPUs: 256 and 2048 floats; 512 was Intel's
-// until 2026-12-06), one round of the staged path and a bit more, many rounds, and (for the
-// streaming copy-out) more than 4 MiB.
+// latency-path limit (1 KiB, 2 KiB on Intel, 8 KiB with ranks sharing CPUs: 256, 512, 2048
+// floats), one round of the staged path and a bit more, many rounds, and (for the streaming
+// copy-out) more than 4 MiB.
 const std::vector<std::size_t> kCounts = {0,    1,     2,     3,      7,       256,    257,
                                           509,  512,   513,   2048,   2049,    4093,   4096,
                                           4097, 65536, 65537, 196613, 1000003, 1 << 20};
@@ -199,8 +199,8 @@ TEST_F(Shm, SwitchingBetweenRegisteredAndPrivateBackToBack) {
 TEST_F(Shm, DisagreeingCallsFailOnEveryRank) {
   Communicator& comm = world();
   if (comm.size() < 2) GTEST_SKIP() << "needs 2 ranks";
-  // 256 / 257: either side of the latency path's limit where ranks have CPUs of their own
-  // (1 KiB), so that the ranks take different paths there; 512 / 513: both staged there;
+  // 256 / 257 and 512 / 513: either side of the latency path's limit where ranks have CPUs of
+  // their own (1 KiB, 2 KiB on Intel), so that the ranks take different paths there;
   // 524287 / 524288: a count either side of 2 MiB.
   for (std::size_t base : {std::size_t{10}, std::size_t{256}, std::size_t{512}, std::size_t{200000},
                            std::size_t{524287}}) {
