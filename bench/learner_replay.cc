@@ -144,6 +144,9 @@ std::vector<Variant> variants() {
   t = LearnerTuning{};
   t.max_recheck_backoff = 1;
   v.push_back({"- re-check backoff", t});
+  t = LearnerTuning{};
+  t.recheck_once_faster = false;
+  v.push_back({"- once-faster re-check", t});
   return v;
 }
 
@@ -218,7 +221,10 @@ std::vector<std::size_t> ranking(const Trace& t) {
 //   calibrated far too high, as Intel MPI's ping-pong once did on a 2-CPU Xeon: every algorithm
 //   then measures far below its prediction);
 // - state change: from the trace's middle on, the fastest and the second swap their times (the
-//   machine changed under a settled choice).
+//   machine changed under a settled choice);
+// - transient: the fastest algorithm 10x slow over a 64th of the trace from its first quarter
+//   on (unbound ranks sharing a CPU for a while: shm's flag waits then cost a context switch
+//   each), then as measured again.
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: gradcomm-learner-replay trace.csv [more.csv ...]\n");
@@ -249,6 +255,11 @@ int main(int argc, char** argv) {
       for (std::size_t r = changed.rounds.size() / 2; r < changed.rounds.size(); ++r)
         std::swap(changed.rounds[r][order[0]], changed.rounds[r][order[1]]);
       evaluate(changed, "state change");
+      Trace transient = t;
+      const std::size_t from = transient.rounds.size() / 4;
+      for (std::size_t r = from; r < from + transient.rounds.size() / 64; ++r)
+        transient.rounds[r][order[0]] *= 10;
+      evaluate(transient, "transient (fastest 10x slow for 1/64 of the trace)");
     }
   }
   return 0;

@@ -22,6 +22,7 @@ MeasuredChoice::MeasuredChoice(std::vector<std::string_view> names,
     : tuning_(tuning),
       names_(std::move(names)),
       ratio_(names_.size(), 0.0),
+      best_ratio_(names_.size(), 0.0),
       stride_(stride),
       window_(window),
       duel_(duel),
@@ -57,13 +58,19 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
   timed_ = 0;
   samples_[0].clear();
   samples_[1].clear();
-  ratio_[choice_] = std::max(agreed[0], 1e-12);
+  // An algorithm's figure, and the best of its figures.
+  auto note = [&](std::size_t i, double figure) {
+    ratio_[i] = std::max(figure, 1e-12);
+    best_ratio_[i] = best_ratio_[i] > 0 ? std::min(best_ratio_[i], ratio_[i]) : ratio_[i];
+  };
+  note(choice_, agreed[0]);
   if (was_duel) {
-    ratio_[challenger_] = std::max(agreed[1], 1e-12);
+    note(challenger_, agreed[1]);
     const double mine = expected(choice_, predicted[choice_]);
     const double theirs = expected(challenger_, predicted[challenger_]);
     if (theirs < tuning_.margin * mine) {
       choice_ = challenger_;
+      faster_turn_ = true;
       since_recheck_ = 0;
       solo_seconds_ = 0;
       backoff_ = 1;
@@ -110,17 +117,46 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       // windows, so a change of the machine's state that turns it is found soon; one expected twice
       // as slow rarely. Re-checks that keep confirming the choice back off (max_recheck_backoff),
       // so that a settled near tie costs less.
+      // An algorithm that once measured faster than the choice measures now (the best of its
+      // windows) is re-checked too, whatever it is expected to cost now, taking turns with the
+      // runner-up (first after a switch): its later figures may come from windows a transient
+      // spoiled (ranks that share a CPU for a while make shm's flag waits 10x slower, and a
+      // re-check may fall inside the same spell), and without this it might never be measured
+      // again (more than recheck_factor slower, or behind a near tie that the re-checks keep
+      // confirming). Its wait grows with how slow it is expected to be, on the same budget and
+      // backoff.
       ++since_recheck_;
       solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
+      // The algorithm whose best window is the fastest, where that is below the choice's
+      // expectation. Only measurements count: trusting the model's prediction too (where a
+      // transient spoiled an algorithm's every window) cost 0.2-0.5% in replays where nothing
+      // was spoiled, re-checking an algorithm the model is optimistic about for good.
+      std::size_t faster = choice_;
+      auto best_ever = [&](std::size_t i) { return predicted[i] * best_ratio_[i]; };
+      for (std::size_t i = 0; tuning_.recheck_once_faster && i < names_.size(); ++i) {
+        if (i != choice_ && measured(i) && best_ever(i) < tuning_.margin * mine &&
+            (faster == choice_ || best_ever(i) < best_ever(faster))) {
+          faster = i;
+        }
+      }
+      const bool near = theirs <= tuning_.recheck_factor * mine;
+      std::size_t target = choice_;
+      if (faster != choice_ && faster != other && (faster_turn_ || !near)) {
+        target = faster;
+      } else if (near || faster == other) {
+        target = other;
+      }
+      const double difference = target == choice_ ? 0 : expected(target, predicted[target]) - mine;
       const bool paid =
           tuning_.recheck_budget > 0 && since_recheck_ >= tuning_.min_recheck * backoff_ &&
           solo_seconds_ * tuning_.recheck_budget >=
-              static_cast<double>(backoff_) * challenger_calls_ * stride_ * (theirs - mine);
-      if (paid && theirs <= tuning_.recheck_factor * mine) {
+              static_cast<double>(backoff_) * challenger_calls_ * stride_ * difference;
+      if (paid && target != choice_) {
         since_recheck_ = 0;
         solo_seconds_ = 0;
-        challenger_ = other;
+        challenger_ = target;
         rechecking_ = true;
+        faster_turn_ = target != faster;
       }
     }
   }

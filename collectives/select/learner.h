@@ -57,7 +57,10 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // the last one, so a near tie is re-checked every few windows and an algorithm expected 2x slower
 // once the choice ran 33 times the re-check's calls; each re-check that confirms the choice doubles
 // that wait, up to 8x, until a switch. A duel is decided by its one window; a switch a transient
-// caused is undone by the re-checks.
+// caused is undone by the re-checks: an algorithm that once measured faster than the choice
+// measures now is re-checked too, taking turns with the runner-up, on the same budget whatever it
+// is expected to cost (a transient may have made it look 10x slow, beyond the 2x reach of the
+// runner-up's re-checks).
 //
 // The constants are LearnerTuning's defaults. bench/learner_replay replays measured traces
 // through variants of them: the trials and the re-checks pay for themselves there, and two
@@ -75,7 +78,8 @@ struct LearnerTuning {
   // divided, its minimum of solo windows multiplied), up to this factor; a switch resets it
   // (1: no backoff). A settled near tie then costs ~recheck_budget / backoff.
   int max_recheck_backoff = 8;
-  bool try_untried = true;  // try once each never-measured algorithm predicted within 2x
+  bool try_untried = true;          // try once each never-measured algorithm predicted within 2x
+  bool recheck_once_faster = true;  // re-check an algorithm once faster than the choice is now
 };
 
 class MeasuredChoice {
@@ -167,7 +171,8 @@ class MeasuredChoice {
 
   LearnerTuning tuning_;
   std::vector<std::string_view> names_;
-  std::vector<double> ratio_;  // measured / predicted (0: never measured)
+  std::vector<double> ratio_;       // measured / predicted (0: never measured)
+  std::vector<double> best_ratio_;  // the lowest of each algorithm's figures (0: never measured)
   std::size_t choice_ = 0;
   std::size_t challenger_ = 0;  // == choice_ in a solo window
   int stride_, window_, duel_, challenger_calls_;
@@ -179,6 +184,8 @@ class MeasuredChoice {
   double solo_seconds_ = 0;                     // and about how long they ran
   int backoff_ = 1;          // the re-checks' wait multiplier (max_recheck_backoff at most)
   bool rechecking_ = false;  // the duel under way is a re-check of the runner-up
+  // The next re-check is the once-faster algorithm's, where it and the runner-up are both due.
+  bool faster_turn_ = true;
 };
 
 }  // namespace gradcomm::collectives

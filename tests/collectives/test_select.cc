@@ -167,7 +167,7 @@ TEST(Selection, MeasuringAWrongModelSwitchesAfterADuel) {
   EXPECT_EQ(ran[0], 8);
   EXPECT_EQ(ran[1], 4);
   // Re-checks: the runner-up "c" (predicted 3, within 2x of b's 2) once, measured at 6; then
-  // nothing is within 2x of "b": only "b" runs.
+  // nothing is within 2x of "b", and nothing ever measured faster than it: only "b" runs.
   ran = simulate(
       m, predicted, [&](std::size_t a) { return truth[a]; }, 400);
   EXPECT_EQ(m.choice(), "b");
@@ -236,6 +236,45 @@ TEST(Selection, ATransientSwitchIsUndoneByARecheck) {
   simulate(m, predicted, truth, 400);
   EXPECT_EQ(m.choice(), "b");
   EXPECT_TRUE(m.settled() || m.dueling());
+}
+
+// A switch that a long transient decided (the choice measured 10x slow in the window and the duel
+// that dethroned it: unbound ranks that shared a CPU for a while, where shm's flag waits cost a
+// context switch each) is undone too. The dethroned choice then looks more than recheck_factor
+// slower than the new one, and a near tie ("c") stands between them, so the re-checks of the
+// runner-up alone would never measure it again. It once measured faster than "b" does, so it stays
+// a re-check's target, on the budget, taking turns with "c".
+TEST(Selection, ASwitchALongTransientDecidedIsUndoneToo) {
+  const std::vector<double> predicted = {1, 1.2, 1.5};
+  collectives::MeasuredChoice m({"a", "b", "c"}, predicted, 1, 4, 8, 4);
+  double a_time = 1;
+  auto truth = [&](std::size_t i) { return i == 0 ? a_time : predicted[i]; };
+  simulate(m, predicted, truth, 400);
+  ASSERT_EQ(m.choice(), "a");
+  a_time = 10;
+  for (int calls = 0; m.choice() != "b" && calls < 100; ++calls)
+    simulate(m, predicted, truth, 1);
+  ASSERT_EQ(m.choice(), "b");
+  a_time = 1;  // over
+  // The re-check of "a" costs 4 calls of 8.8 s beyond b's: paid once b's solo windows ran
+  // 35.2 / 3% = 1173 s, 245 windows of 4 calls (c's re-checks, had they come first, would add
+  // their own waits).
+  int calls = 0;
+  for (; m.choice() != "a" && calls < 2000; ++calls)
+    simulate(m, predicted, truth, 1);
+  EXPECT_EQ(m.choice(), "a") << "still on b after " << calls << " calls";
+  EXPECT_LE(calls, 4 * 245 + 8 + 8 + 16);
+  // Where "a" stays slow, its re-checks confirm "b", taking turns with the near tie "c", and
+  // what they cost beyond b's calls stays within the 3% budget of b's time.
+  a_time = 10;
+  for (int i = 0; m.choice() != "b" && i < 100; ++i)
+    simulate(m, predicted, truth, 1);
+  ASSERT_EQ(m.choice(), "b");
+  const std::vector<int> ran = simulate(m, predicted, truth, 4 * 2000);
+  EXPECT_EQ(m.choice(), "b");
+  EXPECT_GT(ran[0], 0);
+  EXPECT_GT(ran[2], 0);
+  EXPECT_LE(ran[0] * (10 - 1.2) + ran[2] * (1.5 - 1.2), 0.03 * ran[1] * 1.2);
 }
 
 // A duel is decided by its one window: the challenger wins by more than 2% or the choice stays.
