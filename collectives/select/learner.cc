@@ -70,15 +70,13 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     const double theirs = expected(challenger_, predicted[challenger_]);
     if (theirs < tuning_.margin * mine) {
       choice_ = challenger_;
-      faster_turn_ = true;
-      since_recheck_ = 0;
-      solo_seconds_ = 0;
-      backoff_ = 1;
-    } else if (rechecking_) {  // the re-check confirmed the choice: wait longer for the next
-      backoff_ = std::min(2 * backoff_, std::max(1, tuning_.max_recheck_backoff));
+      accounts_ = {};
+    } else if (rechecking_ >= 0) {  // the re-check confirmed the choice: wait longer for the next
+      int& backoff = accounts_[static_cast<std::size_t>(rechecking_)].backoff;
+      backoff = std::min(2 * backoff, std::max(1, tuning_.max_recheck_backoff));
     }
   }
-  rechecking_ = false;
+  rechecking_ = -1;
   challenger_ = choice_;
   // The strongest other: the lowest expectation (never measured: the model's prediction).
   const double mine = expected(choice_, predicted[choice_]);
@@ -117,46 +115,51 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
       // windows, so a change of the machine's state that turns it is found soon; one expected twice
       // as slow rarely. Re-checks that keep confirming the choice back off (max_recheck_backoff),
       // so that a settled near tie costs less.
-      // An algorithm that once measured faster than the choice measures now (the best of its
-      // windows) is re-checked too, whatever it is expected to cost now, taking turns with the
-      // runner-up (first after a switch): its later figures may come from windows a transient
-      // spoiled (ranks that share a CPU for a while make shm's flag waits 10x slower, and a
-      // re-check may fall inside the same spell), and without this it might never be measured
-      // again (more than recheck_factor slower, or behind a near tie that the re-checks keep
-      // confirming). Its wait grows with how slow it is expected to be, on the same budget and
-      // backoff.
-      ++since_recheck_;
-      solo_seconds_ += static_cast<double>(window_) * stride_ * mine;
-      // The algorithm whose best window is the fastest, where that is below the choice's
-      // expectation. Only measurements count: trusting the model's prediction too (where a
-      // transient spoiled an algorithm's every window) cost 0.2-0.5% in replays where nothing
-      // was spoiled, re-checking an algorithm the model is optimistic about for good.
-      std::size_t faster = choice_;
+      // An algorithm whose best window measured faster than the choice's best (by the margin) is
+      // re-checked too, whatever it is expected to cost now: its later figures may come from
+      // windows a transient spoiled (ranks that share a CPU for a while make shm's flag waits 10x
+      // slower, and a re-check may fall inside the same spell), and without this it might never be
+      // measured again (more than recheck_factor slower, or behind a near tie that the re-checks
+      // keep confirming). It has an account of its own (its wait grows with how slow it is
+      // expected to be, so it must not hold the near tie's re-checks back); where both are due,
+      // each account gets half the budget. Only measurements count: trusting the model's
+      // prediction too (an algorithm a transient spoiled from its first window) cost 0.2-0.5% in
+      // replays where nothing was spoiled, re-checking for good an algorithm the model is
+      // optimistic about.
+      for (Account& a : accounts_) {
+        ++a.since;
+        a.seconds += static_cast<double>(window_) * stride_ * mine;
+      }
       auto best_ever = [&](std::size_t i) { return predicted[i] * best_ratio_[i]; };
+      std::size_t faster = choice_;  // the fastest best window, if faster than the choice's
       for (std::size_t i = 0; tuning_.recheck_once_faster && i < names_.size(); ++i) {
-        if (i != choice_ && measured(i) && best_ever(i) < tuning_.margin * mine &&
+        if (i != choice_ && i != other && measured(i) &&
+            best_ever(i) < tuning_.margin * best_ever(choice_) &&
             (faster == choice_ || best_ever(i) < best_ever(faster))) {
           faster = i;
         }
       }
-      const bool near = theirs <= tuning_.recheck_factor * mine;
-      std::size_t target = choice_;
-      if (faster != choice_ && faster != other && (faster_turn_ || !near)) {
-        target = faster;
-      } else if (near || faster == other) {
-        target = other;
-      }
-      const double difference = target == choice_ ? 0 : expected(target, predicted[target]) - mine;
-      const bool paid =
-          tuning_.recheck_budget > 0 && since_recheck_ >= tuning_.min_recheck * backoff_ &&
-          solo_seconds_ * tuning_.recheck_budget >=
-              static_cast<double>(backoff_) * challenger_calls_ * stride_ * difference;
-      if (paid && target != choice_) {
-        since_recheck_ = 0;
-        solo_seconds_ = 0;
-        challenger_ = target;
-        rechecking_ = true;
-        faster_turn_ = target != faster;
+      const bool other_faster = tuning_.recheck_once_faster && measured(other) &&
+                                best_ever(other) < tuning_.margin * best_ever(choice_);
+      const std::size_t targets[2] = {
+          theirs <= tuning_.recheck_factor * mine || other_faster ? other : choice_, faster};
+      const double share = targets[0] != choice_ && targets[1] != choice_ ? 0.5 : 1.0;
+      for (std::size_t k : {std::size_t{1}, std::size_t{0}}) {  // the once-faster one first
+        const std::size_t target = targets[k];
+        Account& a = accounts_[k];
+        if (target == choice_ || tuning_.recheck_budget <= 0 ||
+            a.since < tuning_.min_recheck * a.backoff) {
+          continue;
+        }
+        const double difference = expected(target, predicted[target]) - mine;
+        if (a.seconds * share * tuning_.recheck_budget >=
+            static_cast<double>(a.backoff) * challenger_calls_ * stride_ * difference) {
+          a.since = 0;
+          a.seconds = 0;
+          challenger_ = target;
+          rechecking_ = static_cast<int>(k);
+          break;
+        }
       }
     }
   }

@@ -57,10 +57,10 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // the last one, so a near tie is re-checked every few windows and an algorithm expected 2x slower
 // once the choice ran 33 times the re-check's calls; each re-check that confirms the choice doubles
 // that wait, up to 8x, until a switch. A duel is decided by its one window; a switch a transient
-// caused is undone by the re-checks: an algorithm that once measured faster than the choice
-// measures now is re-checked too, taking turns with the runner-up, on the same budget whatever it
-// is expected to cost (a transient may have made it look 10x slow, beyond the 2x reach of the
-// runner-up's re-checks).
+// caused is undone by the re-checks: an algorithm whose best window measured faster than the
+// choice's best is re-checked too, whatever it is expected to cost now (a transient may have made
+// it look 10x slow, beyond the 2x reach of the runner-up's re-checks), from an account of its own;
+// where both kinds are due, each has half the budget.
 //
 // The constants are LearnerTuning's defaults. bench/learner_replay replays measured traces
 // through variants of them: the trials and the re-checks pay for themselves there, and two
@@ -68,10 +68,13 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // removed (docs/selection.md, "What each mechanism buys").
 struct LearnerTuning {
   double margin = 0.98;         // a challenger must be this much faster
-  double recheck_factor = 2.0;  // runner-ups expected slower are not challenged
+  // Runner-ups expected slower are not challenged, unless their best window measured faster
+  // than the choice's best (recheck_once_faster).
+  double recheck_factor = 2.0;
   // The runner-up is re-checked once the duel's expected cost beyond the choice is at most
-  // recheck_budget of the solo time since the last re-check, and min_recheck solo windows apart
-  // (recheck_budget 0: never).
+  // recheck_budget of the solo time since its last re-check, and min_recheck solo windows apart
+  // (recheck_budget 0: never); so is an algorithm once faster, from an account of its own (each
+  // with half the budget where both are due).
   double recheck_budget = 0.03;
   int min_recheck = 2;
   // Each re-check that leaves the choice as it was doubles the wait for the next (its budget
@@ -79,7 +82,7 @@ struct LearnerTuning {
   // (1: no backoff). A settled near tie then costs ~recheck_budget / backoff.
   int max_recheck_backoff = 8;
   bool try_untried = true;          // try once each never-measured algorithm predicted within 2x
-  bool recheck_once_faster = true;  // re-check an algorithm once faster than the choice is now
+  bool recheck_once_faster = true;  // re-check an algorithm whose best beat the choice's best
 };
 
 class MeasuredChoice {
@@ -180,12 +183,14 @@ class MeasuredChoice {
   int timed_ = 0;                               // timed calls in the current window
   int windows_ = 0;                             // windows decided
   std::array<std::vector<double>, 2> samples_;  // of the choice and the challenger, this window
-  int since_recheck_ = 0;                       // solo windows since the last re-check (or switch)
-  double solo_seconds_ = 0;                     // and about how long they ran
-  int backoff_ = 1;          // the re-checks' wait multiplier (max_recheck_backoff at most)
-  bool rechecking_ = false;  // the duel under way is a re-check of the runner-up
-  // The next re-check is the once-faster algorithm's, where it and the runner-up are both due.
-  bool faster_turn_ = true;
+  // What pays for one kind of re-check: the runner-up's, or that of an algorithm once faster.
+  struct Account {
+    int since = 0;       // solo windows since its last re-check (or switch)
+    double seconds = 0;  // and about how long they ran
+    int backoff = 1;     // its wait multiplier (max_recheck_backoff at most)
+  };
+  std::array<Account, 2> accounts_;  // [0]: the runner-up's, [1]: the once-faster algorithm's
+  int rechecking_ = -1;  // the account of the re-check under way (-1: none; see accounts_)
 };
 
 }  // namespace gradcomm::collectives
