@@ -67,7 +67,7 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // mechanisms that did not (a confirming duel after each switch, more windows for close duels) were
 // removed (docs/selection.md, "What each mechanism buys").
 struct LearnerTuning {
-  double margin = 0.98;         // a challenger must be this much faster
+  double margin = 0.98;  // a challenger must be this much faster
   // Runner-ups expected slower are not challenged, unless their best window measured faster
   // than the choice's best (recheck_once_faster).
   double recheck_factor = 2.0;
