@@ -111,25 +111,23 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
     } else if (!was_duel) {
       // Re-check the runner-up once what the duel would cost beyond the choice (its calls, the
       // untimed ones between its timed ones included, times the expected difference) is within
-      // recheck_budget of the solo time since the last one: a near tie is re-checked every few
-      // windows, so a change of the machine's state that turns it is found soon; one expected twice
-      // as slow rarely. Re-checks that keep confirming the choice back off (max_recheck_backoff),
-      // so that a settled near tie costs less.
+      // recheck_budget of the solo time credited to its account since its last re-check: a near
+      // tie is re-checked every few windows, so a change of the machine's state that turns it is
+      // found soon; one expected twice as slow rarely. Re-checks that keep confirming the choice
+      // back off (max_recheck_backoff), so that a settled near tie costs less.
       // An algorithm whose best window measured faster than the choice's best (by the margin) is
       // re-checked too, whatever it is expected to cost now: its later figures may come from
       // windows a transient spoiled (ranks that share a CPU for a while make shm's flag waits 10x
       // slower, and a re-check may fall inside the same spell), and without this it might never be
       // measured again (more than recheck_factor slower, or behind a near tie that the re-checks
-      // keep confirming). It has an account of its own (its wait grows with how slow it is
-      // expected to be, so it must not hold the near tie's re-checks back); where both are due,
-      // each account gets half the budget. Only measurements count: trusting the model's
-      // prediction too (an algorithm a transient spoiled from its first window) cost 0.2-0.5% in
-      // replays where nothing was spoiled, re-checking for good an algorithm the model is
-      // optimistic about.
-      for (Account& a : accounts_) {
-        ++a.since;
-        a.seconds += static_cast<double>(window_) * stride_ * mine;
-      }
+      // keep confirming). Where it is not the runner-up it has an account of its own (its wait
+      // grows with how slow it is expected to be, so it must not hold the near tie's re-checks
+      // back). Each solo window's time is credited once: half to each account while both have a
+      // target, else all to the one that has (the runner-up's where neither has), so the
+      // re-checks together stay within recheck_budget of the solo time. Only measurements count:
+      // trusting the model's prediction too (an algorithm a transient spoiled from its first
+      // window) cost 0.2-0.5% in replays where nothing was spoiled, re-checking for good an
+      // algorithm the model is optimistic about.
       auto best_ever = [&](std::size_t i) { return predicted[i] * best_ratio_[i]; };
       std::size_t faster = choice_;  // the fastest best window, if faster than the choice's
       for (std::size_t i = 0; tuning_.recheck_once_faster && i < names_.size(); ++i) {
@@ -143,7 +141,12 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
                                 best_ever(other) < tuning_.margin * best_ever(choice_);
       const std::size_t targets[2] = {
           theirs <= tuning_.recheck_factor * mine || other_faster ? other : choice_, faster};
-      const double share = targets[0] != choice_ && targets[1] != choice_ ? 0.5 : 1.0;
+      const double solo = static_cast<double>(window_) * stride_ * mine;
+      const double to_faster = faster == choice_ ? 0.0 : targets[0] == choice_ ? 1.0 : 0.5;
+      accounts_[0].seconds += (1 - to_faster) * solo;
+      accounts_[1].seconds += to_faster * solo;
+      for (Account& a : accounts_)
+        ++a.since;
       for (std::size_t k : {std::size_t{1}, std::size_t{0}}) {  // the once-faster one first
         const std::size_t target = targets[k];
         Account& a = accounts_[k];
@@ -152,7 +155,7 @@ bool MeasuredChoice::decide(const std::array<double, 2>& agreed,
           continue;
         }
         const double difference = expected(target, predicted[target]) - mine;
-        if (a.seconds * share * tuning_.recheck_budget >=
+        if (a.seconds * tuning_.recheck_budget >=
             static_cast<double>(a.backoff) * challenger_calls_ * stride_ * difference) {
           a.since = 0;
           a.seconds = 0;

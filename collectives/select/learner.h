@@ -53,14 +53,16 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // about its pick (the machine's state changed: both ranks moved onto one core, a cache domain
 // split) is corrected after a duel per algorithm that could beat it. The runner-up is challenged
 // again now and then, so that a choice that became wrong later is found: once the re-check's
-// expected cost (its calls times how much slower it is expected to be) is 3% of the solo time since
-// the last one, so a near tie is re-checked every few windows and an algorithm expected 2x slower
-// once the choice ran 33 times the re-check's calls; each re-check that confirms the choice doubles
-// that wait, up to 8x, until a switch. A duel is decided by its one window; a switch a transient
-// caused is undone by the re-checks: an algorithm whose best window measured faster than the
-// choice's best is re-checked too, whatever it is expected to cost now (a transient may have made
-// it look 10x slow, beyond the 2x reach of the runner-up's re-checks), from an account of its own;
-// where both kinds are due, each has half the budget.
+// expected cost (its calls times how much slower it is expected to be) is 3% of the solo time
+// credited to it since the last one, so a near tie is re-checked every few windows and an algorithm
+// expected 2x slower once the choice ran 33 times the re-check's calls; each re-check that confirms
+// the choice doubles that wait, up to 8x, until a switch. A duel is decided by its one window; a
+// switch a transient caused is undone by the re-checks: an algorithm whose best window measured
+// faster than the choice's best is re-checked too, whatever it is expected to cost now (a transient
+// may have made it look 10x slow, beyond the 2x reach of the runner-up's re-checks), from an
+// account of its own unless it is the runner-up. Each solo window's time is credited once, half to
+// each account while both have a target (so a near tie is then re-checked half as often), so that
+// the re-checks together stay within the 3%.
 //
 // The constants are LearnerTuning's defaults. bench/learner_replay replays measured traces
 // through variants of them: the trials and the re-checks pay for themselves there, and two
@@ -68,13 +70,14 @@ inline constexpr int kMaxTimed = 64;            // timed calls a window needs at
 // removed (docs/selection.md, "What each mechanism buys").
 struct LearnerTuning {
   double margin = 0.98;  // a challenger must be this much faster
-  // Runner-ups expected slower are not challenged, unless their best window measured faster
-  // than the choice's best (recheck_once_faster).
+  // Runner-ups expected more than this much slower are not challenged, unless their best window
+  // measured faster than the choice's best (recheck_once_faster).
   double recheck_factor = 2.0;
   // The runner-up is re-checked once the duel's expected cost beyond the choice is at most
-  // recheck_budget of the solo time since its last re-check, and min_recheck solo windows apart
-  // (recheck_budget 0: never); so is an algorithm once faster, from an account of its own (each
-  // with half the budget where both are due).
+  // recheck_budget of the solo time credited to its account since its last re-check, and
+  // min_recheck solo windows apart (recheck_budget 0: never); so is an algorithm once faster,
+  // from an account of its own (each window's solo time is credited half to each while both have
+  // a target).
   double recheck_budget = 0.03;
   int min_recheck = 2;
   // Each re-check that leaves the choice as it was doubles the wait for the next (its budget
