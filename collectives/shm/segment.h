@@ -58,7 +58,8 @@ inline constexpr std::size_t kShmSmallBytes = std::size_t{16} << 10;
 //   latency path prefetching its next slot (both 2026-12-06), the latency path at 2 KiB takes
 //   0.81-0.86 of the staged path's time (0.82-0.89 against 1.00-1.08 us, private and registered,
 //   back to back and in the cycle); at 4 KiB the staged path is ahead.
-// `crowded` and `own_cpu` must be the same on every rank of the segment (ShmState agrees them).
+// `crowded` and `own_cpu` must be the same on every rank of the segment (ShmState agrees them:
+// `spin`, `small_own_cpu`).
 inline constexpr std::size_t kShmSmallCrowdedBytes = std::size_t{8} << 10;
 inline constexpr std::size_t kShmSmallOwnCpuBytes = std::size_t{1} << 10;
 inline constexpr std::size_t kShmSmallOwnCpuIntelBytes = std::size_t{2} << 10;
