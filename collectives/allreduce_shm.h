@@ -7,8 +7,8 @@ namespace gradcomm::collectives {
 // Intra-node all-reduce through shared memory, for communicators whose ranks all share one
 // host. No rank ever stores into a cache line a peer has just read, and there is no shared result
 // area (the slow case on these machines: docs/algorithms.md#shm). Paths:
-//   - latency path (up to 1 KiB, or 8 KiB where ranks share CPUs: shm_small_limit in
-//     shm/segment.h): each rank writes one cache-line packet (the call's
+//   - latency path (up to 1 KiB, 2 KiB on Intel CPUs, or 8 KiB where ranks share CPUs:
+//     shm_small_limit in shm/segment.h): each rank writes one cache-line packet (the call's
 //     fingerprint, data up to 32 B, the round as flag) and its input, if larger, into its small
 //     slot; every rank reduces all inputs in rank order straight into its output: one flag round;
 //   - registered buffers (Communicator::allocate) where every rank's input and output are
