@@ -129,9 +129,15 @@ inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array
 //     S/n this rank reduces (lines another core has just written). A call cannot take less
 //     time, T, so busbw <= 2(n-1)/n * S / T. (Its owner reading the result back moves as much
 //     again, which --cycle's cycle pays outside the call.)
-// Back-to-back calls can beat the cross-core bound: nobody reads the results, which then stay in
-// the reducer's cache for its next call. The state: "far" or "near", from the rate at which every
-// rank reads the next rank's whole region of kStateProbeBytes (docs/benchmarking.md).
+// Back-to-back calls on registered buffers can beat the cross-core bound: nobody reads the
+// results, which then stay in the reducer's cache for its next call. Private buffers (rows
+// without --registered) cross twice in either timing: no other process can read or write them,
+// so the (n-1)/n * S of input that peers reduce must come over through shared memory, and the
+// (n-1)/n * S of results peers reduced must come back, both lines another core has just written
+// (reducing everything on every rank instead reads (n-1) * S, as much at 2 ranks and more
+// beyond). Their bound is the smaller of local and half the cross-core bound.
+// The state: "far" or "near", from the rate at which every rank reads the next rank's whole region
+// of kStateProbeBytes (docs/benchmarking.md).
 inline constexpr std::size_t kProbeBytes = std::size_t{16} << 20;
 // The local bound's arrays at rows up to `max_bytes` on `ranks` ranks: the row's bytes (at least
 // 4 KiB, at most kStreamBytes) and 1 KiB + a line between arrays.
@@ -153,10 +159,12 @@ struct Bound {
 
 class BoundProbe {
  public:
-  // `cycle`: the row is timed in the training-like cycle (--cycle). `arrays`: the local bound's
-  // arrays, at least bound_arrays_bytes(max row bytes, ranks) (a buffer the rows overwrite
-  // anyway: their output, or an unused one).
-  BoundProbe(Communicator& comm, bool cycle, std::byte* arrays, std::size_t arrays_bytes);
+  // `cycle`: the row is timed in the training-like cycle (--cycle). `private_buffers`: the rows'
+  // buffers are the process's own (not --registered). `arrays`: the local bound's arrays, at
+  // least bound_arrays_bytes(max row bytes, ranks) (a buffer the rows overwrite anyway: their
+  // output, or an unused one).
+  BoundProbe(Communicator& comm, bool cycle, bool private_buffers, std::byte* arrays,
+             std::size_t arrays_bytes);
   ~BoundProbe();
   BoundProbe(const BoundProbe&) = delete;
   BoundProbe& operator=(const BoundProbe&) = delete;
@@ -171,8 +179,11 @@ class BoundProbe {
   double after_peers_wrote(std::size_t floats, Read&& read);
   double state_rate();
   double slice_fetch_busbw(std::size_t bytes);
+  // The bound from its parts: see the comment above the class.
+  double combined(const Bound& b) const;
   Communicator& comm_;
   bool cycle_;
+  bool private_;
   float* local_;  // the local bound's n arrays (in the rows' buffer)
   std::size_t local_floats_;
   MPI_Comm node_ = MPI_COMM_NULL;

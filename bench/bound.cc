@@ -50,9 +50,11 @@ GRADCOMM_BENCH_CLONES double checksum(const float* p, std::size_t n) {
 
 }  // namespace
 
-BoundProbe::BoundProbe(Communicator& comm, bool cycle, std::byte* arrays, std::size_t arrays_bytes)
+BoundProbe::BoundProbe(Communicator& comm, bool cycle, bool private_buffers, std::byte* arrays,
+                       std::size_t arrays_bytes)
     : comm_(comm),
       cycle_(cycle),
+      private_(private_buffers),
       local_(reinterpret_cast<float*>(arrays)),
       local_floats_(arrays_bytes / sizeof(float)) {
   // The cross-core probe needs memory every rank maps: one host only.
@@ -144,9 +146,7 @@ Bound BoundProbe::measure(std::size_t bytes) {
   if (!mine_) return b;  // not one host: the local bound only
   b.cross_core_busbw = slice_fetch_busbw(bytes);
   b.state_rate = state_rate();
-  // Back to back, a call's sources can stay where its own last call left them (registered in
-  // place: every line a rank reads, it wrote last), so only the local bound holds there.
-  b.busbw = cycle_ ? std::min(b.local_busbw, b.cross_core_busbw) : b.local_busbw;
+  b.busbw = combined(b);
   if (std::getenv("GRADCOMM_BENCH_BOUND_PARTS") && comm_.rank() == 0) {
     std::fprintf(stderr, "# bound at %zu B: local %.1f GB/s, cross-core %.1f GB/s\n", bytes,
                  b.local_busbw / 1e9, b.cross_core_busbw / 1e9);
@@ -158,9 +158,17 @@ Bound BoundProbe::best_of(const Bound& first, const Bound& second) const {
   Bound b = first;
   b.local_busbw = std::max(first.local_busbw, second.local_busbw);
   b.cross_core_busbw = std::max(first.cross_core_busbw, second.cross_core_busbw);
-  b.busbw = cycle_ && b.cross_core_busbw > 0 ? std::min(b.local_busbw, b.cross_core_busbw)
-                                             : b.local_busbw;
+  b.busbw = combined(b);
   return b;
+}
+
+double BoundProbe::combined(const Bound& b) const {
+  if (b.cross_core_busbw <= 0) return b.local_busbw;  // not one host: the local bound only
+  // Private buffers: inputs out and results back, two crossings in either timing. Registered,
+  // back to back: a call's sources can stay where its own last call left them (in place, every
+  // line a rank reads it wrote last), so only the local bound holds; in the cycle, one crossing.
+  if (private_) return std::min(b.local_busbw, b.cross_core_busbw / 2);
+  return cycle_ ? std::min(b.local_busbw, b.cross_core_busbw) : b.local_busbw;
 }
 
 std::string Bound::state() const {

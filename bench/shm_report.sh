@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Measures what docs/results/shm.md reports: shm against MPI_Allreduce (interleaved in the same
 # run, malloc set so MPI reuses its temporary buffers) at 2 and 4 ranks, 1-64 MiB, private
-# out-of-place and registered in-place buffers, back to back and in a training-like cycle
+# buffers out of place and in place (as torch's DDP and Horovod hand their buckets over) and
+# registered buffers in place, back to back and in a training-like cycle
 # (--cycle), each row against the bound measured right before it (--bound); then 8 B latency of
 # shm, auto and halving_doubling.
 # usage: [RANKS="2 4"] bench/shm_report.sh [BUILD_DIR] [OUT_DIR]
@@ -21,6 +22,8 @@ for np in ${RANKS:-2 4}; do
     flag=$([ $timing = cycle ] && echo --cycle || true)
     "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" -a shm --bound $flag \
       -b 1M -e 64M -f 4 -n 15 -w 3 --csv >"$OUT/shm_np${np}_private_$timing.csv"
+    "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" -a shm --bound $flag \
+      -b 1M -e 64M -f 4 -n 15 -w 3 --inplace --csv >"$OUT/shm_np${np}_private_inplace_$timing.csv"
     "${RUN[@]}" -np $np --bind-to $bind "$BUILD/bench/gradcomm-bench" -a shm --bound $flag \
       -b 1M -e 64M -f 4 -n 15 -w 3 --registered --inplace --csv \
       >"$OUT/shm_np${np}_registered_$timing.csv"

@@ -3,13 +3,15 @@
 
 usage: /usr/bin/python3 bench/shm_series.py DIR   (DIR/s1, DIR/s2, ... each one series' CSVs)
 
-For each rank count, buffer kind, timing and size: the median of shm's vs_mpi over the series,
+For each rank count, buffer kind (registered in place, private out of place, private in place),
+timing and size: the median of shm's vs_mpi over the series,
 its range, how many series met the issue's target (registered in place 4x and private 2x on
 2 ranks, 2x on more), the median busbw and of_bound, and the machine state each series saw
 (f: far, n: near). Then the 8-byte latencies of every series.
 """
 import csv
 import glob
+import os
 import statistics
 import sys
 
@@ -25,9 +27,9 @@ def rows(path):
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    series = sorted(glob.glob(sys.argv[1] + "/s*"))
+    series = sorted(d for d in glob.glob(sys.argv[1] + "/s*") if os.path.isdir(d))
     for ranks in (2, 4):
-        for buffers in ("registered", "private"):
+        for buffers in ("registered", "private", "private_inplace"):
             target = (4.0 if buffers == "registered" else 2.0) if ranks == 2 else 2.0
             for timing in ("b2b", "cycle"):
                 for mib in (1, 4, 16, 64):
@@ -45,6 +47,8 @@ def main():
                           f"{met}/{len(x)} >= {target:g}) busbw "
                           f"{statistics.median(float(r['busbw']) for r in got):.1f} GB/s "
                           f"of_bound {statistics.median(float(r['of_bound']) for r in got):.2f} "
+                          f"({min(float(r['of_bound']) for r in got):.2f}-"
+                          f"{max(float(r['of_bound']) for r in got):.2f}) "
                           f"states {''.join(r['state'][:1] for r in got)}")
     for ranks in (2, 4):
         for s in series:

@@ -72,7 +72,8 @@ int run_sweep(Communicator& comm, const Options& o) {
       store(o.dtype, send, i, (i % 17) * 0.25);
   }
   std::unique_ptr<BoundProbe> probe;
-  if (o.bound) probe = std::make_unique<BoundProbe>(comm, o.cycle, recv, probe_bytes);
+  if (o.bound)
+    probe = std::make_unique<BoundProbe>(comm, o.cycle, !o.registered, recv, probe_bytes);
 
   if (rank == 0) {
     print_header(o, comm.size());
