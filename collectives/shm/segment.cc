@@ -87,8 +87,8 @@ ShmState::ShmState(Communicator& comm)
   // elsewhere: hierarchical's groups): yield at once instead of spinning. The CPUs are those any
   // rank may run on: ranks bound to a core each (mpirun --bind-to core) see one in their own
   // affinity, but together have as many as there are ranks.
-  // The same all-reduce agrees the latency path's limit: the last word has a rank's bit set where
-  // its CPU's limit is the smaller one.
+  // The same all-reduce agrees the latency path's limit and the staged round: the last word has a
+  // rank's bit set where its CPU is not Intel's.
   cpu_set_t set;
   CPU_ZERO(&set);
   std::vector<unsigned long> cpus(sizeof set / sizeof(unsigned long) + 1, 0);
@@ -99,6 +99,7 @@ ShmState::ShmState(Communicator& comm)
             "allreduce(shm): MPI_Allreduce of the ranks' CPU sets", rank);
   std::memcpy(&set, cpus.data(), sizeof set);
   small_own_cpu = cpus.back() != 0 ? kShmSmallOwnCpuBytes : kShmSmallOwnCpuIntelBytes;
+  round_own_cpu = cpus.back() == 0 && size == 2 ? kShmRoundIntelPairBytes : kShmRoundBytes;
   const int cpus_of_ranks = std::max(topology::usable_cores(), CPU_COUNT(&set));
   const int busy = std::max(size, comm.attachment<MachineRanks>().ranks);
   // The same on every rank (from values every rank gathered alike): the all-reduce's round size

@@ -78,6 +78,13 @@ inline constexpr std::size_t kShmLine = 64;
 constexpr std::size_t shm_round_bytes(bool crowded) {
   return crowded ? kShmRoundBytes * kShmStageSlots : kShmRoundBytes;
 }
+// The all-reduce's staged round on 2 ranks of an Intel CPU with a CPU each: half a slot. There a
+// private call's send, receive and stage memory outgrow the L2 (2 MiB per core on the Xeon
+// measured), and half rounds took 0.87-0.98 of the time at 512 KiB-16 MiB (medians of 4
+// launches; out of place and in place, back to back and in the cycle), 64 MiB 0.96-1.01, 64-256
+// KiB 0.93-1.00 (docs/results/shm.md, "Half rounds on Intel Xeon"). On AMD EPYC they lost (the
+// same page, "The lead-in"); more ranks than 2 were not measured on Intel.
+inline constexpr std::size_t kShmRoundIntelPairBytes = kShmRoundBytes / 2;
 
 using ShmCounter = std::atomic<std::uint64_t>;
 static_assert(ShmCounter::is_always_lock_free, "counters must work across processes");
@@ -175,6 +182,10 @@ class ShmState : public Attachment {
   // shm_small_own_cpu_bytes_here().
   std::size_t small_own_cpu = kShmSmallOwnCpuBytes;
   std::size_t small_limit() const { return shm_small_limit(spin == 0, small_own_cpu); }
+  // The all-reduce's staged round where ranks have CPUs of their own: kShmRoundIntelPairBytes on
+  // 2 ranks whose CPUs are all Intel's (the same agreement as small_own_cpu), else
+  // kShmRoundBytes.
+  std::size_t round_own_cpu = kShmRoundBytes;
   std::uint64_t round = 0;  // the last round this rank started
   // The all-reduce's per-call scratch, one entry per rank (no allocation per call): its sources
   // and targets, the descriptors agree_on_call reads, and where registered buffers lie.

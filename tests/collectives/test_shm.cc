@@ -42,11 +42,12 @@ float expected_sum(int ranks, std::size_t i) {
 
 // Counts on both paths: empty, tiny, primes, not divisible by the rank count, either side of each
 // latency-path limit (1 KiB, 2 KiB on Intel, 8 KiB with ranks sharing CPUs: 256, 512, 2048
-// floats), one round of the staged path and a bit more, many rounds, and (for the streaming
-// copy-out) more than 4 MiB.
-const std::vector<std::size_t> kCounts = {0,    1,     2,     3,      7,       256,    257,
-                                          509,  512,   513,   2048,   2049,    4093,   4096,
-                                          4097, 65536, 65537, 196613, 1000003, 1 << 20};
+// floats), one round of the staged path and a bit more (128 KiB on 2 ranks of an Intel CPU,
+// 256 KiB elsewhere: 32768 and 65536 floats), many rounds, and (for the streaming copy-out) more
+// than 4 MiB.
+const std::vector<std::size_t> kCounts = {0,     1,     2,     3,      7,       256,    257,  509,
+                                          512,   513,   2048,  2049,   4093,    4096,   4097, 32768,
+                                          32769, 65536, 65537, 196613, 1000003, 1 << 20};
 
 // This job's segment files ("gradcomm-<creator's pid>-<serial>"): ctest runs other jobs beside
 // this one, whose segments come and go meanwhile.
