@@ -369,7 +369,11 @@ void print_header(const Options& o, int n) {
           "library's reduction on each rank's own data%s;\n#   of_bound = busbw / bound; state: "
           "far or near, from the "
           "cross-core rate at 1 MiB\n",
-          o.cycle ? ", or the cross-core fetch of the slices a call reduces where slower" : "");
+          !o.registered
+              ? ", or half the cross-core fetch of the slices a call reduces where slower "
+                "(private buffers cross twice)"
+          : o.cycle ? ", or the cross-core fetch of the slices a call reduces where slower"
+                    : "");
     }
     std::printf(
         "# time: per call, slowest rank, over rounds (a round: the same number of calls of "

@@ -32,7 +32,8 @@ void allgather_shm(Communicator& comm, const CallContext& call, const void* send
   fill_packet(s, first, args, ShmPath::gather).round.store(first, std::memory_order_release);
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::gather, std::nullopt);
 
-  // As the all-reduce's rounds: one slot each, or all of them where ranks share CPUs.
+  // Rounds of one slot each, or all of them where ranks share CPUs (the all-reduce's, but for
+  // its half rounds on 2 ranks of an Intel CPU).
   const bool whole = s.spin == 0;
   const std::size_t piece = shm_round_bytes(whole);
   const std::uint64_t rounds = std::max<std::uint64_t>(1, (bytes + piece - 1) / piece);

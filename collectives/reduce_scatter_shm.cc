@@ -35,7 +35,8 @@ void reduce_scatter_shm(Communicator& comm, const CallContext& call, const void*
   fill_packet(s, first, args, ShmPath::scatter).round.store(first, std::memory_order_release);
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::scatter, std::nullopt);
 
-  // As the all-reduce's rounds: one slot each, or all of them where ranks share CPUs. A round
+  // Rounds of one slot each, or all of them where ranks share CPUs (the all-reduce's, but for
+  // its half rounds on 2 ranks of an Intel CPU). A round
   // stages a piece of `piece` elements of each of the other ranks' blocks, at the block's place
   // in the slot (whole cache lines each where the pieces are not tiny).
   const bool whole = s.spin == 0;

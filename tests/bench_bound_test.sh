@@ -44,7 +44,7 @@ for timing in "" --cycle; do
           }
         }
         exit bad
-      }' <<<"$out" || fail "a bound that is not the rule's for these buffers (private=${buffers:-yes})"
+      }' <<<"$out" || fail "a bound that is not the rule's for ${buffers:-private} buffers${timing:+ in the cycle}"
   done
 done
 echo "OK"

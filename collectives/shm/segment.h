@@ -6,8 +6,9 @@
 //
 // Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (an all-reduce
 // is one round on the latency path and where every rank's buffers are registered, else ceil(bytes /
-// round size) rounds, the round kShmRoundBytes, or kShmStageSlots times that where `spin` is 0
-// (allreduce_shm.cc's round_bytes; `spin` is the same on every rank); hierarchical's phases
+// round size) rounds, the round kShmRoundBytes (ShmState::round_own_cpu: kShmRoundIntelPairBytes
+// on 2 ranks of an Intel CPU), or kShmStageSlots times kShmRoundBytes where `spin` is 0 (`spin`
+// and round_own_cpu are the same on every rank); hierarchical's phases
 // likewise per phase, in rounds of kShmRoundBytes). Every rank owns three
 // monotonic counters in the segment, each holding the last round it finished a stage of: `copied`
 // (its input of that round is readable), `reduced` (its part of the round's result is written),
@@ -68,6 +69,8 @@ constexpr std::size_t shm_small_limit(bool crowded, std::size_t own_cpu) {
 }
 static_assert(kShmSmallCrowdedBytes <= kShmSmallBytes && kShmSmallOwnCpuBytes <= kShmSmallBytes &&
               kShmSmallOwnCpuIntelBytes <= kShmSmallBytes);
+// auto's model tells an Intel CPU by its agreed latency limit (AllreduceShm::predicted_seconds).
+static_assert(kShmSmallOwnCpuIntelBytes != kShmSmallOwnCpuBytes);
 // This rank's CPU's limit where ranks have CPUs of their own: kShmSmallOwnCpuIntelBytes on an
 // Intel x86 CPU (cpuid's vendor), else kShmSmallOwnCpuBytes. Ranks take the smallest of theirs.
 std::size_t shm_small_own_cpu_bytes_here();

@@ -206,7 +206,9 @@ bool large_runs_here(const std::string& algorithm, std::string* why) {
 // Where large buffers run, which ops: every op at 2 ranks on one host (each op's kernels over
 // many pieces); elsewhere sum, and avg, whose division some algorithms do at a chunk's owner and
 // some at the end. min, max and prod reduce through the same schedule as sum with other kernels,
-// which 2 ranks cover: at 3 and 8 ranks and across hosts they cost 3/5 of the large checks
+// which do not depend on the count: the small counts run them at every rank count (in the
+// kernels' forms for 3 and more sources too), and 2 ranks over many pieces. At 3 and 8 ranks
+// and across hosts the large count's min, max and prod cost 3/5 of its checks
 // (about 20 s of test_allreduce at 8 ranks on 2 cores) and test nothing sum does not.
 bool large_runs_for(ReduceOp op) {
   if (world().size() == 2 && topology::shares_one_host(world())) return true;
