@@ -99,7 +99,6 @@ ShmState::ShmState(Communicator& comm)
             "allreduce(shm): MPI_Allreduce of the ranks' CPU sets", rank);
   std::memcpy(&set, cpus.data(), sizeof set);
   small_own_cpu = cpus.back() != 0 ? kShmSmallOwnCpuBytes : kShmSmallOwnCpuIntelBytes;
-  round_own_cpu = cpus.back() == 0 && size == 2 ? kShmRoundIntelPairBytes : kShmRoundBytes;
   const int cpus_of_ranks = std::max(topology::usable_cores(), CPU_COUNT(&set));
   const int busy = std::max(size, comm.attachment<MachineRanks>().ranks);
   // The same on every rank (from values every rank gathered alike): the all-reduce's round size
