@@ -1,3 +1,6 @@
+// Python's first: it sets feature macros the system headers read (the GIL, in the destructor).
+#include <Python.h>
+
 #include "bindings/torch/process_group.h"
 
 #include "bindings/torch/reduction.h"
@@ -37,6 +40,37 @@
 
 namespace gradcomm::torch_backend {
 namespace {
+
+// The GIL, released for the scope where this thread holds it. A group is destroyed where
+// Python drops its last reference (destroy_process_group, or a group going out of scope), with
+// the GIL held, and its destructor waits for the calls in flight: their completion may need the
+// GIL on the engine's thread (a future's Python callback, or the last reference to a tensor whose
+// Python object the call kept alive), and waiting with it held deadlocked both ranks. Not while
+// Python finalizes: a thread that takes the GIL then is ended by Python mid-call (gradcomm.torch
+// drains every engine at exit, before that).
+class GilReleasedIfHeld {
+ public:
+  GilReleasedIfHeld() {
+    if (Py_IsInitialized() && !python_finalizing() && PyGILState_Check()) {
+      saved_ = PyEval_SaveThread();
+    }
+  }
+  ~GilReleasedIfHeld() {
+    if (saved_ != nullptr) PyEval_RestoreThread(saved_);
+  }
+  GilReleasedIfHeld(const GilReleasedIfHeld&) = delete;
+  GilReleasedIfHeld& operator=(const GilReleasedIfHeld&) = delete;
+
+ private:
+  static bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+  }
+  PyThreadState* saved_ = nullptr;
+};
 
 // --- Checks, on the caller's thread, before anything is submitted ------------------------------
 
@@ -973,6 +1007,7 @@ ProcessGroupGradcomm::ProcessGroupGradcomm(MPI_Comm comm, int rank, int size, Co
 }
 
 ProcessGroupGradcomm::~ProcessGroupGradcomm() {
+  const GilReleasedIfHeld unlocked;  // the calls in flight may need it to finish
 #if GRADCOMM_TORCH_CUDA
   // The calls in flight (which hand the watch their events), then the GPU's work on them: the
   // NCCL communicators go with comm_, and must not be finalized under queued kernels.

@@ -4,8 +4,14 @@ torch's rendezvous variables set (they come from MPI: rank 0's name, or an addre
 where the name does not resolve), a gloo group made through the same rendezvous, and one
 all_reduce on each group, every rank checking the exact sum."""
 
+import faulthandler
 import os
 import socket
+
+# A hang prints every thread's stack and fails: after the stall watchdog's 300 s (whose report
+# names a stalled gradcomm call), before the harness's 400 s (which kills without a word).
+faulthandler.dump_traceback_later(float(os.environ.get("TEST_HANG_DUMP_SECONDS", "350")),
+                                  exit=True)
 
 for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
     os.environ.pop(name, None)

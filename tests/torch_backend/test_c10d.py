@@ -5,6 +5,7 @@ processes (plain, comm hooks, unused parameters, no_sync, join), and the failure
 disagree, bad arguments). Every rank checks its own result."""
 
 import datetime
+import faulthandler
 import os
 import time
 import warnings
@@ -173,6 +174,35 @@ def test_callbacks_that_wait_for_collectives_of_their_own():
         chained.wait()
         assert torch.all(t == sum(range(SIZE)))
         assert torch.all(inner == SIZE * sum(r + i for r in range(SIZE)))
+
+
+def test_destroying_a_group_with_calls_in_flight_finishes_them():
+    """destroy_process_group(group) while its calls still run, where finishing them takes the
+    GIL on gradcomm's engine: a future's Python callback, and a tensor that only the call still
+    holds (torch keeps its Python object alive, and frees it under the GIL). The group's
+    destructor waits for its calls; under torch 1.13, which destroys a group with the GIL held,
+    that wait deadlocked every rank."""
+    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails here, with the stacks
+    try:
+        group = dist.new_group(backend="gradcomm")
+        kept = torch.full((1 << 20,), float(RANK))
+        seen = []
+
+        def callback(fut):
+            time.sleep(0.2)  # still running when the group is destroyed
+            seen.append(fut.value()[0][0].item())
+
+        work = dist.all_reduce(kept, group=group, async_op=True)
+        chained = work.get_future().then(callback)
+        dropped = dist.all_reduce(torch.full((1 << 20,), 1.0), group=group, async_op=True)
+        del work, dropped
+        dist.destroy_process_group(group)
+        del group
+        chained.wait()
+        assert seen == [sum(range(SIZE))]
+        assert torch.all(kept == sum(range(SIZE)))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def test_all_reduce_coalesced():
