@@ -78,9 +78,8 @@ std::optional<double> AllreduceShm::predicted_seconds(const CostModel& model,
     return model.flag_alpha + S * model.copy_beta + q.ranks * S * model.gamma;
   }
   // The machine-wide view (more ranks than hardware threads) stands in for the segment's own.
-  const std::size_t round =
-      model.crowded ? shm_round_bytes(true) : shm_round_own_cpu(model.shm_small_own_cpu, q.ranks);
-  const double rounds = std::ceil(S / static_cast<double>(round));
+  const double rounds = std::ceil(S / static_cast<double>(shm_allreduce_round_bytes(
+                                          model.crowded, model.shm_small_own_cpu, q.ranks)));
   // Two waits per round: every rank's copy-in, then every rank's reduction (run()).
   return 2 * rounds * model.flag_alpha + 2 * S * model.copy_beta + S * model.gamma;
 }
@@ -151,7 +150,7 @@ void AllreduceShm::run(const AllreduceArgs& args, Communicator& comm) {
   // stage slots and is staged only once the last is drained: a quarter of the waits, each of
   // which may cost a context switch (docs/results/shm.md, "The lead-in").
   const bool whole = s.spin == 0;
-  const std::size_t round_elements = (whole ? shm_round_bytes(true) : s.round_own_cpu()) / es;
+  const std::size_t round_elements = s.allreduce_round() / es;
   auto stage_of = [&](int j, std::uint64_t r) { return whole ? s.stage(j, 0) : s.stage(j, r); };
   // Round k's chunk is [k * chunk, ...) of the buffer; this rank reduces [p0, p1) of it.
   struct Piece {

@@ -15,7 +15,7 @@ namespace gradcomm::collectives {
 //     registered: one round; each rank reduces its 1/n slice from all n inputs into all n
 //     outputs, the lines it just read; no copy-in, no copy-out;
 //   - otherwise rounds of kShmRoundBytes (kShmRoundIntelPairBytes on 2 ranks of an Intel CPU:
-//     shm_round_own_cpu), the next round's copy-in overlapping the peers'
+//     shm_allreduce_round_bytes), the next round's copy-in overlapping the peers'
 //     reductions (where ranks share CPUs: rounds of all kShmStageSlots slots at once, one after
 //     the other, for a quarter of the waits): a private input stages only the parts peers reduce
 //     into its rank's slot; each reducer writes its slice into its own output and back into each

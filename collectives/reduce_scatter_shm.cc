@@ -36,9 +36,9 @@ void reduce_scatter_shm(Communicator& comm, const CallContext& call, const void*
   mine.descriptor[first % 2] = descriptor_of(args, ShmPath::scatter, std::nullopt);
 
   // Rounds of one slot each, or all of them where ranks share CPUs (the all-reduce's, but for
-  // its half rounds on 2 ranks of an Intel CPU). A round
-  // stages a piece of `piece` elements of each of the other ranks' blocks, at the block's place
-  // in the slot (whole cache lines each where the pieces are not tiny).
+  // its half rounds on 2 ranks of an Intel CPU). A round stages a piece of `piece` elements of each
+  // of the other ranks' blocks, at the block's place in the slot (whole cache lines each where the
+  // pieces are not tiny).
   const bool whole = s.spin == 0;
   const std::size_t line = std::max<std::size_t>(1, kShmLine / es);
   std::size_t piece = shm_round_bytes(whole) / es / nn;

@@ -6,9 +6,9 @@
 //
 // Protocol. Rounds are numbered 1, 2, ... per communicator, the same on every rank (an all-reduce
 // is one round on the latency path and where every rank's buffers are registered, else ceil(bytes /
-// round size) rounds, the round kShmRoundBytes (ShmState::round_own_cpu(): kShmRoundIntelPairBytes
-// on 2 ranks of an Intel CPU), or kShmStageSlots times kShmRoundBytes where `spin` is 0 (`spin`
-// and small_own_cpu are the same on every rank); hierarchical's phases
+// round size) rounds, the round ShmState::allreduce_round(): kShmRoundBytes
+// (kShmRoundIntelPairBytes on 2 ranks of an Intel CPU), or kShmStageSlots times kShmRoundBytes
+// where `spin` is 0 (`spin` and small_own_cpu are the same on every rank); hierarchical's phases
 // likewise per phase, in rounds of kShmRoundBytes). Every rank owns three
 // monotonic counters in the segment, each holding the last round it finished a stage of: `copied`
 // (its input of that round is readable), `reduced` (its part of the round's result is written),
@@ -69,7 +69,7 @@ constexpr std::size_t shm_small_limit(bool crowded, std::size_t own_cpu) {
 }
 static_assert(kShmSmallCrowdedBytes <= kShmSmallBytes && kShmSmallOwnCpuBytes <= kShmSmallBytes &&
               kShmSmallOwnCpuIntelBytes <= kShmSmallBytes);
-// shm_round_own_cpu tells an Intel CPU by its agreed latency limit.
+// shm_allreduce_round_bytes tells an Intel CPU by its agreed latency limit.
 static_assert(kShmSmallOwnCpuIntelBytes != kShmSmallOwnCpuBytes);
 // This rank's CPU's limit where ranks have CPUs of their own: kShmSmallOwnCpuIntelBytes on an
 // Intel x86 CPU (cpuid's vendor), else kShmSmallOwnCpuBytes. Ranks take the smallest of theirs.
@@ -88,10 +88,12 @@ constexpr std::size_t shm_round_bytes(bool crowded) {
 // KiB 0.93-1.00 (docs/results/shm.md, "Half rounds on Intel Xeon"). On AMD EPYC they lost (the
 // same page, "The lead-in"); more ranks than 2 were not measured on Intel.
 inline constexpr std::size_t kShmRoundIntelPairBytes = kShmRoundBytes / 2;
-// The all-reduce's staged round where ranks have CPUs of their own, from the agreed latency limit
-// (`small_own_cpu`: kShmSmallOwnCpuIntelBytes where every rank's CPU is Intel's) and the ranks.
-// ShmState and auto's model (AllreduceShm::predicted_seconds) both take it from here.
-constexpr std::size_t shm_round_own_cpu(std::size_t small_own_cpu, int ranks) {
+// The all-reduce's staged round: shm_round_bytes where ranks share CPUs, else from the agreed
+// latency limit (`small_own_cpu`: kShmSmallOwnCpuIntelBytes where every rank's CPU is Intel's)
+// and the ranks. ShmState and auto's model (AllreduceShm::predicted_seconds) both take it here.
+constexpr std::size_t shm_allreduce_round_bytes(bool crowded, std::size_t small_own_cpu,
+                                                int ranks) {
+  if (crowded) return shm_round_bytes(true);
   return small_own_cpu == kShmSmallOwnCpuIntelBytes && ranks == 2 ? kShmRoundIntelPairBytes
                                                                   : kShmRoundBytes;
 }
@@ -192,8 +194,10 @@ class ShmState : public Attachment {
   // shm_small_own_cpu_bytes_here().
   std::size_t small_own_cpu = kShmSmallOwnCpuBytes;
   std::size_t small_limit() const { return shm_small_limit(spin == 0, small_own_cpu); }
-  // The all-reduce's staged round where ranks have CPUs of their own (shm_round_own_cpu).
-  std::size_t round_own_cpu() const { return shm_round_own_cpu(small_own_cpu, size); }
+  // The all-reduce's staged round (shm_allreduce_round_bytes).
+  std::size_t allreduce_round() const {
+    return shm_allreduce_round_bytes(spin == 0, small_own_cpu, size);
+  }
   std::uint64_t round = 0;  // the last round this rank started
   // The all-reduce's per-call scratch, one entry per rank (no allocation per call): its sources
   // and targets, the descriptors agree_on_call reads, and where registered buffers lie.
