@@ -777,7 +777,8 @@ static void print_lines_missing(const char* text, const char* other, const char*
       }
       at += at_length + (at_end != NULL);
     }
-    if (!found) fprintf(stderr, "test_preload: rank %d: %s %.*s\n", g_rank, what, (int)length, line);
+    if (!found)
+      fprintf(stderr, "test_preload: rank %d: %s %.*s\n", g_rank, what, (int)length, line);
     line += length + (end != NULL);
   }
 }
