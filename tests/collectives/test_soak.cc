@@ -2,7 +2,7 @@
 // algorithms and placements (in place or not), every rank checking every element of its output
 // against a reference it computes itself (small integers, so every dtype's sum is exact), with
 // GRADCOMM_CHECK=default on. Reports every rank's resident memory after a warm-up and at each
-// quarter: it must stay flat after the first quarter (no per-call growth).
+// quarter: after the first quarter it may grow once (a cache filled late), never steadily.
 // Run by CTest at 4 ranks (soak.np4); SOAK_CALLS overrides the count.
 
 #include <gtest/gtest.h>
@@ -108,8 +108,8 @@ TEST_F(Soak, TenThousandRandomAllreducesStayExactAndMemoryStaysFlat) {
   long growth[2] = {rss_end - rss_start, -(rss_end - rss_start)};  // max and -min over ranks
   MPI_Allreduce(MPI_IN_PLACE, growth, 2, MPI_LONG, MPI_MAX, comm.mpi_comm());
   // First uses of some (dtype, algorithm) pairs the warm-up did not make still allocate caches
-  // in the first quarter (measured: up to 4.4 MiB on one rank, then flat); from then on the
-  // memory must stay flat.
+  // in the first quarter (measured: up to 4.4 MiB on one rank, then flat); the quarters after it
+  // are checked below.
   const long settled = rss_quarters.empty() ? rss_start : rss_quarters.front();
   {  // every rank's line: growth that stops (a plateau) is caching, growth per quarter a leak
     std::string quarters;
@@ -132,9 +132,23 @@ TEST_F(Soak, TenThousandRandomAllreducesStayExactAndMemoryStaysFlat) {
       "quarter (quarantine), not checked\n",
       comm.rank(), rss_end - settled);
 #else
-  // A leak of even 200 bytes per call would be 1.5 MiB over the last three quarters.
-  EXPECT_LT(rss_end - settled, 1024)
-      << "resident memory grew by " << rss_end - settled << " KiB after the first quarter";
+  // A leak grows in every quarter; a cache that a late first use fills (a size class, or malloc
+  // keeping a large block in its heap once its mmap threshold has risen: once measured, +2.2 MiB
+  // between the first and second quarter, then flat) grows once. So the steps after the first
+  // quarter, all but the largest, must add up to under 512 KiB (over 5 000 calls: a leak of 110
+  // bytes per call fails it), and the largest step must stay under 8 MiB.
+  std::vector<long> steps;
+  for (std::size_t q = 1; q <= rss_quarters.size(); ++q) {
+    steps.push_back((q < rss_quarters.size() ? rss_quarters[q] : rss_end) - rss_quarters[q - 1]);
+  }
+  std::sort(steps.begin(), steps.end());
+  long but_largest = 0;
+  for (std::size_t q = 0; q + 1 < steps.size(); ++q)
+    but_largest += steps[q];
+  EXPECT_LT(but_largest, 512) << "resident memory grew by " << rss_end - settled
+                              << " KiB after the first quarter, steadily";
+  EXPECT_LT(steps.empty() ? 0 : steps.back(), 8 * 1024)
+      << "resident memory grew by " << steps.back() << " KiB in one quarter";
 #endif
 }
 
