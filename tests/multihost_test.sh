@@ -74,6 +74,8 @@ case "$CASE" in
     # the interpreter with torch, as the python tests).
     "$HOSTS" up 2 || exit 1
     run 2x1 1,1 "${PYTHON:-/usr/bin/python3}" "$SOURCE/tests/python/torch_hosts_rendezvous.py"
+    run 2x1 1,1 -x TEST_PREFER_LOOPBACK=1 "${PYTHON:-/usr/bin/python3}" \
+      "$SOURCE/tests/python/torch_hosts_rendezvous.py"
     ;;
   *)
     echo "unknown case '$CASE'"

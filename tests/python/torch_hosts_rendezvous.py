@@ -15,12 +15,24 @@ faulthandler.dump_traceback_later(float(os.environ.get("TEST_HANG_DUMP_SECONDS",
 
 for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
     os.environ.pop(name, None)
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # gloo finds no address by name either
+# TEST_PREFER_LOOPBACK=1: GLOO_SOCKET_IFNAME puts lo first while the rendezvous is filled (at
+# import), as where a user set it for one host: rank 1 must still take rank 0's eth0 address, not
+# its own loopback (before, it waited in torch's store for the whole of its 30 minutes).
+prefer_loopback = os.environ.get("TEST_PREFER_LOOPBACK") == "1"
+if prefer_loopback:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+else:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # gloo finds no address by name either
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import gradcomm.torch  # noqa: E402,F401  (registers the backend)
+
+if prefer_loopback:
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # for gloo's own connections, made below
+    if os.environ["RANK"] != "0":  # fail here rather than wait in torch's store
+        assert not os.environ["MASTER_ADDR"].startswith("127."), os.environ["MASTER_ADDR"]
 
 dist.init_process_group("gradcomm")
 rank, size = dist.get_rank(), dist.get_world_size()

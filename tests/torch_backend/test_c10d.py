@@ -599,6 +599,22 @@ def test_debug_level_detail():
     dist.destroy_process_group(group)
 
 
+def test_the_rendezvous_address_a_rank_takes():
+    # What a rank gives torch's store as MASTER_ADDR (bindings/python/gradcomm/_c10d.py; the
+    # rendezvous across hosts runs in multihost_torch_2x1). "localhost" resolves only to
+    # loopback: rank 0's own host may use it, another host must not (it would wait on itself for
+    # a store that is not there), even where GLOO_SOCKET_IFNAME puts lo first.
+    from gradcomm import _c10d
+    lo_first = [("lo", "127.0.0.1"), ("eth0", "10.0.0.7")]
+    assert _c10d._reachable_name("localhost", lo_first, beside_rank0=True) == "localhost"
+    assert _c10d._reachable_name("localhost", lo_first, beside_rank0=False) == "10.0.0.7"
+    assert _c10d._reachable_name("localhost", [("lo", "127.0.0.1")], beside_rank0=False) is None
+    unknown = "no-such-host.invalid"
+    assert _c10d._reachable_name(unknown, lo_first, beside_rank0=True) == "127.0.0.1"
+    assert _c10d._reachable_name(unknown, lo_first, beside_rank0=False) == "10.0.0.7"
+    assert _c10d._reachable_name(unknown, [], beside_rank0=False) is None
+
+
 def test_bad_arguments_fail_before_communication_and_the_group_stays_usable():
     with pytest.raises((RuntimeError, ValueError)):
         dist.broadcast(torch.ones(3), src=SIZE + 5)

@@ -8,7 +8,8 @@ Launch with ``mpirun -np N python train.py``: the ranks come from MPI. torch's r
 wants ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; where the launcher set none
 of them, registering sets them from MPI (rank 0's host name and a free port of its, broadcast to
 every rank), as DeepSpeed's MPI discovery does. A rank that cannot resolve that name takes one of
-rank 0's IPv4 addresses instead (the interface GLOO_SOCKET_IFNAME names first, loopback last).
+rank 0's IPv4 addresses instead (the interface GLOO_SOCKET_IFNAME names first, loopback last); a
+rank on another host never takes a loopback address, or a name that resolves only to one.
 Variables already set are left alone, and the backend checks that what torch was given agrees
 with MPI.
 
@@ -24,6 +25,7 @@ The compiled backend comes in one module per torch version it was built for
 import atexit
 import importlib
 import inspect
+import ipaddress
 import os
 import socket
 
@@ -83,18 +85,34 @@ def _ipv4_addresses():
     return sorted(found, key=lambda a: (a[0] not in preferred, a[1].startswith("127.")))
 
 
-def _reachable_name(host, addresses):
-    """`host` where this rank resolves it, else the first of rank 0's `addresses`."""
+def _is_loopback(address):
     try:
-        socket.getaddrinfo(host, None)
-        return host
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _reachable_name(host, addresses, beside_rank0):
+    """The name or address this rank reaches rank 0's store at: `host` where it resolves here,
+    else the first of rank 0's `addresses` (interface, address). A rank on another host than
+    rank 0's takes neither a name that resolves only to loopback here (a host name mapped to
+    127.0.1.1, or the same name on every host) nor a loopback address: it would wait on its own
+    machine for a store that is not there. None where nothing is left."""
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
-        return addresses[0][1] if addresses else host
+        resolved = set()
+    if resolved and (beside_rank0 or not all(_is_loopback(a) for a in resolved)):
+        return host
+    usable = [a for _, a in addresses if beside_rank0 or not _is_loopback(a)]
+    return usable[0] if usable else None
 
 
 def _fill_rendezvous_from_mpi():
     """Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from MPI
-    where none of torch's rendezvous variables is set. Collective over MPI_COMM_WORLD then."""
+    where none of torch's rendezvous variables is set. Collective over MPI_COMM_WORLD then: a rank
+    that finds no way to rank 0 makes every rank raise (the others would wait for it in torch's
+    store for the whole of its timeout)."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     if any(n in os.environ for n in names):
         return
@@ -105,12 +123,20 @@ def _fill_rendezvous_from_mpi():
         if world.Get_rank() == 0:
             address = (socket.gethostname(), _free_port(), _ipv4_addresses())
         host, port, addresses = world.bcast(address, root=0)
-        host = _reachable_name(host, addresses)
+        beside_rank0 = local.allreduce(world.Get_rank() == 0, op=MPI.LOR)
+        reachable = _reachable_name(host, addresses, beside_rank0)
+        lost = [r for r, ok in enumerate(world.allgather(reachable is not None)) if not ok]
+        if lost:
+            raise RuntimeError(
+                f"gradcomm.torch: rank(s) {', '.join(map(str, lost))} cannot reach rank 0's host "
+                f"'{host}': the name does not resolve there, or only to loopback, and rank 0 has "
+                f"no other IPv4 address ({', '.join(a for _, a in addresses) or 'none'}); set "
+                "MASTER_ADDR and MASTER_PORT (with RANK and WORLD_SIZE) for torch's rendezvous")
         os.environ.setdefault("RANK", str(world.Get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(world.Get_size()))
         os.environ.setdefault("LOCAL_RANK", str(local.Get_rank()))
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(local.Get_size()))
-        os.environ.setdefault("MASTER_ADDR", host)
+        os.environ.setdefault("MASTER_ADDR", reachable)
         os.environ.setdefault("MASTER_PORT", str(port))
     finally:
         local.Free()
