@@ -1266,13 +1266,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::allreduce_coalesced(
         },
         async_op(opts));
   }
+  // Each call carries the list's mark: a rank whose list is longer or shorter fails on its
+  // first call, not later, when its extra call meets another rank's next of the same shape.
+  const CallMark mark{-1, collectives::CallKind::allreduce, list_mark(tensors)};
   return submit(
       c10d::OpType::ALLREDUCE_COALESCED, "gradcomm:all_reduce_coalesced", tensors,
-      [&comm, list, plans, options] {
+      [&comm, list, plans, options, mark] {
         // One call per tensor: CUDA tensors (each one NCCL call on the group's stream), and
         // lists gradcomm's fused host path cannot take in one dtype.
         for (std::size_t i = 0; i < list.size(); ++i)
-          reduce_into(comm, plans[i], list[i], list[i], options);
+          reduce_into(comm, plans[i], list[i], list[i], options, mark);
       },
       async_op(opts), device);
 }

@@ -218,6 +218,26 @@ def test_all_reduce_coalesced():
     check(ts[3], expected(R.SUM, torch.int64, 5), torch.int64)
 
 
+@pytest.mark.skipif(SIZE == 1, reason="needs 2 ranks")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
+def test_all_reduce_coalesced_lists_that_differ_fail_on_every_rank(dtype):
+    # float32: one fused call; int8: one call per tensor (as CUDA lists), each carrying a hash of
+    # the whole list. Before it did, rank 1's longer list's extra call met rank 0's next
+    # all_reduce of the same shape, and both returned a wrong sum without a word.
+    if not hasattr(dist, "all_reduce_coalesced"):
+        pytest.skip("this torch has no all_reduce_coalesced")
+    started = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="differ"):
+            dist.all_reduce_coalesced([torch.ones(4, dtype=dtype) for _ in range(1 + (RANK == 1))])
+            dist.all_reduce(torch.ones(4, dtype=dtype))
+    assert time.monotonic() - started < 5
+    t = torch.full((4,), RANK + 1, dtype=dtype)  # in step after
+    dist.all_reduce(t)
+    assert torch.all(t == SIZE * (SIZE + 1) // 2)
+
+
 # --- data movement -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("count", COUNTS)
