@@ -1845,9 +1845,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::point_to_point(bool sending
   }
   const std::size_t bytes = bytes_of(tensor);
   if (bytes > static_cast<std::size_t>(INT_MAX)) invalid(call, rank_, "the tensor exceeds 2 GiB");
-  // Behind the group's collectives: a CPU tensor an earlier call writes is sent once it is
-  // written (for a CUDA tensor, once that call is enqueued; see below).
-  comm_->settle();
+  // Posted now, not behind the group's queued collectives, as gloo and torch's MPI backend post
+  // theirs: a send that waited for them deadlocked a valid program (rank 0: an async all_reduce,
+  // then a send; rank 1: the receive, then its all_reduce) until the timeout. As there, a
+  // tensor an async call still reads or writes is the caller's to wait() for first.
   // A CUDA tensor travels through a host copy: one sent is copied now, on the caller's current
   // stream (the host waits for that copy, so it sees what that stream wrote; as on torch's NCCL
   // backend, what an earlier collective of the group writes is seen once the caller has waited

@@ -22,7 +22,8 @@ prefer_loopback = os.environ.get("TEST_PREFER_LOOPBACK") == "1"
 if prefer_loopback:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 else:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # gloo finds no address by name either
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo finds no address by name either (and lo,
+    # were it set outside, would not cross the hosts)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -432,6 +432,28 @@ def test_send_recv_ring():
     assert torch.all(late == left)
 
 
+@pytest.mark.skipif(SIZE == 1, reason="needs 2 ranks")
+def test_a_send_does_not_wait_for_the_groups_queued_collectives():
+    # Rank 0's send follows its async all_reduce; rank 1 receives before it makes that
+    # all_reduce. gloo and torch's MPI backend post the send at once; a send that waited for the
+    # all_reduce (which waits for rank 1, which waits in recv) deadlocked until the timeout.
+    started = time.monotonic()
+    t = torch.full((1000,), float(RANK))
+    message = torch.full((5,), 7.0) if RANK == 0 else torch.empty(5)
+    if RANK == 0:
+        work = dist.all_reduce(t, async_op=True)
+        dist.send(message, 1, tag=11)
+        work.wait()
+    else:
+        if RANK == 1:
+            dist.recv(message, 0, tag=11)
+            assert torch.all(message == 7.0)
+        dist.all_reduce(t)
+    assert torch.all(t == SIZE * (SIZE - 1) / 2)
+    assert time.monotonic() - started < 5
+    dist.barrier()
+
+
 def test_send_recv_that_disagree_fail_on_the_receiver_and_a_lost_one_times_out():
     if SIZE == 1:
         pytest.skip("needs 2 ranks")
