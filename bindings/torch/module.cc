@@ -36,13 +36,14 @@ PYBIND11_MODULE(GRADCOMM_TORCH_MODULE_NAME, m) {
   m.def(
       "create",
       [](int group_rank, int group_size, const std::vector<int64_t>& global_ranks,
-         std::optional<double> timeout_seconds) {
+         std::optional<double> timeout_seconds, const std::string& group_name) {
         py::gil_scoped_release release;  // collective: other threads may need the GIL meanwhile
         return gradcomm::torch_backend::create_process_group(group_rank, group_size, global_ranks,
-                                                             timeout_seconds);
+                                                             timeout_seconds, group_name);
       },
       py::arg("group_rank"), py::arg("group_size"), py::arg("global_ranks"),
-      py::arg("timeout_seconds") = py::none(),
+      py::arg("timeout_seconds") = py::none(), py::arg("group_name") = "",
       "The backend of a group: the world (empty global_ranks) or a new_group's members; "
-      "timeout_seconds (torch's, where the caller gave one) replaces GRADCOMM_TIMEOUT for it");
+      "timeout_seconds (torch's, where the caller gave one) replaces GRADCOMM_TIMEOUT for it; "
+      "group_name, torch's name of the group (the same on every rank for one new_group call)");
 }

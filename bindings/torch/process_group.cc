@@ -4,6 +4,7 @@
 #include "bindings/torch/process_group.h"
 
 #include "bindings/torch/reduction.h"
+#include "bindings/torch/subgroup.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -1937,7 +1938,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::reduce_scatter_tensor_coale
 
 c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_size,
                                                      const std::vector<int64_t>& global_ranks,
-                                                     std::optional<double> timeout_seconds) {
+                                                     std::optional<double> timeout_seconds,
+                                                     const std::string& group_name) {
   const std::string call = "torch.distributed init_process_group (gradcomm)";
   if (!mpi_ready()) init();
   int world_rank = 0, world_size = 0;
@@ -1970,7 +1972,8 @@ c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_s
                                                      std::move(config));
   }
   // A subgroup (new_group): torch calls this on its members only, so the communicator is made
-  // by them alone (MPI_Comm_create_group). Torch's global ranks are MPI's world ranks.
+  // by them alone (MPI_Comm_create_group), once they agree on who they are. Torch's global
+  // ranks are MPI's world ranks.
   if (global_ranks.size() != static_cast<std::size_t>(group_size) || group_rank < 0 ||
       group_rank >= group_size ||
       global_ranks[static_cast<std::size_t>(group_rank)] != world_rank) {
@@ -1980,6 +1983,8 @@ c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_s
             ") at group rank " + std::to_string(group_rank)));
   }
   std::vector<int> ranks(global_ranks.begin(), global_ranks.end());
+  agree_on_members("torch.distributed new_group (gradcomm)", ranks, group_name, world_rank,
+                   world_size, config.timeout_seconds, config.timeout_text());
   MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
   check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world_group), call + ": MPI_Comm_group");
   check_mpi(MPI_Group_incl(world_group, group_size, ranks.data(), &group),

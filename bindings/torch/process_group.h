@@ -326,9 +326,12 @@ class ProcessGroupGradcomm : public BackendBase {
 // where nobody has; fails with a clear error where the sizes and ranks torch was given disagree
 // with MPI's (a start without mpirun, or other RANK / WORLD_SIZE). `timeout_seconds`: the
 // timeout the caller gave torch (init_process_group's or new_group's), which replaces
-// GRADCOMM_TIMEOUT for this group; none where torch has its default.
+// GRADCOMM_TIMEOUT for this group; none where torch has its default. `group_name`: torch's name
+// of the group, the same on every rank for one new_group call; a subgroup's members agree on it
+// and on the ranks before they make its communicator (agree_on_members).
 c10::intrusive_ptr<BackendBase> create_process_group(int group_rank, int group_size,
                                                      const std::vector<int64_t>& global_ranks,
-                                                     std::optional<double> timeout_seconds);
+                                                     std::optional<double> timeout_seconds,
+                                                     const std::string& group_name = "");
 
 }  // namespace gradcomm::torch_backend

@@ -160,10 +160,11 @@ def _given_timeout(options):
 
 def _create(options, _backend_options=None):
     """torch's creator (extended API): options has group_rank, group_size,
-    global_ranks_in_group (empty for the default group) and timeout."""
+    global_ranks_in_group (empty for the default group), timeout and group_id (torch's group
+    name)."""
     ranks = list(getattr(options, "global_ranks_in_group", []) or [])
     return compiled().create(options.group_rank, options.group_size, ranks,
-                             _given_timeout(options))
+                             _given_timeout(options), str(getattr(options, "group_id", "") or ""))
 
 
 def register():
