@@ -68,6 +68,32 @@ bool test_inter(MPI_Comm comm, int* inter) {
   return rc == MPI_SUCCESS;
 }
 
+// The settings every rank of a communicator must share, each as the variable that sets it and
+// its value as text: ranks that differ in one take different paths through the same call (or
+// compare calls differently) and would wait for each other until the watchdog ends the job, or
+// meet messages of another shape. Others (GRADCOMM_TIMEOUT, the log level, polling, binding,
+// the device) may differ; GRADCOMM_HIERARCHICAL_INTRA and GRADCOMM_TCP_PIECE_BYTES are compared
+// where they are used, and the MPI preload agrees GRADCOMM_MPI_MIN_BYTES itself (the largest).
+constexpr std::size_t kSettingBytes = 48;
+struct SharedSetting {
+  const char* variable;
+  std::string value;
+};
+
+std::vector<SharedSetting> shared_settings(const Config& c) {
+  return {
+      {"GRADCOMM_CHECK", std::string(to_string(c.check))},
+      {"GRADCOMM_ALGORITHM", c.algorithm},
+      {"GRADCOMM_DETERMINISTIC", c.deterministic ? "1" : "0"},
+      {"GRADCOMM_SEGMENT_BYTES", std::to_string(c.segment_bytes)},
+      {"GRADCOMM_PIPELINE_DEPTH", std::to_string(c.pipeline_depth)},
+      {"GRADCOMM_FUSION_THRESHOLD", std::to_string(c.fusion_threshold)},
+      {"GRADCOMM_CALIBRATE", c.calibrate ? "1" : "0"},
+      {"GRADCOMM_AUTO_MEASURE", c.auto_measure ? "1" : "0"},
+      {"GRADCOMM_GPU_INTER_NODE", c.gpu_inter_node},
+      {"GRADCOMM_NCCL_BLOCKING", c.nccl_blocking ? "1" : "0"},
+  };
+}
 }  // namespace
 
 bool mpi_finalized() {
@@ -170,13 +196,41 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "Communicator: MPI_Comm_rank");
   timeline::start_from_environment(world_rank);
   if (config_.watchdog) {
-    // Ranks may differ in their timeout (GRADCOMM_TIMEOUT, or a front end's own such as
-    // torch's): the endpoint exchange is collective, so every rank takes part when any rank
-    // wants a watchdog. One that wants none offers no endpoint and keeps no recorder.
+    // One exchange for two things. The settings that must agree (shared_settings), compared on
+    // every rank alike: an error naming the first that differs, before any call. And the
+    // watchdog: ranks may differ in their timeout (GRADCOMM_TIMEOUT, or a front end's own such
+    // as torch's), and the endpoint exchange is collective, so every rank takes part when any
+    // rank wants one. One that wants none offers no endpoint and keeps no recorder.
+    const std::vector<SharedSetting> settings = shared_settings(config_);
+    const std::size_t entry = 1 + settings.size() * kSettingBytes;  // wanted, then the values
+    std::vector<char> mine(entry, '\0');
     const int wanted = config_.timeout_seconds > 0 ? 1 : 0;
+    mine[0] = static_cast<char>(wanted);
+    for (std::size_t i = 0; i < settings.size(); ++i) {
+      settings[i].value.copy(&mine[1 + i * kSettingBytes], kSettingBytes - 1);
+    }
+    std::vector<char> all(entry * static_cast<std::size_t>(size_));
+    check_mpi(MPI_Allgather(mine.data(), static_cast<int>(entry), MPI_CHAR, all.data(),
+                            static_cast<int>(entry), MPI_CHAR, comm_),
+              "Communicator: MPI_Allgather of the settings", rank_);
     int any = 0;
-    check_mpi(MPI_Allreduce(&wanted, &any, 1, MPI_INT, MPI_MAX, comm_),
-              "Communicator: MPI_Allreduce of the watchdog's use", rank_);
+    for (int r = 0; r < size_; ++r)
+      any |= all[static_cast<std::size_t>(r) * entry];
+    for (std::size_t i = 0; i < settings.size(); ++i) {
+      const auto value_of = [&](int r) {
+        return std::string(&all[static_cast<std::size_t>(r) * entry + 1 + i * kSettingBytes]);
+      };
+      for (int r = 1; r < size_; ++r) {
+        if (value_of(r) == value_of(0)) continue;
+        MPI_Comm_free(&comm_);
+        throw InvalidArgument(error_message(
+            "Communicator", rank_,
+            std::string(settings[i].variable) + " differs across ranks: '" + value_of(0) +
+                "' on rank 0, '" + value_of(r) + "' on rank " + std::to_string(r) +
+                "; set it identically for every rank (mpirun -x " + settings[i].variable +
+                "=...)"));
+      }
+    }
     if (any) start_watchdog(wanted != 0);
   }
 }

@@ -221,6 +221,36 @@ TEST_F(BadNames, HierarchicalIntraFormDiffersAcrossRanks) {
   EXPECT_EQ(data[0], static_cast<float>(comm.size()));
 }
 
+// Ranks whose settings differ where a call's path depends on them (the check's mode, the default
+// algorithm, the segment, ...) would wait for each other until the watchdog ends the job: the
+// communicator's creation fails on every rank instead, naming the variable and both values.
+// Those that may differ (the timeout) do not stop it.
+TEST_F(BadNames, SettingsThatMustAgreeDifferAcrossRanks) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  const bool last = world().rank() == world().size() - 1;
+  const std::string last_rank = "on rank " + std::to_string(world().size() - 1);
+  Config config;
+  config.check = last ? CheckMode::off : CheckMode::normal;
+  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
+                                {"Communicator", "GRADCOMM_CHECK differs across ranks",
+                                 "'default' on rank 0", "'off' " + last_rank});
+  config = Config{};
+  config.algorithm = last ? "ring" : "shm";
+  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
+                                {"GRADCOMM_ALGORITHM differs", "'ring' " + last_rank});
+  config = Config{};
+  config.segment_bytes = last ? 4096 : 8192;
+  expect_error<InvalidArgument>([&] { Communicator comm(MPI_COMM_WORLD, config); },
+                                {"GRADCOMM_SEGMENT_BYTES differs", "'4096' " + last_rank});
+  config = Config{};
+  config.timeout_seconds = last ? 0 : 60;
+  Communicator comm(MPI_COMM_WORLD, config);
+  std::vector<float> data(101, 1.0f);
+  allreduce(comm, data.data(), data.data(), data.size(), DataType::float32, ReduceOp::sum);
+  EXPECT_EQ(data[100], static_cast<float>(comm.size()));
+  expect_usable(world());
+}
+
 TEST_F(BadNames, NullCommunicator) {
   expect_error<InvalidArgument>([] { Communicator comm(MPI_COMM_NULL); },
                                 {"Communicator", "MPI_COMM_NULL"});
