@@ -409,6 +409,17 @@ def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_r
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=model.named_parameters(),
                                  fusion_threshold=256 if RANK == 0 else 1 << 20)
+    # What the buckets do not say (each refused where, before, the ranks reduced without a
+    # word): a gradient_predivide_factor of rank 0's own (every rank ended with other
+    # gradients), and the same parameters listed in another order (gradients of different
+    # parameters summed in one slot).
+    with pytest.raises(hvd.InvalidArgument, match="differ in the optimizer's parameters"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 gradient_predivide_factor=2.0 if RANK == 0 else 1.0)
+    params = list(model.parameters())
+    with pytest.raises(hvd.InvalidArgument, match="differ in the optimizer's parameters"):
+        hvd.DistributedOptimizer(torch.optim.SGD(params[::-1] if RANK == 0 else params, lr=0.1))
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
 
 

@@ -352,6 +352,21 @@ def test_join_with_uneven_inputs_matches_torch_ddp(gloo, divide_by_initial):
     assert same_on_every_rank(finals[0])
 
 
+@pytest.mark.skipif(SIZE == 1, reason="needs ranks that differ")
+@pytest.mark.parametrize("argument", ["divide_by_initial_world_size", "throw_on_early_termination",
+                                      "enable"])
+def test_join_arguments_that_differ_between_ranks_are_refused_on_every_rank(argument):
+    # divide_by_initial_world_size of rank 0's own scaled its gradients otherwise once a rank had
+    # joined (a wrong average without a word); the others raised alone or made JoinControl alone.
+    model = gt.DistributedDataParallel(Net(24))
+    with pytest.raises(gradcomm.InvalidArgument, match="differ in join"):
+        with model.join(**{argument: RANK == 0}):
+            pass
+    x, y = data(0)  # still in step
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert MPI.COMM_WORLD.allreduce(1) == SIZE
+
+
 def test_join_throw_on_early_termination_raises_on_every_rank():
     model = gt.DistributedDataParallel(Net(23))
 

@@ -503,6 +503,13 @@ class _Join:
         self.divide_by_initial = divide_by_initial_world_size
         self.enable = enable and ddp._comm.size() > 1
         self.throw = throw_on_early_termination
+        if ddp._comm.size() > 1:
+            # Ranks that differ here would scale their gradients differently once a rank has
+            # joined (a wrong average without a word), or raise alone, or make JoinControl alone.
+            verify_same_across_ranks(
+                f"enable {bool(enable)}, divide_by_initial_world_size "
+                f"{bool(self.divide_by_initial)}, throw_on_early_termination {bool(self.throw)}",
+                f"{_CALL}.join", "join()'s arguments", ddp._comm)
         self.control = JoinControl(ddp._comm) if self.enable else None
 
     def __enter__(self):

@@ -48,7 +48,7 @@ from ._torch_common import (DEVICES, DTYPES, JoinControl, check_tensor, close_ne
                             gpu_reduces, grad_accumulator, gradient_reducer, mpi_threads_supported,
                             negotiator, next_per_communicator, scale_on_device,
                             SparseRowsReducer, empty_sparse_like, sparse_cost_warning, staged,
-                            to_sparse_rows, unstage)
+                            to_sparse_rows, unstage, verify_same_across_ranks)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -1601,6 +1601,17 @@ class _DistributedOptimizerMixin:
                                     overlap)
         self._gradcomm_make_reducer = make_reducer
         self._gradcomm_average = opname == "average"
+        # What the reducer's buckets do not say: which parameter each slot holds (ranks that list
+        # the same parameters in another order, or name them otherwise, would sum different
+        # parameters' gradients), and how each rank scales (a gradient_predivide_factor that
+        # differs gives every rank other gradients). One all-reduce: an error on every rank.
+        verify_same_across_ranks(
+            f"parameters {[(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, params)]}, "
+            f"groups {group_lists}, gradient_predivide_factor {float(gradient_predivide_factor)!r}"
+            f", backward_passes_per_step {backward_passes_per_step}, op {opname}, sparse_as_dense "
+            f"{bool(sparse_as_dense)}", call,
+            "the optimizer's parameters (names, shapes, dtypes, order) or gradient settings",
+            comm or world())
         self._gradcomm_reducer = make_reducer(params, list(range(len(params))))
         self._gradcomm_comm = self._gradcomm_reducer.comm
         self._gradcomm_id = next_per_communicator(_optimizer_counts, self._gradcomm_comm)
