@@ -28,6 +28,10 @@ namespace {
 // How long an application thread must have waited with nothing happening on its rank before the
 // rank counts as stuck. When every rank is stuck and no operation can run, they fail together.
 constexpr double kStuckSeconds = 1.0;
+// A thread that tested a pending operation within this long counts as waiting for it in the
+// watchdog's record: one that polls in a loop, sleeping between polls, is bounded by the timeout
+// as one inside wait() is.
+constexpr double kPolledSeconds = 2.0;
 // Idle cycles: one a millisecond, then one every 5 ms after 100 quiet ones. A submission wakes
 // its own rank at once; the other ranks take part at their next cycle. While an application
 // thread waits for a negotiated call, its rank cycles (and polls an idle cycle) every 200 us, so
@@ -382,7 +386,10 @@ std::shared_ptr<NegotiatedState> Negotiator::submit(NegotiatedCall call) {
 }
 
 bool Negotiator::test(NegotiatedState& state) {
-  if (!state.done.load(std::memory_order_acquire)) return false;
+  if (!state.done.load(std::memory_order_acquire)) {
+    state.polled_at.store(now_seconds(), std::memory_order_relaxed);
+    return false;
+  }
   if (state.error) std::rethrow_exception(state.error);
   return true;
 }
@@ -474,8 +481,18 @@ bool Negotiator::cycle() {
     fresh.assign(outbox_.begin(), outbox_.end());
     outbox_.clear();
     if (closing_) flags |= kClosing;
-    if (waiters_.load(std::memory_order_acquire) > 0 &&
-        now_seconds() - last_progress_ > kStuckSeconds) {
+    const double now = now_seconds();
+    polling_ = false;
+    for (const auto& [name, state] : in_flight_) {
+      if (now - state->polled_at.load(std::memory_order_relaxed) < kPolledSeconds) {
+        polling_ = true;
+        break;
+      }
+    }
+    // Only a thread inside wait() makes its rank stuck: one that polls may be computing between
+    // its polls, and submit later what another rank waits for. Polling counts for the watchdog
+    // (note_wait), which ends a wait nothing ends after the timeout.
+    if (waiters_.load(std::memory_order_acquire) > 0 && now - last_progress_ > kStuckSeconds) {
       flags |= kStuck;
     }
   }
@@ -1125,7 +1142,7 @@ void Negotiator::run_one(Entry& e, NegotiatedState* mine) {
 void Negotiator::note_wait(bool ran) {
   watchdog::Recorder* recorder = data_->recorder();
   if (!recorder) return;
-  const bool waiting = waiters_.load(std::memory_order_acquire) > 0;
+  const bool waiting = waiters_.load(std::memory_order_acquire) > 0 || polling_;
   // The oldest name this rank submitted that is still in the table.
   const Entry* oldest = nullptr;
   if (waiting) {

@@ -99,6 +99,9 @@ struct NegotiatedState {
   // Application threads blocked in wait() on it, counted in the negotiator's blocked_ until
   // finish() takes them out (-1 from then on).
   std::atomic<int> blocked{0};
+  // Steady seconds of the last test() that found it pending: a thread that polls it (Horovod's
+  // poll() in a loop) waits for it as much as one inside wait().
+  std::atomic<double> polled_at{0};
 };
 
 class Negotiator {
@@ -121,7 +124,8 @@ class Negotiator {
   std::shared_ptr<NegotiatedState> submit(NegotiatedCall call);
   // Blocks (without spinning) until the operation is done; rethrows its error.
   void wait(NegotiatedState& state);
-  // True once done; rethrows its error then. Never blocks.
+  // True once done; rethrows its error then. Never blocks. A thread that keeps testing a pending
+  // state counts as waiting for it in the watchdog's record while it does.
   static bool test(NegotiatedState& state);
 
   // Collective: stops taking operations, and returns once every rank has closed. Operations still
@@ -158,6 +162,7 @@ class Negotiator {
   bool closing_ = false;
   double last_progress_ = 0;     // steady seconds of the last submission or completion
   std::atomic<int> waiters_{0};  // application threads inside wait()
+  bool polling_ = false;         // the cycle's thread: a pending operation was tested lately
   // Those of them whose operation has not finished yet (finish() takes a state's out before it
   // wakes them): while above zero, no computation of this process wants the cores, and the
   // negotiation thread waits as an application thread would (ForegroundWhileWaited).
