@@ -423,6 +423,24 @@ def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_r
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that differ")
+def test_an_object_that_cannot_be_pickled_on_one_rank_fails_on_every_rank():
+    # The rank whose object cannot be pickled raises its own error; the others fail at once
+    # naming it (before, they waited for it until the watchdog, and a retry on that rank paired
+    # with their pending call and took its object). Then the ranks go on together.
+    def unpicklable():  # a local function: pickle refuses it
+        return 0
+    bad = SIZE - 1
+    for call in (lambda o: hvd.allgather_object(o), lambda o: hvd.broadcast_object(o, bad)):
+        started = time.monotonic()
+        with pytest.raises(Exception) as e:
+            call(unpicklable if RANK == bad else RANK)
+        if RANK != bad:
+            assert f"failed on rank {bad}" in str(e.value), str(e.value)
+        assert time.monotonic() - started < 10
+        assert hvd.allgather_object(RANK) == list(range(SIZE))
+
+
 def step_failing_on(bad, opt, unused):
     """opt.step() where rank `bad` cannot hand the reducer parameter `unused`'s gradient (made to
     refuse it): that rank raises the refusal, every other rank a MismatchError naming it."""

@@ -1175,17 +1175,31 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     return _broadcast_pickled(world(), obj, root_rank, name)
 
 
+def _pickled(c, full_name, obj):
+    """`obj` pickled for the object collective `full_name`. Where pickling fails (on one rank,
+    say), the name is submitted as failed, with why, before the error is raised: the other ranks'
+    calls of that name fail at once, naming this rank, instead of waiting for it until the
+    watchdog. Its names are fixed (no number), so this rank waits for that failure to end as the
+    others' calls do: a retry here then makes a call of its own."""
+    try:
+        return pickle.dumps(obj)
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            _negotiator(c).submit(full_name, "failed", f"{type(error).__name__}: {error}").wait()
+        raise
+
+
 def _broadcast_pickled(c, obj, root_rank, name=None):
     """root_rank's `obj`, pickled, on every rank: one negotiated broadcast sized by the root."""
     root_rank = int(root_rank)
-    payload = pickle.dumps(obj) if c.rank() == root_rank else b""
+    full_name = f"broadcast_object.{name}" if name is not None else "broadcast_object.noname"
+    payload = _pickled(c, full_name, obj) if c.rank() == root_rank else b""
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
         torch.empty(0, dtype=torch.uint8)
     handle = next(_next_handle)
     state = _negotiator(c).submit(
-        f"broadcast_object.{name}" if name is not None else "broadcast_object.noname",
-        "broadcast", f"broadcast_object, root {root_rank}", data.data_ptr(), data.numel(),
-        root=root_rank, sized_by_root=True)
+        full_name, "broadcast", f"broadcast_object, root {root_rank}", data.data_ptr(),
+        data.numel(), root=root_rank, sized_by_root=True)
     synchronize(_register(handle, [state], lambda: None, (data,)))
     return obj if c.rank() == root_rank else pickle.loads(memoryview(state))
 
@@ -1194,11 +1208,11 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     """Returns the list of every rank's `obj` (pickled), in rank order."""
     _check_process_set(process_set, "allgather_object")
     c = world()
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    full_name = f"allgather_object.{name}" if name is not None else "allgather_object.noname"
+    payload = torch.frombuffer(bytearray(_pickled(c, full_name, obj)), dtype=torch.uint8)
     handle = next(_next_handle)
     state = _negotiator(c).submit(
-        f"allgather_object.{name}" if name is not None else "allgather_object.noname",
-        "allgather", "allgather_object", payload.data_ptr(), payload.numel())
+        full_name, "allgather", "allgather_object", payload.data_ptr(), payload.numel())
     synchronize(_register(handle, [state], lambda: None, (payload,)))
     data, objects, at = memoryview(state), [], 0
     for n in state.counts():
