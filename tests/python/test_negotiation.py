@@ -152,6 +152,39 @@ def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submit
     assert parts[1].tolist() == [RANK + 1.0] * 7
 
 
+@pytest.mark.skipif(SIZE == 1, reason="needs ranks that differ")
+@pytest.mark.parametrize("call,submitter", [("grouped_allreduce_async_", "_submit_allreduce"),
+                                             ("grouped_allgather_async", "_allgather_submit")])
+def test_a_grouped_call_failing_part_way_on_one_rank_fails_on_every_rank(call, submitter,
+                                                                        monkeypatch):
+    # Rank 0's grouped call fails on its second part (injected); the others submitted every
+    # part. Rank 0 submits the parts it did not make as failed: the others' parts of those names
+    # fail at once, naming it (before, they waited for rank 0 until the watchdog).
+    import gradcomm.torch as module
+    real, made = getattr(module, submitter), []
+
+    def failing_second(*args, **kwargs):
+        if made:
+            raise RuntimeError("injected: the second submission fails")
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    parts = [torch.full((7,), float(RANK + 1)) for _ in range(3)]
+    started = time.monotonic()
+    if RANK == 0:
+        with monkeypatch.context() as patched:
+            patched.setattr(module, submitter, failing_second)
+            with pytest.raises(RuntimeError, match="injected"):
+                getattr(hvd, call)(parts, name="part-on-one")
+    else:
+        handle = getattr(hvd, call)(parts, name="part-on-one")
+        with pytest.raises(Exception, match="failed on rank 0"):
+            hvd.synchronize(handle)
+    assert time.monotonic() - started < 10
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after-part-on-one")  # in step
+    assert total.tolist() == [SIZE] * 2
+
+
 def test_poll_on_a_grouped_handle_is_false_while_any_part_runs():
     # One part failed, another still runs: the call has not finished. synchronize() waits for
     # every part, then raises the failed part's error.

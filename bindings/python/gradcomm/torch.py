@@ -759,10 +759,11 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
             states.append(_submit_allreduce(c, h, f"{base}_{i + 1}of{n}", opname,
                                             prescale_factor, postscale_factor, algorithm,
                                             fusion_threshold, ready if on_gpu[i] else None))
-    except Exception:
+    except Exception as error:
         # The ones submitted run anyway (their peers may wait for them): their memory and
-        # event stay alive until they finish.
+        # event stay alive until they finish. The rest are submitted as failed.
         _abandon(states, keep)
+        _submit_failed(c, [f"{base}_{i + 1}of{n}" for i in range(len(states), n)], error)
         raise
 
     def finish():
@@ -1030,10 +1031,20 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=N
     return _allgather_start(tensor, name, _comm(comm), "allgather_async")[0]
 
 
+def _submit_failed(c, names, error):
+    """Submits each of `names` (a grouped call's parts not yet submitted when one failed here) as
+    failed, with why: the other ranks' parts of those names fail at once, naming this rank,
+    instead of waiting for it until the watchdog."""
+    for full in names:
+        with contextlib.suppress(Exception):
+            _negotiator(c).submit(full, "failed", f"{type(error).__name__}: {error}")
+
+
 def _submit_each(c, tensors, base, submit):
     """Submits `submit(tensor, "<base>_<i>of<n>")` for each tensor, as Horovod names a grouped
     call's tensors; returns a handle whose synchronize() gives the list of results. Where a
-    submission fails, those made run anyway (their peers may wait for them), abandoned."""
+    submission fails, those made run anyway (their peers may wait for them), abandoned, and the
+    rest are submitted as failed."""
     n = len(tensors)
     states, finishes, keep = [], [], list(tensors)
     try:
@@ -1042,8 +1053,9 @@ def _submit_each(c, tensors, base, submit):
             states.append(state)
             finishes.append(finish)
             keep.append(host)
-    except Exception:
+    except Exception as error:
         _abandon(states, keep)
+        _submit_failed(c, [f"{base}_{i + 1}of{n}" for i in range(len(states), n)], error)
         raise
     return _register(next(_next_handle), states, lambda: [f() for f in finishes], keep)
 
