@@ -1124,7 +1124,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradcomm::submit(c10d::OpType type, c
   // where the work completes): queued, it would wait behind the callback that waits
   // for it (PowerSGD's hook waits on the all-reduce it issues). It runs here and now instead;
   // every rank's engine reaches that callback at the same point of the same sequence of calls,
-  // so the ranks still agree on the order.
+  // so the ranks still agree on the order. Not where a rank attaches the callback after its
+  // work completed (torch runs it at once, on the caller's thread, and its call queues) and
+  // another rank before, with a call submitted in between: then the two ranks order that call
+  // and the callback's differently (a mismatch where their shapes differ; docs/design.md).
   if (!async || comm_->engine().in_request()) {
     // After the group's earlier calls, and with none starting meanwhile: autograd's threads may
     // submit while this runs.
