@@ -118,6 +118,19 @@ def test_duplicate_name_in_flight_is_a_value_error():
     assert again.tolist() == [SIZE] * 3  # the name is free again once its call finished
 
 
+def failing_after_one(real):
+    """`real`, failing from its second call on (a fault injected into a grouped call's
+    submissions), and the list of what its first call returned."""
+    made = []
+
+    def failing_second(*args, **kwargs):
+        if made:
+            raise RuntimeError("injected: the second submission fails")
+        made.append(real(*args, **kwargs))
+        return made[-1]
+    return failing_second, made
+
+
 @pytest.mark.parametrize("call,submitter", [("grouped_allreduce_async_", "_submit_allreduce"),
                                              ("grouped_allgather_async", "_allgather_submit")])
 def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submitter,
@@ -126,14 +139,7 @@ def test_a_grouped_call_failing_part_way_finishes_what_it_submitted(call, submit
     # injected here). What it submitted runs anyway (the peers wait for it) into memory this
     # rank keeps alive, and is dropped once finished: no handle is left behind.
     import gradcomm.torch as module
-    real, made = getattr(module, submitter), []
-
-    def failing_second(*args, **kwargs):
-        if made:
-            raise RuntimeError("injected: the second submission fails")
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
+    failing_second, made = failing_after_one(getattr(module, submitter))
     handles = dict(module._handles)
     parts = [torch.full((7,), float(RANK + 1)) for _ in range(3)]
     with monkeypatch.context() as patched:
@@ -161,14 +167,7 @@ def test_a_grouped_call_failing_part_way_on_one_rank_fails_on_every_rank(call, s
     # part. Rank 0 submits the parts it did not make as failed: the others' parts of those names
     # fail at once, naming it (before, they waited for rank 0 until the watchdog).
     import gradcomm.torch as module
-    real, made = getattr(module, submitter), []
-
-    def failing_second(*args, **kwargs):
-        if made:
-            raise RuntimeError("injected: the second submission fails")
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
+    failing_second, _ = failing_after_one(getattr(module, submitter))
     parts = [torch.full((7,), float(RANK + 1)) for _ in range(3)]
     started = time.monotonic()
     if RANK == 0:

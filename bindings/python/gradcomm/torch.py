@@ -372,9 +372,7 @@ def _in_step(kind):
                         if kind.startswith("grouped_"):  # each tensor's name, as submitted
                             n = len(list(bound["tensors"]))
                             names = [f"{names[0]}_{i + 1}of{n}" for i in range(n)]
-                        for full in names:
-                            _negotiator(c).submit(full, "failed",
-                                                  f"{type(error).__name__}: {error}")
+                        _submit_failed(c, names, error)
                 raise
             finally:
                 _names_state.active = False
@@ -1032,9 +1030,9 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=N
 
 
 def _submit_failed(c, names, error):
-    """Submits each of `names` (a grouped call's parts not yet submitted when one failed here) as
-    failed, with why: the other ranks' parts of those names fail at once, naming this rank,
-    instead of waiting for it until the watchdog."""
+    """Submits each of `names` (a call, or a grouped call's parts, that failed here before it was
+    submitted) as failed, with why: the other ranks' calls of those names fail at once, naming
+    this rank, instead of waiting for it until the watchdog."""
     for full in names:
         with contextlib.suppress(Exception):
             _negotiator(c).submit(full, "failed", f"{type(error).__name__}: {error}")
