@@ -459,6 +459,20 @@ class PyCommunicator {
     return MPI_Wtime() - t0;
   }
 
+  // This rank's next collective call failed here before it could run (`call` says why): the
+  // other ranks' next checked call fails at once, naming this rank (compare_failed_call), where
+  // they would wait for it until the watchdog. Their MismatchError is theirs; this rank raises
+  // its own. A no-op alone or with GRADCOMM_CHECK=off.
+  void fail_next_call(const std::string& call) {
+    const std::shared_ptr<Communicator> held = get();
+    if (held->size() == 1 || held->config().check == CheckMode::off) return;
+    py::gil_scoped_release release;
+    try {
+      collectives::compare_failed_call(*held, collectives::CallKind::allreduce, call);
+    } catch (const MismatchError&) {
+    }
+  }
+
   // The checked byte-level exchanges gradcomm.torch's allgather, barrier and object calls use.
   void barrier_() {
     const std::shared_ptr<Communicator> held = get();
@@ -701,6 +715,7 @@ PYBIND11_MODULE(_gradcomm, m) {
       .def("_grouped_allreduce_ptrs", &PyCommunicator::grouped_allreduce_ptrs)
       .def("_broadcast_ptr", &PyCommunicator::broadcast_ptr)
       .def("_barrier", &PyCommunicator::barrier_)
+      .def("_fail_next_call", &PyCommunicator::fail_next_call)
       .def("_allgather_bytes_ptr", &PyCommunicator::allgather_bytes_ptr)
       .def("_allgatherv_bytes_ptr", &PyCommunicator::allgatherv_bytes_ptr)
       .def("_broadcast_bytes_ptr", &PyCommunicator::broadcast_bytes_ptr)

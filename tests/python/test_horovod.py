@@ -4,6 +4,7 @@ a function of its rank), in every dtype, in place and not, blocking and async; t
 DistributedOptimizer against gradcomm's DistributedDataParallel; and join() with uneven inputs."""
 
 import copy
+import gc
 import json
 import time
 
@@ -693,6 +694,44 @@ def test_a_step_that_fails_on_one_rank_while_another_has_joined():
     torch.optim.SGD(reference_model.parameters(), lr=0.1).step()
     for p, q in zip(model.parameters(), reference_model.parameters()):
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that joins and ranks that train")
+def test_a_joined_rank_without_the_optimizer_fails_the_step_on_every_rank():
+    """Rank 0 drops its DistributedOptimizer and joins, so it cannot stand in for the others'
+    steps: each one fails at once on every training rank, naming rank 0, with nothing reduced
+    (they waited for rank 0 until the watchdog before). Rank 0 warns at once, stays joined
+    until they join too, then raises. A negotiated reducer's steps go on (the negotiator
+    stands in for its buckets). Then every rank all-reduces as before."""
+    model, opt, _, _ = join_training(13)
+    negotiated = opt._gradcomm_reducer.negotiated
+    if RANK == 0:
+        del opt
+        gc.collect()
+        if negotiated:
+            hvd.join()
+        else:
+            with pytest.warns(UserWarning, match="does not hold"), \
+                    pytest.raises(hvd.InvalidArgument, match="does not hold"):
+                hvd.join()
+    else:
+        for k in range(2):
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            xb, yb = join_batch(RANK, k)
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            if negotiated:
+                opt.step()
+                continue
+            start = time.monotonic()
+            with pytest.raises(hvd.InvalidArgument, match="joined rank 0 .*cannot stand in"):
+                opt.step()
+            assert time.monotonic() - start < 10
+            for p, b, g in zip(model.parameters(), before, grads):  # no step, nothing reduced
+                assert torch.equal(p, b) and torch.equal(p.grad, g)
+        hvd.join()
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]
 
 
 def test_join_stands_in_for_broadcast_and_allgather_and_refuses_alltoall():

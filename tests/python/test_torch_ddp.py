@@ -386,6 +386,32 @@ def test_join_throw_on_early_termination_raises_on_every_rank():
     assert same_on_every_rank(model.module.a.weight.grad)
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs a joined rank and ranks that train")
+def test_a_join_that_cannot_stand_in_fails_the_others_at_once():
+    """The wrapper's join() stands in for its own forward and backward only. Rank 0 has no
+    inputs while the others step a Horovod-style DistributedOptimizer inside the context: rank
+    0 raises, and their step fails at once with a MismatchError naming it (before, they waited
+    for rank 0 until the watchdog). Then every rank is in step again."""
+    model = gt.DistributedDataParallel(Net(29))
+    hvd_model = Net(31)
+    opt = gt.DistributedOptimizer(torch.optim.SGD(hvd_model.parameters(), lr=0.1),
+                                  named_parameters=hvd_model.named_parameters())
+    if RANK == 0:
+        with pytest.raises(RuntimeError, match="cannot stand in"):
+            with model.join():
+                pass  # no inputs
+    else:
+        start = time.monotonic()
+        with pytest.raises(gradcomm.MismatchError, match="failed on rank 0"):
+            with model.join():
+                x, y = data(RANK)
+                torch.nn.functional.cross_entropy(hvd_model(x), y).backward()
+                opt.step()
+        assert time.monotonic() - start < 10
+    assert gt.allreduce(torch.ones(2), op=gt.Sum).tolist() == [SIZE, SIZE]
+    assert MPI.COMM_WORLD.allreduce(1) == SIZE
+
+
 def test_join_with_no_sync_and_a_rank_without_data(gloo):
     """Accumulation inside join (no_sync every other batch), and rank 0 with no batch at all,
     against torch's DDP join."""

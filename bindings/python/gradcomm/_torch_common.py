@@ -842,7 +842,10 @@ class JoinControl:
     of the ranks still training. Each round is one int64 SUM all-reduce of size + FIELDS
     elements: a rank still training sets its own slot and the descriptor of the call it is about
     to make; a joined rank sends zeros. Every rank then knows which ranks are still training and,
-    from their (agreeing) descriptors, what a joined rank must stand in for."""
+    from their (agreeing) descriptors, what a joined rank must stand in for. A joined rank that
+    cannot stand in for a call it learnt of in an earlier round (an optimizer it does not hold)
+    sends -(1 + the call's id) in its slot instead, and the training ranks collect that in
+    `refusals` (id -> ranks) to fail the call on every one of them before it starts."""
 
     FIELDS = 8
 
@@ -856,6 +859,7 @@ class JoinControl:
         # The ranks training in the newest round this rank saw that had any.
         self.last_active = list(range(self._n))
         self.rounds = 0       # rounds made so far: the same count on every rank
+        self.refusals = {}    # call id -> the joined ranks that cannot stand in for it
         self._posted = collections.deque()  # (buffer, request) of non-blocking rounds
 
     def post(self, fields):
@@ -871,19 +875,25 @@ class JoinControl:
         while self._posted and self._posted[0][1].done():
             self._posted.popleft()
 
-    def exchange(self, active, fields=()):
-        """One round; returns (the ranks still training, their descriptor)."""
+    def exchange(self, active, fields=(), refusing=None):
+        """One round; returns (the ranks still training, their descriptor). `refusing`: on a
+        joined rank, the id of a call it cannot stand in for (see the class)."""
         self.rounds += 1
         n, v = self._n, self._v
         v[:] = 0
         if active:
             v[self._rank] = 1
             v[n:n + len(fields)] = fields
+        elif refusing is not None:
+            v[self._rank] = -1 - refusing
         self.comm._allreduce_ptr(self._ptr, self._ptr, n + self.FIELDS, "int64", "sum", None)
         values = v.tolist()
         if sum(values[:n]) == n:  # nobody has joined: the common case
             return range(n), values[n:]
-        active_ranks = [r for r in range(n) if values[r]]
+        for r in range(n):
+            if values[r] < 0:
+                self.refusals.setdefault(-1 - values[r], []).append(r)
+        active_ranks = [r for r in range(n) if values[r] > 0]
         if not active_ranks:
             return active_ranks, [0] * self.FIELDS
         self.last_active = active_ranks

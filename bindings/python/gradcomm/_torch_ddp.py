@@ -548,6 +548,10 @@ class _Join:
                 if self.throw:
                     raise self._early_termination()
                 if d[0] != _DDP_ROUND:
+                    # Their next call fails too (a MismatchError naming this rank, at once,
+                    # where they would wait for this rank until the watchdog).
+                    with contextlib.suppress(Exception):
+                        ddp._comm._fail_next_call(f"{_CALL}.join (refused on this rank)")
                     raise RuntimeError(f"{_CALL}.join: the ranks still training made a call a "
                                        "joined rank cannot stand in for (a Horovod-API call on "
                                        "the same communicator?); inside join() only the model's "

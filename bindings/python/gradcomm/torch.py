@@ -443,13 +443,35 @@ def _join_control(c):
     return control
 
 
-def _step_round(c, call, kind, optimizer_id):
-    """A DistributedOptimizer step's round; returns the ranks still training (None: no round)."""
+def _step_round(c, call, kind, optimizer_id, negotiated):
+    """A DistributedOptimizer step's round; returns the ranks still training (None: no round).
+    At STEP_GO, a joined rank that said it cannot stand in for this optimizer's buckets (it does
+    not hold the optimizer) fails the step on every training rank, before any bucket starts."""
     control = _join_control(c)
     if control is None:
         return None
-    active, _ = control.exchange(True, (kind, optimizer_id))
+    active, _ = control.exchange(True, (kind, optimizer_id, int(negotiated)))
+    if kind == _KIND_STEP_GO:
+        refusing = control.refusals.pop(optimizer_id, None)
+        if refusing and not negotiated:  # (the negotiator stands in for negotiated buckets)
+            raise InvalidArgument(
+                f"{call}: joined rank{'s' if len(refusing) > 1 else ''} "
+                f"{', '.join(map(str, refusing))} (hvd.join) cannot stand in for this step: "
+                f"{'they do' if len(refusing) > 1 else 'it does'} not hold DistributedOptimizer "
+                f"#{optimizer_id} (dropped before join()?); nothing was reduced")
     return active
+
+
+def _refuse_unknown_round(c, kind):
+    """A round of a kind hvd.join cannot stand in for: fails the call the ranks still training
+    make next (they raise a MismatchError naming this rank at once, where they would wait for
+    it until the watchdog), then raises here."""
+    error = RuntimeError(f"join: the ranks still training made a call hvd.join cannot stand in "
+                         f"for (round kind {kind}: DistributedDataParallel's forward? use its own "
+                         "join())")
+    with contextlib.suppress(Exception):
+        c._fail_next_call(f"join (refused on this rank: {error})")
+    raise error
 
 
 def join(device=-1):
@@ -472,25 +494,33 @@ def join(device=-1):
     state = _negotiator(c).submit("join.noname", "join", "join", gpu=int(device))
     pending = _register(handle, [state], state.last_joined, ())
     control = _join_control(c)
+    # A step of an optimizer this rank does not hold: refused in the next round (the training
+    # ranks fail that step at its STEP_GO, before any bucket), and raised here once every rank
+    # has joined, as this rank stays joined until then (the others' join() needs its rounds).
+    refused, refusing = [], None
     try:
         while control is not None:
-            active, d = control.exchange(False)
+            active, d = control.exchange(False, refusing=refusing)
+            refusing = None
             if not active:
                 break
             kind = d[0]
-            if kind == _KIND_STEP:
-                pass  # announced at the step's first gradient; stood in for at its STEP_GO
-            elif kind == _KIND_STEP_GO:
+            if kind in (_KIND_STEP, _KIND_STEP_GO):
                 optimizer = _optimizers.get((id(c), d[1]))
-                if optimizer is None:
-                    raise InvalidArgument(f"join: the ranks still training step "
-                                          f"DistributedOptimizer #{d[1]}, which this rank does "
-                                          "not hold")
-                optimizer._gradcomm_stand_in()
+                if optimizer is not None:
+                    if kind == _KIND_STEP_GO:
+                        optimizer._gradcomm_stand_in()
+                elif kind == _KIND_STEP and not d[2]:  # (the negotiator stands in for its own)
+                    refusing = d[1]
+                    error = InvalidArgument(
+                        f"join: the ranks still training step DistributedOptimizer #{d[1]}, "
+                        "which this rank does not hold (dropped before join()?)")
+                    if not refused:
+                        warnings.warn(f"{error}: their step fails; join() raises this once "
+                                      "every rank has joined", stacklevel=2)
+                    refused.append(error)
             else:
-                raise RuntimeError(f"join: the ranks still training made a call hvd.join cannot "
-                                   f"stand in for (round kind {kind}: DistributedDataParallel's "
-                                   "forward? use its own join())")
+                _refuse_unknown_round(c, kind)
     finally:
         for optimizer in list(_optimizers.values()):  # a part-spent accumulation starts over
             optimizer._gradcomm_delay = [optimizer._gradcomm_passes] * \
@@ -500,6 +530,8 @@ def join(device=-1):
     _joins += 1
     for key in [k for k in _unnamed if k[0] == id(c)]:
         del _unnamed[key]
+    if refused:
+        raise refused[0]
     return last
 
 
@@ -1699,7 +1731,7 @@ class _DistributedOptimizerMixin:
     def _gradcomm_mark(self, i):
         if not self._gradcomm_announced:  # the step's first gradient: one join round first
             active = _step_round(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP,
-                                 self._gradcomm_id)
+                                 self._gradcomm_id, self._gradcomm_reducer.negotiated)
             self._gradcomm_announced = True
             # A rank has joined: hold the buckets until step(), where the joined rank stands
             # in for them (a world call in between would otherwise meet it mid-step).
@@ -1760,7 +1792,7 @@ class _DistributedOptimizerMixin:
         try:
             if self._gradcomm_holding:  # a rank has joined: it stands in from this round on
                 _step_round(self._gradcomm_comm, self._gradcomm_call, _KIND_STEP_GO,
-                            self._gradcomm_id)
+                            self._gradcomm_id, self._gradcomm_reducer.negotiated)
                 for i, grad in self._gradcomm_held.items():
                     reducer.mark(i, grad)
             if error is not None:
