@@ -522,6 +522,8 @@ def join(device=-1):
             else:
                 _refuse_unknown_round(c, kind)
     finally:
+        if control is not None:  # every rank has joined: no step is left to refuse
+            control.refusals.clear()
         for optimizer in list(_optimizers.values()):  # a part-spent accumulation starts over
             optimizer._gradcomm_delay = [optimizer._gradcomm_passes] * \
                 len(optimizer._gradcomm_params)
