@@ -907,6 +907,18 @@ class JoinControl:
         return active_ranks, [x // k for x in values[n:]]
 
 
+def refuse_round(comm, error, call):
+    """A joined rank's answer to a round of a kind it cannot stand in for: it fails the call
+    the ranks still training make next on `comm` in its place (`call` names it in their
+    report), so they raise a MismatchError naming this rank at once where they would wait for
+    it until the watchdog, then raises `error` here."""
+    try:
+        comm._fail_next_call(call)
+    except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
+        pass
+    raise error
+
+
 def neutral(op, dtype, count):
     """A tensor of `count` elements that leaves `op` unchanged: what a joined rank contributes
     in place of data (zeros for sum and average, as Horovod and torch's DDP join do)."""

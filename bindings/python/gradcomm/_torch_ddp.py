@@ -17,7 +17,7 @@ from torch.autograd import Variable
 
 from . import InvalidArgument, MismatchError, world
 from ._torch_common import (JoinControl, SparseRowsReducer, broadcast_coalesced,
-                            empty_sparse_like, grad_accumulator, gradient_reducer,
+                            empty_sparse_like, grad_accumulator, gradient_reducer, refuse_round,
                             sparse_cost_warning, to_sparse_rows, verify_same_across_ranks)
 
 __all__ = ["DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
@@ -548,14 +548,11 @@ class _Join:
                 if self.throw:
                     raise self._early_termination()
                 if d[0] != _DDP_ROUND:
-                    # Their next call fails too (a MismatchError naming this rank, at once,
-                    # where they would wait for this rank until the watchdog).
-                    with contextlib.suppress(Exception):
-                        ddp._comm._fail_next_call(f"{_CALL}.join (refused on this rank)")
-                    raise RuntimeError(f"{_CALL}.join: the ranks still training made a call a "
-                                       "joined rank cannot stand in for (a Horovod-API call on "
-                                       "the same communicator?); inside join() only the model's "
-                                       "forward and backward are stood in for")
+                    refuse_round(ddp._comm, RuntimeError(
+                        f"{_CALL}.join: the ranks still training made a call a joined rank "
+                        "cannot stand in for (a Horovod-API call on the same communicator?); "
+                        "inside join() only the model's forward and backward are stood in for"),
+                        f"{_CALL}.join (refused on this rank)")
                 ddp._stand_in(bool(d[1]), bool(d[2]), max(active))
             # Every rank takes the model (and buffers) of the last rank to leave its loop.
             source = max(self.control.last_active)

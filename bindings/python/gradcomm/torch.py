@@ -46,7 +46,7 @@ from . import shutdown as _shutdown
 from . import _gradcomm
 from ._torch_common import (DEVICES, DTYPES, JoinControl, check_tensor, close_negotiators,
                             gpu_reduces, grad_accumulator, gradient_reducer, mpi_threads_supported,
-                            negotiator, next_per_communicator, scale_on_device,
+                            negotiator, next_per_communicator, refuse_round, scale_on_device,
                             SparseRowsReducer, empty_sparse_like, sparse_cost_warning, staged,
                             to_sparse_rows, unstage, verify_same_across_ranks)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
@@ -462,18 +462,6 @@ def _step_round(c, call, kind, optimizer_id, negotiated):
     return active
 
 
-def _refuse_unknown_round(c, kind):
-    """A round of a kind hvd.join cannot stand in for: fails the call the ranks still training
-    make next (they raise a MismatchError naming this rank at once, where they would wait for
-    it until the watchdog), then raises here."""
-    error = RuntimeError(f"join: the ranks still training made a call hvd.join cannot stand in "
-                         f"for (round kind {kind}: DistributedDataParallel's forward? use its own "
-                         "join())")
-    with contextlib.suppress(Exception):
-        c._fail_next_call(f"join (refused on this rank: {error})")
-    raise error
-
-
 def join(device=-1):
     """Call when this rank has run out of data: until every rank has called it, this rank
     stands in (GPU all-reduces on `device`, default the device of its DistributedOptimizers'
@@ -520,7 +508,10 @@ def join(device=-1):
                                       "every rank has joined", stacklevel=2)
                     refused.append(error)
             else:
-                _refuse_unknown_round(c, kind)
+                refuse_round(c, RuntimeError(
+                    f"join: the ranks still training made a call hvd.join cannot stand in for "
+                    f"(round kind {kind}: DistributedDataParallel's forward? use its own "
+                    "join())"), "join (refused on this rank)")
     finally:
         if control is not None:  # every rank has joined: no step is left to refuse
             control.refusals.clear()
