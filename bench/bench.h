@@ -120,10 +120,11 @@ inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array
 //     own receive buffer (`arrays`; bound_arrays_bytes() of it), the memory of the kind and
 //     pages the calls use: a private region of the probe's own ran at half speed on one rank in
 //     some launches on AMD EPYC, where the call's memory did not. With --cycle every rank first
-//     rewrites the arrays (as the cycle rewrites the input); back to back they stay as the last
-//     trial left them. A call does this work and more (its sources lie in other ranks' caches),
-//     so it takes at least that long, T: busbw <= 2(n-1)/n * S / T. From the caches the row fits
-//     in, or from DRAM.
+//     rewrites the arrays (as the cycle rewrites the input), then times one pass; back to back
+//     the arrays stay as the last pass left them and a trial times 2-64 passes in a row after an
+//     untimed one (the steady rate of back-to-back calls). A call does this work and more (its
+//     sources lie in other ranks' caches), so it takes at least that long, T: busbw <= 2(n-1)/n * S
+//     / T. From the caches the row fits in, or from DRAM.
 //   - cross-core: every rank writes a region of the row's size S (at most kProbeBytes), then all
 //     ranks at once fetch what a call must bring in: from every peer's region, the slice of
 //     S/n this rank reduces (lines another core has just written). A call cannot take less
