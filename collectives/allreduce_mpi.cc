@@ -10,7 +10,7 @@
 namespace gradcomm::collectives {
 namespace {
 
-constexpr std::string_view kCall = "allreduce(mpi)";
+constexpr std::string_view kMpiCall = "allreduce(mpi)";
 
 // MPI user function for a (dtype, op) pair: inout = in op inout, MPI's operand order.
 template <DataType D, ReduceOp O>
@@ -110,7 +110,7 @@ void AllreduceMpi::run(const AllreduceArgs& args, Communicator& comm) {
     // another order there), and a request must equal the blocking call. So this wait alone
     // polls inside MPI while the application computes.
     check_mpi(MPI_Allreduce(in, out, len, type, op, comm.mpi_comm()),
-              std::string(kCall) + ": MPI_Allreduce", comm.rank());
+              std::string(kMpiCall) + ": MPI_Allreduce", comm.rank());
   }
   if (args.op == ReduceOp::avg) divide_by(args.recv, args.count, args.dtype, comm.size());
 }

@@ -79,10 +79,6 @@ class GilReleasedIfHeld {
   throw InvalidArgument(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
 }
 
-[[noreturn]] void unsupported(const std::string& call, int rank, const std::string& detail) {
-  throw Unsupported(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
-}
-
 // Set by submit(), for the InStep around the call on this thread.
 thread_local bool t_submitted = false;
 

@@ -8,11 +8,12 @@
 #include "core/error.h"
 
 namespace gradcomm::torch_backend {
-namespace {
 
-[[noreturn]] void unsupported(const std::string& call, int rank, const std::string& detail) {
+void unsupported(const std::string& call, int rank, const std::string& detail) {
   throw Unsupported(error_message("torch.distributed " + call + " (gradcomm)", rank, detail));
 }
+
+namespace {
 
 // gradcomm's dtypes and torch's, one pair each way.
 constexpr std::pair<at::ScalarType, DataType> kDtypes[] = {

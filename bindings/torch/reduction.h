@@ -20,6 +20,9 @@
 
 namespace gradcomm::torch_backend {
 
+// Throws Unsupported: "torch.distributed CALL (gradcomm)" on `rank`, and `detail`.
+[[noreturn]] void unsupported(const std::string& call, int rank, const std::string& detail);
+
 struct Reduction {
   ReduceOp op = ReduceOp::sum;
   DataType dtype = DataType::float32;
