@@ -112,8 +112,9 @@ void store(DataType dtype, void* buf, std::size_t i, double v);
 double percentile(std::vector<double> sorted, double p);
 inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array, above caches
 
-// The bound on busbw (--bound), measured in the same run right before and right after each row
-// (this machine's speed drifts; each part the better of the two), the smaller of:
+// The bound on busbw (--bound), measured in the same run right before each row, once per part
+// after each of its rounds, and right after it (this machine's speed drifts; each part the best
+// of them), the smaller of:
 //   - local: the reduction a call must do, on data of this rank's alone: every rank at once runs
 //     the library's own kernels over n arrays of S/n (S = the row's size, at most kStreamBytes),
 //     reducing all n into every one, in 8 KiB blocks as shm does. The arrays lie in the rows'
@@ -170,16 +171,19 @@ class BoundProbe {
   BoundProbe(const BoundProbe&) = delete;
   BoundProbe& operator=(const BoundProbe&) = delete;
   Bound measure(std::size_t bytes);  // collective
-  // The better of two measurements of one row (before and after it): each part's higher rate,
-  // the state of `first`.
+  // One trial of each part (no state), between a row's rounds: collective.
+  Bound sample(std::size_t bytes);
+  // The better of two measurements of one row (before, during and after it): each part's higher
+  // rate, the state of `first`.
   Bound best_of(const Bound& first, const Bound& second) const;
 
  private:
-  double local_busbw(std::size_t bytes);
+  // `once`: one trial (a sample), else the best of 5-40.
+  double local_busbw(std::size_t bytes, bool once);
   template <class Read>
-  double after_peers_wrote(std::size_t floats, Read&& read);
+  double after_peers_wrote(std::size_t floats, bool once, Read&& read);
   double state_rate();
-  double slice_fetch_busbw(std::size_t bytes);
+  double slice_fetch_busbw(std::size_t bytes, bool once);
   // The bound from its parts: see the comment above the class.
   double combined(const Bound& b) const;
   Communicator& comm_;
@@ -195,9 +199,11 @@ class BoundProbe {
 };
 std::vector<std::size_t> round_order(std::size_t n, std::mt19937_64& generator);
 // Every algorithm of o.algorithms at `count` elements, interleaved in rounds (see the method).
+// `between_rounds`, where given, runs after each round of all the algorithms (--bound's samples).
 std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
                               std::size_t count, std::byte* send, std::byte* recv,
-                              std::vector<double>& ref_in, std::vector<double>& ref_out);
+                              std::vector<double>& ref_in, std::vector<double>& ref_out,
+                              const std::function<void()>& between_rounds = {});
 void model_row(Communicator& comm, const Options& o, Row& row);
 void print_malloc_line(const Options& o);
 void print_header(const Options& o, int n);

@@ -57,6 +57,15 @@ GRADCOMM_BENCH_CLONES double checksum(const float* p, std::size_t n) {
   return static_cast<double>(sum);
 }
 
+// GRADCOMM_BENCH_BOUND_PARTS: both parts of every probe and sample, on stderr (rank 0).
+void print_parts(int rank, std::size_t bytes, const Bound& b) {
+  static const bool wanted = std::getenv("GRADCOMM_BENCH_BOUND_PARTS") != nullptr;
+  if (wanted && rank == 0) {
+    std::fprintf(stderr, "# bound at %zu B: local %.1f GB/s, cross-core %.1f GB/s\n", bytes,
+                 b.local_busbw / 1e9, b.cross_core_busbw / 1e9);
+  }
+}
+
 }  // namespace
 
 BoundProbe::BoundProbe(Communicator& comm, bool cycle, bool private_buffers, std::byte* arrays,
@@ -93,7 +102,7 @@ BoundProbe::~BoundProbe() {
   if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
 }
 
-double BoundProbe::local_busbw(std::size_t bytes) {
+double BoundProbe::local_busbw(std::size_t bytes, bool once) {
   const int ranks = comm_.size();
   const auto n = static_cast<std::size_t>(ranks);
   const std::size_t total = std::clamp<std::size_t>(bytes, 4096, kStreamBytes) / sizeof(float);
@@ -114,7 +123,7 @@ double BoundProbe::local_busbw(std::size_t bytes) {
   if (cycle_) {
     // The cycle rewrites a call's input before it: every trial rewrites the arrays, then one pass.
     t = best_of_trials(
-        comm_.mpi_comm(), trials_for(m * n * sizeof(float)),
+        comm_.mpi_comm(), once ? 1 : trials_for(m * n * sizeof(float)),
         [&](int trial) { std::memset(local_, 0x3c + trial, n * (m + pad) * sizeof(float)); }, pass);
   } else {
     // Back to back a call finds its data where its own last call left it: the arrays written once,
@@ -124,9 +133,10 @@ double BoundProbe::local_busbw(std::size_t bytes) {
     const int passes = static_cast<int>(std::clamp<std::size_t>(
         kWarmPassBytes / std::max<std::size_t>(m * n * sizeof(float), 1), 2, 64));
     t = best_of_trials(
-            comm_.mpi_comm(), trials_for(passes * m * n * sizeof(float)),
+            comm_.mpi_comm(), once ? 1 : trials_for(passes * m * n * sizeof(float)),
             [&](int trial) {
-              if (trial == 0) std::memset(local_, 0x3c, n * (m + pad) * sizeof(float));
+              // A sample between rounds finds the arrays as the rows or earlier probes left them.
+              if (trial == 0 && !once) std::memset(local_, 0x3c, n * (m + pad) * sizeof(float));
               pass();
             },
             [&] {
@@ -142,20 +152,20 @@ double BoundProbe::local_busbw(std::size_t bytes) {
 // Every rank writes its region of `floats` (with memset, as --cycle rewrites a call's input),
 // then `read` runs on every rank at once, reading lines other cores have just written.
 template <class Read>
-double BoundProbe::after_peers_wrote(std::size_t floats, Read&& read) {
+double BoundProbe::after_peers_wrote(std::size_t floats, bool once, Read&& read) {
   return best_of_trials(
-      comm_.mpi_comm(), trials_for(floats * sizeof(float)),
+      comm_.mpi_comm(), once ? 1 : trials_for(floats * sizeof(float)),
       [&](int trial) { std::memset(mine_, 0x3c + trial, floats * sizeof(float)); }, read);
 }
 
 double BoundProbe::state_rate() {
   const std::size_t n = kStateProbeBytes / sizeof(float);
   const float* next = regions_[static_cast<std::size_t>((comm_.rank() + 1) % comm_.size())];
-  const double t = after_peers_wrote(n, [&] { sink_ += checksum(next, n); });
+  const double t = after_peers_wrote(n, false, [&] { sink_ += checksum(next, n); });
   return static_cast<double>(kStateProbeBytes) / t;
 }
 
-double BoundProbe::slice_fetch_busbw(std::size_t bytes) {
+double BoundProbe::slice_fetch_busbw(std::size_t bytes, bool once) {
   const int ranks = comm_.size(), me = comm_.rank();
   const std::size_t n = std::clamp<std::size_t>(bytes, 4096, kProbeBytes) / sizeof(float);
   // This rank's slice of the region, as the all-reduce's slices (the last one shorter).
@@ -163,7 +173,7 @@ double BoundProbe::slice_fetch_busbw(std::size_t bytes) {
       (n + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
   const std::size_t begin = std::min(n, slice * static_cast<std::size_t>(me));
   const std::size_t length = std::min(n, begin + slice) - begin;
-  const double t = after_peers_wrote(n, [&] {
+  const double t = after_peers_wrote(n, once, [&] {
     for (int j = 1; j < ranks; ++j)
       sink_ += checksum(regions_[static_cast<std::size_t>((me + j) % ranks)] + begin, length);
   });
@@ -174,16 +184,25 @@ Bound BoundProbe::measure(std::size_t bytes) {
   Bound b;
   const int n = comm_.size();
   if (n < 2) return b;
-  b.local_busbw = local_busbw(bytes);
+  b.local_busbw = local_busbw(bytes, false);
   b.busbw = b.local_busbw;
   if (!mine_) return b;  // not one host: the local bound only
-  b.cross_core_busbw = slice_fetch_busbw(bytes);
+  b.cross_core_busbw = slice_fetch_busbw(bytes, false);
   b.state_rate = state_rate();
   b.busbw = combined(b);
-  if (std::getenv("GRADCOMM_BENCH_BOUND_PARTS") && comm_.rank() == 0) {
-    std::fprintf(stderr, "# bound at %zu B: local %.1f GB/s, cross-core %.1f GB/s\n", bytes,
-                 b.local_busbw / 1e9, b.cross_core_busbw / 1e9);
-  }
+  print_parts(comm_.rank(), bytes, b);
+  return b;
+}
+
+Bound BoundProbe::sample(std::size_t bytes) {
+  Bound b;
+  if (comm_.size() < 2) return b;
+  b.local_busbw = local_busbw(bytes, true);
+  b.busbw = b.local_busbw;
+  if (!mine_) return b;
+  b.cross_core_busbw = slice_fetch_busbw(bytes, true);
+  b.busbw = combined(b);
+  print_parts(comm_.rank(), bytes, b);
   return b;
 }
 

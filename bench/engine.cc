@@ -132,7 +132,8 @@ int calls_for(double seconds, double per_call) {
 
 std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const Options& o,
                               std::size_t count, std::byte* send, std::byte* recv,
-                              std::vector<double>& ref_in, std::vector<double>& ref_out) {
+                              std::vector<double>& ref_in, std::vector<double>& ref_out,
+                              const std::function<void()>& between_rounds) {
   const std::size_t es = gradcomm::element_size(o.dtype);
   const std::size_t bytes = count * es;
   const int n = comm.size();
@@ -246,6 +247,7 @@ std::vector<Row> measure_size(Communicator& comm, Communicator& baseline, const 
       sync();
       times[a][static_cast<std::size_t>(it)] = (MPI_Wtime() - t0) / round_calls;
     }
+    if (between_rounds) between_rounds();
   }
   if (consumed == 42) std::printf(" ");  // keeps the reads
 
@@ -365,7 +367,7 @@ void print_header(const Options& o, int n) {
     }
     if (o.bound) {
       std::printf(
-          "# bound: busbw bound, the better of a probe before and one after the row (GB/s): the "
+          "# bound: busbw bound, the best of probes before, during and after the row (GB/s): the "
           "library's reduction on each rank's own data%s;\n#   of_bound = busbw / bound; state: "
           "far or near, from the "
           "cross-core rate at 1 MiB\n",

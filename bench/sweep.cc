@@ -98,11 +98,16 @@ int run_sweep(Communicator& comm, const Options& o) {
        size *= o.factor) {
     const std::size_t count = static_cast<std::size_t>(size) / es;
     const Bound before = probe ? probe->measure(count * es) : Bound{};
+    // The machine's speed drifts within a row, and on AMD EPYC it switched between spells of
+    // rates 1.4x apart between a probe and the row: a row's bound is the best of a probe before
+    // it, one trial of each part after each of its rounds (with the rounds, through the same
+    // spells) and a probe after it.
+    Bound during = before;
     const std::vector<Row> rows =
-        measure_size(comm, baseline, o, count, send, recv, ref_in, ref_out);
-    // The machine's speed drifts within a row: its bound is the better of a probe before it and
-    // one after it, so that a slow moment during one probe cannot put the row above its bound.
-    const Bound bound = probe ? probe->best_of(before, probe->measure(count * es)) : Bound{};
+        measure_size(comm, baseline, o, count, send, recv, ref_in, ref_out, [&] {
+          if (probe) during = probe->best_of(during, probe->sample(count * es));
+        });
+    const Bound bound = probe ? probe->best_of(during, probe->measure(count * es)) : Bound{};
     const auto fastest = std::min_element(
         rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.p50_us < b.p50_us; });
     if (fastest != rows.end()) winners.emplace_back(count * es, fastest->algorithm);

@@ -3,7 +3,7 @@
 # row, with results checked, and each row's bound is the rule's for its buffers and timing, from
 # the parts the probes printed (GRADCOMM_BENCH_BOUND_PARTS): private buffers the smaller of local
 # and half the cross-core part, registered the local part back to back and the smaller of the two
-# in the cycle, each part the better of the probes before and after the row. (No timed assert:
+# in the cycle, each part the best of the probes before, during and after the row. (No timed assert:
 # whether of_bound stays under 1 is measured in docs/benchmarking.md, not asserted.)
 #
 #   bench_bound_test.sh MPIEXEC BENCH
