@@ -124,8 +124,8 @@ inline constexpr std::size_t kStreamBytes = std::size_t{64} << 20;  // per array
 //     rewrites the arrays (as the cycle rewrites the input), then times one pass; back to back
 //     the arrays stay as the last pass left them and a trial times 2-64 passes in a row after an
 //     untimed one (the steady rate of back-to-back calls). A call does this work and more (its
-//     sources lie in other ranks' caches), so it takes at least that long, T: busbw <= 2(n-1)/n * S
-//     / T. From the caches the row fits in, or from DRAM.
+//     sources lie in other ranks' caches), so it takes at least that long, T:
+//     busbw <= 2(n-1)/n * S / T. From the caches the row fits in, or from DRAM.
 //   - cross-core: every rank writes a region of the row's size S (at most kProbeBytes), then all
 //     ranks at once fetch what a call must bring in: from every peer's region, the slice of
 //     S/n this rank reduces (lines another core has just written). A call cannot take less
@@ -178,7 +178,8 @@ class BoundProbe {
   Bound best_of(const Bound& first, const Bound& second) const;
 
  private:
-  // `once`: one trial (a sample), else the best of 5-40.
+  // Both parts and the bound from them; `once`: one trial each (a sample), else the best of 5-40.
+  Bound parts(std::size_t bytes, bool once);
   double local_busbw(std::size_t bytes, bool once);
   template <class Read>
   double after_peers_wrote(std::size_t floats, bool once, Read&& read);

@@ -180,30 +180,26 @@ double BoundProbe::slice_fetch_busbw(std::size_t bytes, bool once) {
   return 2.0 * (ranks - 1) / ranks * static_cast<double>(n * sizeof(float)) / t;
 }
 
-Bound BoundProbe::measure(std::size_t bytes) {
+Bound BoundProbe::parts(std::size_t bytes, bool once) {
   Bound b;
-  const int n = comm_.size();
-  if (n < 2) return b;
-  b.local_busbw = local_busbw(bytes, false);
+  if (comm_.size() < 2) return b;
+  b.local_busbw = local_busbw(bytes, once);
   b.busbw = b.local_busbw;
   if (!mine_) return b;  // not one host: the local bound only
-  b.cross_core_busbw = slice_fetch_busbw(bytes, false);
-  b.state_rate = state_rate();
+  b.cross_core_busbw = slice_fetch_busbw(bytes, once);
   b.busbw = combined(b);
   print_parts(comm_.rank(), bytes, b);
   return b;
 }
 
-Bound BoundProbe::sample(std::size_t bytes) {
-  Bound b;
-  if (comm_.size() < 2) return b;
-  b.local_busbw = local_busbw(bytes, true);
-  b.busbw = b.local_busbw;
-  if (!mine_) return b;
-  b.cross_core_busbw = slice_fetch_busbw(bytes, true);
-  b.busbw = combined(b);
-  print_parts(comm_.rank(), bytes, b);
+Bound BoundProbe::measure(std::size_t bytes) {
+  Bound b = parts(bytes, false);
+  if (b.cross_core_busbw > 0) b.state_rate = state_rate();
   return b;
+}
+
+Bound BoundProbe::sample(std::size_t bytes) {
+  return parts(bytes, true);
 }
 
 Bound BoundProbe::best_of(const Bound& first, const Bound& second) const {
