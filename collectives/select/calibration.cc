@@ -174,6 +174,11 @@ void set_placement(Communicator& comm, const topology::Topology& topo, CostModel
   model.crowded = topology::machine_oversubscribed(comm);
 }
 
+int probe_batch_calls(double predicted, double warm) {
+  const double call = std::max(predicted, warm);
+  return static_cast<int>(std::clamp(std::ceil(kProbeWindow / call), 1.0, 256.0));
+}
+
 Corrections probe_algorithms(Communicator& comm, const CostModel& model, int groups, int group_size,
                              const CallContext& call) {
   Corrections c;
@@ -189,9 +194,8 @@ Corrections probe_algorithms(Communicator& comm, const CostModel& model, int gro
   auto predicted = [&](std::size_t a, std::size_t bytes) {
     return *algorithms[a]->predicted_seconds(model, {bytes, comm.size(), groups, group_size});
   };
-  // Enough back-to-back calls per batch to fill the window (by the model's estimate).
-  auto calls_for = [&](std::size_t a, std::size_t bytes) {
-    return static_cast<int>(std::clamp(std::ceil(kProbeWindow / predicted(a, bytes)), 1.0, 256.0));
+  auto calls_for = [&](std::size_t a, std::size_t bytes, double warm) {
+    return probe_batch_calls(predicted(a, bytes), warm);
   };
   // Probing must not show in the byte counters the user reads.
   TrafficCounters& counters = comm.attachment<Traffic>().counters();
@@ -207,11 +211,21 @@ Corrections probe_algorithms(Communicator& comm, const CostModel& model, int gro
       args.call = call;
       algorithms[a]->run(args, comm);
     };
-    for (std::size_t a = 0; a < na; ++a)  // warm-up
+    // Warm-up: two calls of each, the second timed; the slowest rank's times size the batches
+    // (the same on every rank, so that every rank makes the same calls).
+    std::vector<double> warm(na);
+    for (std::size_t a = 0; a < na; ++a) {
       run(a);
+      const double t0 = MPI_Wtime();
+      run(a);
+      warm[a] = MPI_Wtime() - t0;
+    }
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, warm.data(), static_cast<int>(na), MPI_DOUBLE, MPI_MAX,
+                            comm.mpi_comm()),
+              "auto probes: MPI_Allreduce", comm.rank());
     for (int round = 0; round < kProbeRounds; ++round) {
       for (std::size_t a = 0; a < na; ++a) {
-        const int calls = calls_for(a, bytes);
+        const int calls = calls_for(a, bytes, warm[a]);
         check_mpi(MPI_Barrier(comm.mpi_comm()), "auto probes: MPI_Barrier", comm.rank());
         const double t0 = MPI_Wtime();
         for (int i = 0; i < calls; ++i)
@@ -232,7 +246,7 @@ Corrections probe_algorithms(Communicator& comm, const CostModel& model, int gro
     for (std::size_t a = 0; a < na; ++a) {
       c.log_factor.push_back(std::log(std::max(measured[a], 1e-9) / predicted(a, bytes)));
       c.last_extra[a] = measured[a] - predicted(a, bytes);
-      spent += measured[a] * (kProbeRounds * calls_for(a, bytes) + 1);
+      spent += measured[a] * (kProbeRounds * calls_for(a, bytes, warm[a]) + 2);
     }
     if (bytes == kProbeBytes[std::size(kProbeBytes) - 1]) c.complete = true;
     // Stop before a probe that would overrun the budget (tiny test segments or slow links make
@@ -240,7 +254,7 @@ Corrections probe_algorithms(Communicator& comm, const CostModel& model, int gro
     const std::size_t next = bytes * 8;
     double upcoming = 0;
     for (std::size_t a = 0; a < na; ++a) {
-      upcoming += measured[a] * 8 * (kProbeRounds * calls_for(a, next) + 1);
+      upcoming += measured[a] * 8 * (kProbeRounds * calls_for(a, next, measured[a] * 8) + 2);
     }
     if (spent + upcoming > kProbeBudget) break;
   }

@@ -52,6 +52,14 @@ struct Corrections {
   double apply(std::string_view algorithm, std::size_t bytes, double predicted) const;
 };
 
+// Calls in one timed batch of a probe: enough back to back to fill kProbeWindow (1 - 256), by
+// the longer of the model's `predicted` seconds and `warm`, a timed warm-up call (the slowest
+// rank's; 0: none). The probes run where the model is unreliable: MPICH's waits spin at
+// MPI_THREAD_SINGLE, so with 3 ranks on 2 cores an 8-byte call of an MPI algorithm took 5 ms
+// where the model said 1 us, and batches sized by the model (256 calls) made the first auto call
+// take 17-28 s.
+int probe_batch_calls(double predicted, double warm);
+
 // Times every modelled algorithm at the probe sizes (interleaved rounds, median, slowest rank),
 // within kProbeBudget; `call` is the auto call being served (its check is complete).
 Corrections probe_algorithms(Communicator& comm, const CostModel& model, int groups, int group_size,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "collectives/registry.h"
+#include "collectives/select/calibration.h"
 #include "collectives/select/cost_model.h"
 #include "collectives/select/learner.h"
 #include "collectives/select/tuning_table.h"
@@ -122,6 +123,21 @@ std::vector<int> simulate(collectives::MeasuredChoice& m, const std::vector<doub
     if (pick.timed && m.record(truth(a) / predicted[a])) m.decide(m.figures(), predicted);
   }
   return ran;
+}
+
+// A probe's batch fills its window by the longer of the model's estimate and the timed warm-up
+// call, so a model that is far too optimistic (MPICH's spinning waits with more ranks than cores:
+// 5 ms calls predicted at 1 us) costs a call per batch, not 256.
+TEST(Selection, ProbeBatchesAreSizedByTheWarmUpCall) {
+  using collectives::kProbeWindow;
+  using collectives::probe_batch_calls;
+  EXPECT_EQ(probe_batch_calls(1e-6, 0), 256);      // the model alone, as before
+  EXPECT_EQ(probe_batch_calls(1e-6, 1e-6), 256);   // the model right
+  EXPECT_EQ(probe_batch_calls(1e-6, 5e-3), 1);     // the model 5000x too optimistic
+  EXPECT_EQ(probe_batch_calls(1e-6, 50e-6), 6);    // 300 us / 50 us
+  EXPECT_EQ(probe_batch_calls(100e-6, 10e-6), 3);  // the longer of the two
+  EXPECT_EQ(probe_batch_calls(kProbeWindow * 3, 0), 1);
+  EXPECT_EQ(probe_batch_calls(1e-9, 1e-9), 256);  // at most 256
 }
 
 TEST(Selection, MeasuringARightModelCostsOnlyRechecks) {
