@@ -254,7 +254,8 @@ Corrections probe_algorithms(Communicator& comm, const CostModel& model, int gro
     const std::size_t next = bytes * 8;
     double upcoming = 0;
     for (std::size_t a = 0; a < na; ++a) {
-      upcoming += measured[a] * 8 * (kProbeRounds * calls_for(a, next, measured[a] * 8) + 2);
+      // (Batches sized by the model alone: at least as many calls as the warm-up will allow.)
+      upcoming += measured[a] * 8 * (kProbeRounds * calls_for(a, next, 0) + 2);
     }
     if (spent + upcoming > kProbeBudget) break;
   }
