@@ -320,6 +320,12 @@ TEST_P(AllreduceLarge, SixteenMiElements) {
   std::string why;
   if (!large_runs_here(GetParam(), &why)) GTEST_SKIP() << why;
   if (!runs_here(world(), GetParam())) GTEST_SKIP() << GetParam() << " needs one host";
+  // At 8 ranks on one host the schedules are the point: MPI's own (mpi) and auto's pick (one of
+  // the others, each run here) add 2.3 s each and test nothing the others do not.
+  if (world().size() == 8 && topology::shares_one_host(world()) &&
+      (GetParam() == "mpi" || GetParam() == "auto")) {
+    GTEST_SKIP() << GetParam() << " at 8 ranks: the algorithms' own schedules cover it";
+  }
   constexpr std::size_t kCount = std::size_t{16} << 20;
   std::vector<std::byte> send, recv;
   const std::tuple<DataType, ReduceOp> cases[] = {{DataType::float32, ReduceOp::sum},
