@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A/B/C: GRADCOMM_TMP_PFW=0/1/2, launches alternating.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-B=/work/main/build/bench/gradcomm-bench
-OUT=/tmp/pfw/out; mkdir -p $OUT
+B=${BUILD:-build}/bench/gradcomm-bench  # run from the repository root
+OUT=${OUT:-bench/results/shm_amd_prefetchw_probe/csv}; mkdir -p $OUT
 for r in $(seq 1 ${ROUNDS:-5}); do
   for mode in reg_cycle priv_cycle priv_inplace_cycle reg_b2b; do
     case $mode in

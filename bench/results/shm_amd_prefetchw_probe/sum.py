@@ -1,6 +1,6 @@
-import csv,glob,statistics as st,collections,re
+import sys,csv,glob,statistics as st,collections,re
 d=collections.defaultdict(list)
-for f in glob.glob('/tmp/pfw/out/*.csv'):
+for f in glob.glob((sys.argv[1] if len(sys.argv) > 1 else 'csv') + '/*.csv'):
     m=re.match(r'.*/(\w+)_v(\d)_r(\d+)\.csv',f); mode,v,r=m.group(1),int(m.group(2)),int(m.group(3))
     for row in csv.DictReader(open(f)):
         if row['algorithm']=='shm': d[(mode,int(row['size']),r,v)]=float(row['p50_us'])
