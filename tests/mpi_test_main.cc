@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -39,12 +40,41 @@ Communicator& world() {
   return *g_world;
 }
 
+// FNV-1a's step on 8-byte words in four independent lanes, each word's high bits shifted down
+// into the lane, then the lanes, the tail's bytes and the length folded into one and mixed.
+// Byte by byte (one multiply's latency a byte) a 64 MiB buffer took 0.1-0.2 s, most of what a
+// large check cost after the call. Every step is a bijection of the lane's state, so one changed
+// word always changes the result.
 std::uint64_t fingerprint(const void* data, std::size_t bytes) {
-  std::uint64_t hash = 1469598103934665603ull;
+  constexpr std::uint64_t kBasis = 1469598103934665603ull;
+  constexpr std::uint64_t kPrime = 1099511628211ull;
+  std::uint64_t lane[4] = {kBasis, kBasis ^ 1, kBasis ^ 2, kBasis ^ 3};
   const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i)
-    hash = (hash ^ p[i]) * 1099511628211ull;
+  std::size_t i = 0;
+  for (; i + 32 <= bytes; i += 32) {
+    for (std::size_t k = 0; k < 4; ++k) {
+      std::uint64_t word = 0;
+      std::memcpy(&word, p + i + 8 * k, 8);
+      lane[k] = (lane[k] ^ word ^ (word >> 32)) * kPrime;
+    }
+  }
+  std::uint64_t hash = kBasis ^ bytes;
+  for (const std::uint64_t l : lane)
+    hash = (hash ^ l ^ (l >> 29)) * kPrime;
+  for (; i < bytes; ++i)
+    hash = (hash ^ p[i]) * kPrime;
+  hash ^= hash >> 33;  // the final mix of MurmurHash3: every bit reaches the low ones
+  hash *= 0xff51afd7ed558ccdull;
+  hash ^= hash >> 33;
   return hash;
+}
+
+void repeat_pattern(void* data, std::size_t count, std::size_t period, std::size_t element_bytes) {
+  auto* bytes = static_cast<std::byte*>(data);
+  for (std::size_t filled = period; filled < count; filled *= 2) {
+    std::memcpy(bytes + filled * element_bytes, bytes,
+                std::min(filled, count - filled) * element_bytes);
+  }
 }
 
 bool same_on_all_ranks(MPI_Comm comm, std::uint64_t value) {

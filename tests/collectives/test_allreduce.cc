@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <numeric>
@@ -73,9 +74,10 @@ std::int64_t input_value(ReduceOp op, int rank, std::size_t i) {
 }
 
 void fill_input(void* buf, std::size_t count, DataType dtype, ReduceOp op, int rank) {
-  const std::size_t m = period(op);
-  for (std::size_t i = 0; i < count; ++i)
-    store(dtype, buf, i, input_value(op, rank, i % m));
+  const std::size_t m = std::min(period(op), count);
+  for (std::size_t i = 0; i < m; ++i)
+    store(dtype, buf, i, input_value(op, rank, i));
+  repeat_pattern(buf, count, m, element_size(dtype));
 }
 
 // Expected bytes of element i for each residue i % period, by a serial reduction over ranks in
@@ -138,11 +140,13 @@ void check_exact_on(Communicator& comm, const std::string& algorithm, DataType d
   const std::size_t m = period(op);
   std::size_t wrong = 0;
   std::size_t first_wrong = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    if (std::memcmp(out + i * es, table.data() + (i % m) * es, es) != 0) {
-      if (wrong++ == 0) first_wrong = i;
+  for_each_block_unlike(out, count, table.data(), m, es, [&](std::size_t i0, std::size_t i1) {
+    for (std::size_t i = i0; i < i1; ++i) {
+      if (std::memcmp(out + i * es, table.data() + (i % m) * es, es) != 0) {
+        if (wrong++ == 0) first_wrong = i;
+      }
     }
-  }
+  });
   EXPECT_EQ(wrong, 0u) << "first wrong element " << first_wrong << ": got "
                        << (wrong ? load(dtype, out, first_wrong) : 0.0) << ", expected "
                        << (wrong ? load(dtype, table.data(), first_wrong % m) : 0.0);

@@ -39,8 +39,10 @@ float expected_sum(int n, std::size_t t, std::size_t j) {
 void fill(std::span<const TensorDesc> tensors, int rank) {
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     auto* p = static_cast<float*>(tensors[t].data);
-    for (std::size_t j = 0; j < tensors[t].count; ++j)
+    const std::size_t period = std::min<std::size_t>(9, tensors[t].count);
+    for (std::size_t j = 0; j < period; ++j)
       p[j] = value(rank, t, j);
+    repeat_pattern(p, tensors[t].count, period, sizeof(float));
   }
 }
 
@@ -53,9 +55,12 @@ std::size_t count_wrong(std::span<const TensorDesc> tensors, int n, std::size_t*
     for (std::size_t j = 0; j < 9; ++j)
       table[j] = expected_sum(n, t, j);
     const auto* p = static_cast<const float*>(tensors[t].data);
-    for (std::size_t j = 0; j < tensors[t].count; ++j) {
-      if (p[j] != table[j % 9] && wrong++ == 0) *first_tensor = t;
-    }
+    for_each_block_unlike(p, tensors[t].count, table, 9, sizeof(float),
+                          [&](std::size_t j0, std::size_t j1) {
+                            for (std::size_t j = j0; j < j1; ++j) {
+                              if (p[j] != table[j % 9] && wrong++ == 0) *first_tensor = t;
+                            }
+                          });
   }
   return wrong;
 }
