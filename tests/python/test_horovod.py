@@ -224,13 +224,16 @@ def test_a_call_that_fails_on_one_rank_fails_on_every_rank_and_the_next_ones_mat
         lambda: hvd.alltoall(torch.ones(2 * SIZE), splits=[5] * SIZE if RANK == 0 else None),
         lambda: hvd.allreduce(bad if RANK == 0 else torch.ones(3), name="fails.here"),
         lambda: hvd.grouped_allreduce([torch.ones(2), bad if RANK == 0 else torch.ones(3)]),
+        # an iterator, read once: the failed call still names both parts
+        lambda: hvd.grouped_allreduce(t for t in [torch.ones(2), bad if RANK == 0 else
+                                                  torch.ones(3)]),
         lambda: hvd.reducescatter(torch.tensor(1.0) if RANK == 0 else torch.ones(SIZE)),
         lambda: hvd.allgather_async(torch.ones(3, 4)[:, ::2] if RANK == 0 else torch.ones(3, 2)),
     ]
     for i, call in enumerate(calls):
         start = time.monotonic()
         with pytest.raises(ValueError if RANK == 0 else hvd.MismatchError) as e:
-            hvd.synchronize(call()) if i == 4 else call()
+            hvd.synchronize(call()) if i == 5 else call()
         if RANK != 0:
             assert "failed on rank 0 before it could run" in str(e.value), i
         assert time.monotonic() - start < 5, i
@@ -421,6 +424,26 @@ def test_distributed_optimizers_that_differ_between_ranks_are_refused_on_every_r
     params = list(model.parameters())
     with pytest.raises(hvd.InvalidArgument, match="differ in the optimizer's parameters"):
         hvd.DistributedOptimizer(torch.optim.SGD(params[::-1] if RANK == 0 else params, lr=0.1))
+    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
+    # An argument refused on one rank only: that rank raises its refusal, the others at once
+    # (before, they waited for it in the check of the settings until the watchdog).
+    for bad in ({"gradient_predivide_factor": 0.0}, {"backward_passes_per_step": 0},
+                {"compression": object()}, {"groups": [[torch.zeros(1)]]}):
+        started = time.monotonic()
+        with pytest.raises((hvd.InvalidArgument, NotImplementedError)) as e:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     **(bad if RANK == 0 else {}))
+        assert ("differ in the optimizer's parameters" in str(e.value)) == (RANK != 0), bad
+        assert time.monotonic() - started < 10, bad
+    # The reducer under the optimizer and gradcomm's DDP: a parameter refused on one rank only.
+    from gradcomm._torch_common import gradient_reducer
+    started = time.monotonic()
+    mine = torch.zeros(3, dtype=torch.uint8 if RANK == 0 else torch.float32)
+    with pytest.raises(hvd.InvalidArgument) as e:
+        gradient_reducer([mine], ["w"], "reducer")
+    assert ("unsupported dtype" if RANK == 0 else "another rank refused") in str(e.value)
+    assert time.monotonic() - started < 10
     assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
 
 

@@ -184,6 +184,30 @@ def test_a_grouped_call_failing_part_way_on_one_rank_fails_on_every_rank(call, s
     assert total.tolist() == [SIZE] * 2
 
 
+@pytest.mark.skipif(SIZE == 1, reason="needs ranks that differ")
+def test_a_grouped_call_failing_after_its_name_on_one_rank_fails_on_every_rank(monkeypatch):
+    # Rank 0's grouped all-reduce fails after it took its name and before any part is submitted
+    # (staging a part: injected); it submits every part as failed, and the others' parts fail at
+    # once, naming it (before, they waited for rank 0 until the watchdog).
+    import gradcomm.torch as module
+    parts = [torch.full((5,), float(RANK + 1)) for _ in range(2)]
+    started = time.monotonic()
+    if RANK == 0:
+        def refusing(tensor, read=True):
+            raise RuntimeError("injected: staging refused")
+        with monkeypatch.context() as patched:
+            patched.setattr(module, "staged", refusing)
+            with pytest.raises(RuntimeError, match="injected"):
+                hvd.grouped_allreduce_async_(parts, name="staged-on-one")
+    else:
+        handle = hvd.grouped_allreduce_async_(parts, name="staged-on-one")
+        with pytest.raises(Exception, match="failed on rank 0"):
+            hvd.synchronize(handle)
+    assert time.monotonic() - started < 10
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after-staged-on-one")  # in step
+    assert total.tolist() == [SIZE] * 2
+
+
 def test_poll_on_a_grouped_handle_is_false_while_any_part_runs():
     # One part failed, another still runs: the call has not finished. synchronize() waits for
     # every part, then raises the failed part's error.

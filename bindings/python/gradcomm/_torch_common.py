@@ -11,6 +11,7 @@ the copy in waits for the work queued on the tensor's device's current stream, a
 copied back on that stream, so that work queued after it there sees the result."""
 
 import collections
+import contextlib
 import hashlib
 import math
 import os
@@ -193,6 +194,18 @@ def verify_same_across_ranks(description, call, what, comm):
                               f"{description[:200]}{'...' if len(description) > 200 else ''})")
 
 
+def raise_on_every_rank(error, call, what, comm):
+    """Re-raises `error`, this rank's refusal of its arguments, after taking part in the
+    all-reduce of verify_same_across_ranks that ranks which accepted theirs make next: its
+    description (the error) differs from theirs, so they raise there at once instead of waiting
+    for this rank until the watchdog. Where every rank refused alike, the descriptions agree and
+    each raises its own error."""
+    with contextlib.suppress(InvalidArgument):
+        verify_same_across_ranks(f"an error on this rank: {type(error).__name__}: {error}", call,
+                                 what, comm)
+    raise error
+
+
 def to_sparse_rows(dense, sparse_dim):
     """`dense` as a coalesced sparse COO tensor of `sparse_dim` sparse dimensions, leaving out
     the entries that are zero. For an embedding's gradient (one sparse dimension over rows)
@@ -272,8 +285,15 @@ def gradient_reducer(params, names, call, comm=None, op="average", algorithm=Non
     every rank (gpu_reduces), gets a NegotiatedReducer (buckets on the GPU, NCCL); any other a
     GradientReducer (host buckets, CUDA gradients through pinned host copies)."""
     comm = comm or world()
-    for p, n in zip(params, names):
-        check_parameter(p, call, n)
+    try:
+        for p, n in zip(params, names):
+            check_parameter(p, call, n)
+    except Exception as error:  # where only this rank refuses, the others must not wait for it
+        if comm.size() > 1:
+            # The all-reduce the others make next (the kind below), with a value that says so.
+            flag = torch.tensor([-1], dtype=torch.int32)
+            comm._allreduce_ptr(flag.data_ptr(), flag.data_ptr(), 1, "int32", "min", None)
+        raise
     devices = {p.device for p in params}
     one = next(iter(devices)) if len(devices) == 1 else None
     here = one is not None and (gpu_reduces(params[0], algorithm) or
@@ -282,6 +302,9 @@ def gradient_reducer(params, names, call, comm=None, op="average", algorithm=Non
     flag = torch.tensor([1 if here else 0], dtype=torch.int32)
     if comm.size() > 1:
         comm._allreduce_ptr(flag.data_ptr(), flag.data_ptr(), 1, "int32", "min", None)
+    if flag.item() < 0:
+        raise InvalidArgument(f"{call}: another rank refused its parameters (its error says "
+                              "which and why); this rank's were accepted")
     kind = NegotiatedReducer if flag.item() else GradientReducer
     return kind(params, names, call, comm, op, algorithm, bucket_cap_bytes, first_bucket_bytes,
                 compression, groups, overlap, divide_before_sum)

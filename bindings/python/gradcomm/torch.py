@@ -48,7 +48,8 @@ from ._torch_common import (DEVICES, DTYPES, JoinControl, check_tensor, close_ne
                             gpu_reduces, grad_accumulator, gradient_reducer, mpi_threads_supported,
                             negotiator, next_per_communicator, refuse_round, scale_on_device,
                             SparseRowsReducer, empty_sparse_like, sparse_cost_warning, staged,
-                            to_sparse_rows, unstage, verify_same_across_ranks)
+                            raise_on_every_rank, to_sparse_rows, unstage,
+                            verify_same_across_ranks)
 from ._torch_ddp import (DistributedDataParallel, allreduce_hook, bf16_compress_hook,
                          fp16_compress_hook)
 from . import _c10d
@@ -360,7 +361,13 @@ def _in_step(kind):
         def call(*args, **kwargs):
             if getattr(_names_state, "active", False):
                 return fn(*args, **kwargs)
-            bound = signature.bind_partial(*args, **kwargs).arguments
+            binding = signature.bind_partial(*args, **kwargs)
+            bound = binding.arguments
+            if kind.startswith("grouped_") and not isinstance(bound.get("tensors"),
+                                                               (list, tuple, type(None))):
+                # An iterator is read once: listed here, so that a failure counts its parts.
+                bound["tensors"] = list(bound["tensors"])
+                args, kwargs = binding.args, binding.kwargs
             _names_state.active, _names_state.numbered = True, False
             try:
                 return fn(*args, **kwargs)
@@ -768,16 +775,16 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     algorithm = _algorithm_checked(algorithm, call)
     handle = next(_next_handle)
     base, n = _op_name("grouped_allreduce", name, c), len(tensors)
-    on_gpu = [gpu_reduces(t, algorithm) for t in tensors]
-    if len({t.device for t, g in zip(tensors, on_gpu) if g}) > 1:
-        on_gpu = [False] * n  # one event covers one device's stream: staged, as before
-    ready = (_ready_after_prescale([t for t, g in zip(tensors, on_gpu) if g], prescale_factor)
-             if any(on_gpu) else None)
-    hosts = [t if g else staged(t) for t, g in zip(tensors, on_gpu)]
-    keep = tensors + hosts + [ready]
-    post = _average_factor(c, opname, postscale_factor)
-    states = []
-    try:
+    states, keep = [], tensors
+    try:  # from the name on: a part that fails on this rank only is submitted as failed
+        on_gpu = [gpu_reduces(t, algorithm) for t in tensors]
+        if len({t.device for t, g in zip(tensors, on_gpu) if g}) > 1:
+            on_gpu = [False] * n  # one event covers one device's stream: staged, as before
+        ready = (_ready_after_prescale([t for t, g in zip(tensors, on_gpu) if g],
+                                       prescale_factor) if any(on_gpu) else None)
+        hosts = [t if g else staged(t) for t, g in zip(tensors, on_gpu)]
+        keep = tensors + hosts + [ready]
+        post = _average_factor(c, opname, postscale_factor)
         for i, h in enumerate(hosts):
             states.append(_submit_allreduce(c, h, f"{base}_{i + 1}of{n}", opname,
                                             prescale_factor, postscale_factor, algorithm,
@@ -1553,10 +1560,11 @@ def _alias(name):
 
 
 class _DistributedOptimizerMixin:
-    def _gradcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                        gradient_predivide_factor, num_groups, groups, algorithm,
-                        fusion_threshold, comm, overlap, sparse_as_dense=False):
-        call = "DistributedOptimizer"
+    def _gradcomm_arguments(self, call, named_parameters, compression,
+                            backward_passes_per_step, op, gradient_predivide_factor, num_groups,
+                            groups):
+        """The trainable parameters, their names, the op and the groups (lists of indices into
+        the parameters), or InvalidArgument / NotImplementedError for a bad argument."""
         params = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -1607,7 +1615,7 @@ class _DistributedOptimizerMixin:
             num_groups, groups = groups, None
         if groups is not None:
             if num_groups:
-                warnings.warn(f"{call}: groups given; num_groups is ignored", stacklevel=3)
+                warnings.warn(f"{call}: groups given; num_groups is ignored", stacklevel=4)
             if not isinstance(groups, (list, tuple)):
                 raise InvalidArgument(f"{call}: groups must be a list of lists of parameters")
             group_lists = []
@@ -1630,6 +1638,21 @@ class _DistributedOptimizerMixin:
                 if end > start:
                     group_lists.append(list(range(start, end)))
                 start = end
+        return params, names, opname, group_lists
+
+    def _gradcomm_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                        gradient_predivide_factor, num_groups, groups, algorithm,
+                        fusion_threshold, comm, overlap, sparse_as_dense=False):
+        call = "DistributedOptimizer"
+        try:
+            params, names, opname, group_lists = self._gradcomm_arguments(
+                call, named_parameters, compression, backward_passes_per_step, op,
+                gradient_predivide_factor, num_groups, groups)
+        except Exception as error:  # this rank only, maybe: the others must not wait for it
+            raise_on_every_rank(
+                error, call,
+                "the optimizer's parameters (names, shapes, dtypes, order) or gradient settings",
+                comm or world())
         cap = fusion_threshold if fusion_threshold is not None else 25 << 20
         self._gradcomm_call = call
         self._gradcomm_sparse_as_dense = sparse_as_dense
