@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -321,6 +322,15 @@ RegisteredBuffer Communicator::allocate(std::size_t bytes) {
                           "); every rank must allocate the same size"));
   }
   if (bytes == 0) return {};
+  // The segment holds every rank of the host's slice, each rounded up to 2 MiB at most: a size
+  // whose total would wrap is refused alike on every rank (the same size, the same group).
+  if (bytes > (std::numeric_limits<std::size_t>::max() - (std::size_t{2} << 20)) /
+                  static_cast<std::size_t>(size_)) {
+    throw InvalidArgument(error_message("allocate", rank_,
+                                        std::to_string(bytes) + " bytes on each of " +
+                                            std::to_string(size_) +
+                                            " ranks do not fit in one address space"));
+  }
   const NodeComm node(comm_, rank_, "allocate");
   return detail::allocate_registered(node.get(), bytes, "allocate");
 }

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <limits>
 #include <set>
 #include <string>
 #include <tuple>
@@ -241,6 +242,16 @@ TEST_F(Shm, AllocateChecksSizesAcrossRanks) {
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("allocate"));
     EXPECT_THAT(e.what(), HasSubstr("4096 to 8192 bytes"));
+  }
+  // A size whose segment (every rank's slice, rounded up) would wrap: refused on every rank,
+  // not a mapping of the wrapped size with slices outside it.
+  const std::size_t huge = std::numeric_limits<std::size_t>::max() / 2 + (std::size_t{2} << 20);
+  try {
+    (void)comm.allocate(huge);
+    ADD_FAILURE() << "no error for " << huge << " bytes on " << comm.size() << " ranks";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("allocate"));
+    EXPECT_THAT(e.what(), HasSubstr("do not fit in one address space"));
   }
   RegisteredBuffer ok = comm.allocate(64);
   ASSERT_TRUE(ok);
