@@ -1225,7 +1225,7 @@ def _pickled(c, full_name, obj):
     others' calls do: a retry here then makes a call of its own."""
     try:
         return pickle.dumps(obj)
-    except BaseException as error:
+    except Exception as error:  # not KeyboardInterrupt or SystemExit: those leave at once
         with contextlib.suppress(Exception):
             _negotiator(c).submit(full_name, "failed", f"{type(error).__name__}: {error}").wait()
         raise
