@@ -164,6 +164,11 @@ void finalize() {
   check_mpi(MPI_Finalize(), "finalize: MPI_Finalize");
 }
 
+bool is_communicator(MPI_Comm comm) {
+  int inter = 0;
+  return comm != MPI_COMM_NULL && comm != MPI_Comm{} && test_inter(comm, &inter);
+}
+
 Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(config)) {
   config_.validate();
   if (!mpi_ready()) {

@@ -25,6 +25,10 @@ void init(int* argc = nullptr, char*** argv = nullptr);
 void finalize();
 // True when MPI is initialized and not yet finalized.
 bool mpi_ready();
+// True when `comm` names a live communicator (neither MPI_COMM_NULL, a null handle, nor an
+// unknown one: MPI_Comm_test_inter answers it with MPI's errors returned, not aborting). MPI
+// must be initialized.
+bool is_communicator(MPI_Comm comm);
 // Prints `message` on stderr and ends the job: MPI_Abort(MPI_COMM_WORLD, exit_code) while MPI
 // runs, std::abort() after it. For failures with nobody left to throw to (GPU work that a caller
 // has stopped waiting for, or that one rank's peers cannot see).

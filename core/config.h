@@ -10,8 +10,10 @@ enum class LogLevel : int { error = 0, warn = 1, info = 2, debug = 3, trace = 4 
 // How much the ranks compare their calls (GRADCOMM_CHECK).
 enum class CheckMode : int { off = 0, normal = 1, full = 2 };
 
-// Every knob of the library. Read from the environment once (from_environment), then passed
-// explicitly: nothing else in gradcomm reads environment variables.
+// Every knob of a communicator. Read from the environment once (from_environment), then passed
+// explicitly. Read elsewhere, once per process: GRADCOMM_NCCL_MODULE (core/gpu_runtime) and
+// GRADCOMM_TIMELINE, GRADCOMM_TIMELINE_COPIES (core/timeline); docs/design.md lists the Python
+// package's.
 struct Config {
   // GRADCOMM_ALGORITHM: the algorithm used when a call names none ("auto" picks per call).
   std::string algorithm = "auto";

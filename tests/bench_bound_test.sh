@@ -9,12 +9,14 @@
 #   bench_bound_test.sh MPIEXEC BENCH
 set -uo pipefail
 mpiexec=$1 bench=$2
+# The launcher's flags for its family (tests/CMakeLists.txt); ranks inherit the environment.
+read -r -a flags <<<"${GRADCOMM_TEST_MPIEXEC_FLAGS:---oversubscribe --bind-to none}"
 fail() { echo "FAIL: $*"; exit 1; }
 for timing in "" --cycle; do
   for buffers in "" "--registered --inplace"; do
     # shellcheck disable=SC2086
-    out=$(GRADCOMM_BENCH_BOUND_PARTS=1 "$mpiexec" -n 2 --oversubscribe --bind-to none \
-      -x GRADCOMM_BENCH_BOUND_PARTS "$bench" -a shm --bound $timing \
+    out=$(GRADCOMM_BENCH_BOUND_PARTS=1 "$mpiexec" -n 2 "${flags[@]}" \
+      "$bench" -a shm --bound $timing \
       $buffers -b 1K -e 1M -f 32 -n 3 -w 1 --csv 2>&1) || fail "gradcomm-bench $timing $buffers: $out"
     echo "$out"
     rows=$(grep -c '^shm,' <<<"$out")

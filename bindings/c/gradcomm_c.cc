@@ -242,7 +242,8 @@ gradcomm_status gradcomm_comm_create_from_fortran(int64_t mpi_fortran_handle, gr
     }
     const MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(mpi_fortran_handle));
     if (c == MPI_COMM_NULL) invalid(call, "the handle is MPI_COMM_NULL");
-    if (c == MPI_Comm{}) {
+    // Open MPI gives a null handle, MPICH (integer handles) one MPI rejects when asked.
+    if (!gradcomm::is_communicator(c)) {
       invalid(call, "handle " + std::to_string(mpi_fortran_handle) + " names no communicator");
     }
     auto handle = std::make_unique<gradcomm_comm_s>();

@@ -7,6 +7,8 @@
 #   no_gpu_test.sh MPIEXEC BENCH LIBGRADCOMM [MODULE]
 set -uo pipefail
 mpiexec=$1 bench=$2 lib=$3 module=${4:-}
+# The launcher's flags for its family (tests/CMakeLists.txt).
+read -r -a flags <<<"${GRADCOMM_TEST_MPIEXEC_FLAGS:---oversubscribe --bind-to none}"
 fail() { echo "FAIL: $*"; exit 1; }
 
 for binary in "$bench" "$lib"; do
@@ -26,16 +28,16 @@ if ! grep -q 'unavailable: ' <<<"$nccl_line"; then
   exit 77
 fi
 
-out=$("$mpiexec" -n 2 --oversubscribe --bind-to none "$bench" -a nccl -b 1K -e 1K -n 1 -w 0 2>&1)
+out=$("$mpiexec" -n 2 "${flags[@]}" "$bench" -a nccl -b 1K -e 1K -n 1 -w 0 2>&1)
 rc=$?
 echo "$out" | head -5
 [[ $rc != 0 ]] || fail "gradcomm-bench -a nccl succeeded without a GPU"
 grep -q 'allreduce(nccl): rank 0: nccl is unavailable: ' <<<"$out" ||
   fail "no clear error for nccl without a GPU"
-out=$("$mpiexec" -n 2 --oversubscribe --bind-to none "$bench" --device gpu 2>&1)
+out=$("$mpiexec" -n 2 "${flags[@]}" "$bench" --device gpu 2>&1)
 [[ $? != 0 ]] || fail "gradcomm-bench --device gpu succeeded without a GPU"
 grep -q 'gradcomm-bench --device gpu: ' <<<"$out" || fail "no clear error for --device gpu"
 # Host algorithms are untouched.
-"$mpiexec" -n 2 --oversubscribe --bind-to none "$bench" -a ring,auto -b 8 -e 64K -f 64 -n 2 -w 1 ||
+"$mpiexec" -n 2 "${flags[@]}" "$bench" -a ring,auto -b 8 -e 64K -f 64 -n 2 -w 1 ||
   fail "host algorithms failed in a GPU build"
 echo "PASS"
