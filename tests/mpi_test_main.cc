@@ -70,6 +70,7 @@ std::uint64_t fingerprint(const void* data, std::size_t bytes) {
 }
 
 void repeat_pattern(void* data, std::size_t count, std::size_t period, std::size_t element_bytes) {
+  if (period == 0) return;  // nothing to repeat (count 0)
   auto* bytes = static_cast<std::byte*>(data);
   for (std::size_t filled = period; filled < count; filled *= 2) {
     std::memcpy(bytes + filled * element_bytes, bytes,
