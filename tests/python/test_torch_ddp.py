@@ -328,6 +328,16 @@ def test_errors():
     if SIZE > 1:
         with pytest.raises(gradcomm.Error, match="ranks differ"):
             gt.DistributedDataParallel(other)
+    # An argument refused on one rank only: that rank raises its refusal, the others at once
+    # (before, they waited for it in the check of the module until the watchdog).
+    for bad in ({"bucket_cap_mb": 0}, {"static_graph": True}, {"process_group": object()}):
+        if SIZE == 1:
+            break
+        started = time.monotonic()
+        with pytest.raises((gradcomm.Error, NotImplementedError)) as e:
+            gt.DistributedDataParallel(Net(15), **(bad if RANK == 0 else {}))
+        assert ("ranks differ" in str(e.value)) == (RANK != 0), (bad, str(e.value))
+        assert time.monotonic() - started < 10, bad
     # Still usable.
     assert MPI.COMM_WORLD.allreduce(1) == SIZE
 

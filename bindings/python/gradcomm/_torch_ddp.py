@@ -18,12 +18,16 @@ from torch.autograd import Variable
 from . import InvalidArgument, MismatchError, world
 from ._torch_common import (JoinControl, SparseRowsReducer, broadcast_coalesced,
                             empty_sparse_like, grad_accumulator, gradient_reducer, refuse_round,
-                            sparse_cost_warning, to_sparse_rows, verify_same_across_ranks)
+                            raise_on_every_rank, sparse_cost_warning, to_sparse_rows,
+                            verify_same_across_ranks)
 
 __all__ = ["DistributedDataParallel", "allreduce_hook", "fp16_compress_hook",
            "bf16_compress_hook"]
 
 _CALL = "DistributedDataParallel"
+# What the constructor's check across ranks compares (a rank that refused its arguments takes
+# part in it with its error).
+_LAYOUT_DIFFERS = "the module's parameters or buffers, or DDP's arguments (one refused them)"
 
 
 class _BuiltinHook:
@@ -108,32 +112,37 @@ class DistributedDataParallel(torch.nn.Module):
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False, *,
                  comm=None, algorithm=None, first_bucket_mb=1.0, overlap=True):
         super().__init__()
-        # As torch's DDP for a module on one device: device_ids names that device (inputs are
-        # moved there), or is left unset (inputs stay where they are).
-        devices = {p.device for p in module.parameters()}
-        self.device = None
-        if device_ids:
-            if len(device_ids) != 1 or len(devices) != 1:
-                raise InvalidArgument(f"{_CALL}: device_ids must name the one device of a module "
-                                      f"on one device (got {device_ids}, parameters on "
-                                      f"{sorted(map(str, devices))})")
-            self.device = _as_device(device_ids[0])
-            if self.device not in devices:
-                raise InvalidArgument(f"{_CALL}: device_ids {device_ids} is not the device of the "
-                                      f"module's parameters ({next(iter(devices))})")
-        if output_device is not None and (self.device is None or
-                                          _as_device(output_device) != self.device):
-            raise InvalidArgument(f"{_CALL}: output_device must be the module's device "
-                                  "(device_ids[0]); gradcomm does not split a module's output "
-                                  "across devices")
-        if process_group is not None:
-            raise NotImplementedError(f"{_CALL}: process_group is torch.distributed's; pass "
-                                      "comm=gradcomm.Communicator(mpi4py_comm) instead")
-        if static_graph:
-            raise NotImplementedError(f"{_CALL}: static_graph=True is not supported by gradcomm "
-                                      "(its reducer expects each gradient once per backward)")
-        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
-            raise InvalidArgument(f"{_CALL}: bucket_cap_mb and first_bucket_mb must be positive")
+        try:  # the arguments: where only this rank refuses its own, the others must not wait
+            # As torch's DDP for a module on one device: device_ids names that device (inputs are
+            # moved there), or is left unset (inputs stay where they are).
+            devices = {p.device for p in module.parameters()}
+            self.device = None
+            if device_ids:
+                if len(device_ids) != 1 or len(devices) != 1:
+                    raise InvalidArgument(f"{_CALL}: device_ids must name the one device of a "
+                                          f"module on one device (got {device_ids}, parameters "
+                                          f"on {sorted(map(str, devices))})")
+                self.device = _as_device(device_ids[0])
+                if self.device not in devices:
+                    raise InvalidArgument(f"{_CALL}: device_ids {device_ids} is not the device of "
+                                          f"the module's parameters ({next(iter(devices))})")
+            if output_device is not None and (self.device is None or
+                                              _as_device(output_device) != self.device):
+                raise InvalidArgument(f"{_CALL}: output_device must be the module's device "
+                                      "(device_ids[0]); gradcomm does not split a module's output "
+                                      "across devices")
+            if process_group is not None:
+                raise NotImplementedError(f"{_CALL}: process_group is torch.distributed's; pass "
+                                          "comm=gradcomm.Communicator(mpi4py_comm) instead")
+            if static_graph:
+                raise NotImplementedError(f"{_CALL}: static_graph=True is not supported by "
+                                          "gradcomm (its reducer expects each gradient once per "
+                                          "backward)")
+            if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+                raise InvalidArgument(f"{_CALL}: bucket_cap_mb and first_bucket_mb must be "
+                                      "positive")
+        except Exception as error:
+            raise_on_every_rank(error, _CALL, _LAYOUT_DIFFERS, comm or world())
         self.module = module
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
@@ -165,7 +174,7 @@ class DistributedDataParallel(torch.nn.Module):
         layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
                           for n, p in module.named_parameters())
         layout += "|" + ";".join(f"{tuple(b.shape)}:{b.dtype}" for b in self._buffers_list)
-        verify_same_across_ranks(layout, _CALL, "the module's parameters or buffers", self._comm)
+        verify_same_across_ranks(layout, _CALL, _LAYOUT_DIFFERS, self._comm)
         # Every rank starts from rank 0's parameters and buffers (torch's DDP does the same).
         broadcast_coalesced(list(module.parameters()) + self._buffers_list, 0, self._comm)
 
