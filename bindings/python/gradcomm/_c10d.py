@@ -114,15 +114,31 @@ def _fill_rendezvous_from_mpi():
     that finds no way to rank 0 makes every rank raise (the others would wait for it in torch's
     store for the whole of its timeout)."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    if any(n in os.environ for n in names):
-        return
     world = MPI.COMM_WORLD
+    # Decided alike on every rank: a rank that returned here while the others went on would
+    # leave them waiting in the broadcast below, before any watchdog runs.
+    given = world.allgather(any(n in os.environ for n in names))
+    if all(given):
+        return
+    if any(given):
+        raise RuntimeError(
+            f"gradcomm.torch: torch's rendezvous variables ({', '.join(names)}) are set on "
+            f"rank(s) {', '.join(str(r) for r, g in enumerate(given) if g)} only: set them on "
+            "every rank, or on none to take them from MPI")
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         address = None
         if world.Get_rank() == 0:
-            address = (socket.gethostname(), _free_port(), _ipv4_addresses())
-        host, port, addresses = world.bcast(address, root=0)
+            try:  # an error here is every rank's, not rank 0's alone
+                address = (socket.gethostname(), _free_port(), _ipv4_addresses())
+            except Exception as error:
+                address = f"{type(error).__name__}: {error}"
+        address = world.bcast(address, root=0)
+        if isinstance(address, str):
+            raise RuntimeError(f"gradcomm.torch: rank 0 could not find its address for torch's "
+                               f"rendezvous ({address}); set MASTER_ADDR and MASTER_PORT (with "
+                               "RANK and WORLD_SIZE)")
+        host, port, addresses = address
         beside_rank0 = local.allreduce(world.Get_rank() == 0, op=MPI.LOR)
         reachable = _reachable_name(host, addresses, beside_rank0)
         lost = [r for r, ok in enumerate(world.allgather(reachable is not None)) if not ok]
