@@ -550,6 +550,29 @@ def test_broadcast_parameters_and_optimizer_state():
         assert same_on_every_rank(opt.state[p]["exp_avg"])
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that differ")
+def test_an_optimizer_state_stand_in_step_failing_off_the_root_fails_on_every_rank():
+    # The root loaded its state (no stand-in step there); the others' stand-in step fails: the
+    # root's broadcast fails at once, naming a failed rank (before, it waited for them).
+    class Refusing(torch.optim.SGD):
+        def step(self, closure=None):
+            if RANK != 0:
+                raise RuntimeError("injected: no stand-in step")
+            return super().step(closure)
+
+    model = torch.nn.Linear(4, 2)
+    opt = Refusing(model.parameters(), lr=0.1, momentum=0.9)
+    if RANK == 0:
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    started = time.monotonic()
+    with pytest.raises(Exception) as e:
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert ("failed on rank" in str(e.value)) if RANK == 0 else ("injected" in str(e.value))
+    assert time.monotonic() - started < 10
+    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
+
+
 # horovod.torch's public names (0.28) a training script may use.
 HOROVOD_NAMES = """init shutdown is_initialized rank size local_rank local_size cross_rank cross_size
 is_homogeneous mpi_built mpi_enabled mpi_threads_supported gloo_built gloo_enabled nccl_built

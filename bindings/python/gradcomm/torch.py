@@ -1528,16 +1528,25 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, *, root=None):
     if isinstance(optimizer, torch.optim.LBFGS):
         raise InvalidArgument("broadcast_optimizer_state: cannot broadcast torch.optim.LBFGS "
                               "state")
+    full_name = "broadcast_object.optimizer_state"  # _broadcast_pickled's name for it
     if not optimizer.state_dict()["state"]:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        base = getattr(optimizer, "_gradcomm_base", None)
-        if base is not None:
-            base.step(optimizer)
-        else:
-            optimizer.step()
+        try:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+            base = getattr(optimizer, "_gradcomm_base", None)
+            if base is not None:
+                base.step(optimizer)
+            else:
+                optimizer.step()
+        except Exception as error:
+            # Maybe here only (a root that loaded its state skips this step): the broadcast is
+            # submitted as failed, so the root's fails at once, naming this rank.
+            with contextlib.suppress(Exception):
+                _negotiator(world()).submit(full_name, "failed",
+                                            f"{type(error).__name__}: {error}").wait()
+            raise
         if not optimizer.state_dict()["state"]:
             return  # an optimizer that keeps no state
     state = _broadcast_pickled(world(), optimizer.state_dict() if rank() == root_rank else None,
