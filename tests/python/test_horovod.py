@@ -6,6 +6,7 @@ DistributedOptimizer against gradcomm's DistributedDataParallel; and join() with
 import copy
 import gc
 import json
+import os
 import time
 
 import numpy as np
@@ -548,6 +549,28 @@ def test_broadcast_parameters_and_optimizer_state():
     assert opt.param_groups[0]["lr"] == 1e-3
     for p in model.parameters():
         assert same_on_every_rank(opt.state[p]["exp_avg"])
+
+
+@pytest.mark.skipif(SIZE < 2 or os.environ.get("GRADCOMM_TORCH_NEGOTIATED_REDUCER") != "1",
+                    reason="needs ranks that differ, and the negotiated reducer on CPU models")
+def test_an_optimizer_whose_reducer_fails_to_plan_on_one_rank_fails_on_every_rank(monkeypatch):
+    # The negotiated reducer's buckets (on the GPU: memory that one rank may lack) fail on rank 0
+    # only: it raises its error, the others at once (before, they waited in the reducer's check
+    # of its settings until the watchdog).
+    from gradcomm import _torch_common
+    if RANK == 0:
+        def refusing(self):
+            raise RuntimeError("injected: no memory for the buckets")
+        monkeypatch.setattr(_torch_common.NegotiatedReducer, "_plan", refusing)
+    model = torch.nn.Linear(4, 2)
+    started = time.monotonic()
+    with pytest.raises(Exception) as e:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters())
+    assert ("injected" if RANK == 0 else "differ in the reducer's settings") in str(e.value)
+    assert time.monotonic() - started < 10
+    monkeypatch.undo()
+    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs ranks that differ")

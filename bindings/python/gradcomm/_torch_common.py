@@ -505,13 +505,16 @@ class NegotiatedReducer(_ReducerBase):
         self._negotiator = negotiator(self.comm)  # collective: made here, before any bucket
         self._iterations = 0
         self._reusable = None  # the event after the last copy back (the buckets' memory free)
-        self._plan()
+        what = "the reducer's settings (op, compression, bucket sizes or groups)"
+        try:  # the buckets' memory on the device may fail on one rank only (out of memory)
+            self._plan()
+        except Exception as error:
+            raise_on_every_rank(error, call, what, self.comm)
         # What the buckets' signatures do not say (the op, where it divides), and the plan: ranks
         # that differ would reduce different buckets, or scale them differently, under one name.
         verify_same_across_ranks(
             f"op {op}, divide_before_sum {divide_before_sum}, compression {compression}, "
-            f"algorithm {self._algorithm!r}, buckets {self.buckets()}", call,
-            "the reducer's settings (op, compression, bucket sizes or groups)", self.comm)
+            f"algorithm {self._algorithm!r}, buckets {self.buckets()}", call, what, self.comm)
 
     def _plan(self):
         self._buckets = _gradcomm._plan_reducer_buckets(
