@@ -243,6 +243,22 @@ def test_a_call_that_fails_on_one_rank_fails_on_every_rank_and_the_next_ones_mat
         assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(SIZE)] * 2, i
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that differ")
+@pytest.mark.parametrize("name", [None, "sparse.one"])
+def test_a_sparse_allreduce_refused_on_one_rank_fails_on_every_rank(name):
+    # Rank 0 passes a dense tensor: it raises; the others' allgathers fail at once naming it
+    # (before, they waited for it, and its unnamed numbering fell three calls behind).
+    sparse = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse()
+    started = time.monotonic()
+    with pytest.raises(Exception) as e:
+        hvd.sparse_allreduce_async(sparse.to_dense() if RANK == 0 else sparse, name, hvd.Sum)()
+    assert ("sparse COO" if RANK == 0 else "failed on rank 0") in str(e.value), str(e.value)
+    assert time.monotonic() - started < 10
+    got = hvd.sparse_allreduce_async(sparse, name, hvd.Sum)().coalesce().to_dense()
+    assert got.tolist() == (sparse.to_dense() * SIZE).tolist()
+    assert hvd.allgather(torch.tensor([float(RANK)])).tolist() == [float(r) for r in range(SIZE)]
+
+
 def test_autograd():
     x = torch.full((4,), float(RANK + 1), requires_grad=True)
     (hvd.allreduce(x, op=hvd.Sum) * (RANK + 1)).sum().backward()

@@ -1061,13 +1061,18 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *, comm=N
     return _allgather_start(tensor, name, _comm(comm), "allgather_async")[0]
 
 
-def _submit_failed(c, names, error):
+def _submit_failed(c, names, error, wait=False):
     """Submits each of `names` (a call, or a grouped call's parts, that failed here before it was
     submitted) as failed, with why: the other ranks' calls of those names fail at once, naming
-    this rank, instead of waiting for it until the watchdog."""
+    this rank, instead of waiting for it until the watchdog. With `wait`, returns once they have
+    (names fixed by the caller: a retry here then makes calls of its own)."""
+    states = []
     for full in names:
         with contextlib.suppress(Exception):
-            _negotiator(c).submit(full, "failed", f"{type(error).__name__}: {error}")
+            states.append(_negotiator(c).submit(full, "failed", f"{type(error).__name__}: {error}"))
+    for state in states if wait else ():
+        with contextlib.suppress(Exception):
+            state.wait()
 
 
 def _submit_each(c, tensors, base, submit):
@@ -1441,14 +1446,21 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set, *, 
     by the rank count), as Horovod's does."""
     call = "sparse_allreduce_async"
     _check_process_set(process_set, call)
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        raise InvalidArgument(f"{call}: takes a sparse COO tensor, got "
-                              f"{getattr(tensor, 'layout', type(tensor).__name__)}")
-    opname = _resolve_op(op, None, call)
-    if opname not in ("average", "sum"):
-        raise InvalidArgument(f"{call}: op must be Average or Sum")
     c = _comm(comm)
     names = [f"{name}.{part}" if name else None for part in ("values", "indices", "sizes")]
+    try:
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+            raise InvalidArgument(f"{call}: takes a sparse COO tensor, got "
+                                  f"{getattr(tensor, 'layout', type(tensor).__name__)}")
+        opname = _resolve_op(op, None, call)
+        if opname not in ("average", "sum"):
+            raise InvalidArgument(f"{call}: op must be Average or Sum")
+    except Exception as error:
+        # Maybe here only: the others start their three allgathers, which fail at once under
+        # the names theirs take (and unnamed ones stay numbered alike).
+        _submit_failed(c, [_op_name("allgather", n, c) for n in names], error,
+                       wait=name is not None)
+        raise
     # The values first: they alone can be refused (their dtype), before anything is submitted.
     values = allgather_async(tensor._values().contiguous(), name=names[0], comm=c)
     indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), name=names[1],
