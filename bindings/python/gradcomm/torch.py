@@ -1231,8 +1231,7 @@ def _pickled(c, full_name, obj):
     try:
         return pickle.dumps(obj)
     except Exception as error:  # not KeyboardInterrupt or SystemExit: those leave at once
-        with contextlib.suppress(Exception):
-            _negotiator(c).submit(full_name, "failed", f"{type(error).__name__}: {error}").wait()
+        _submit_failed(c, [full_name], error, wait=True)
         raise
 
 
@@ -1555,9 +1554,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, *, root=None):
         except Exception as error:
             # Maybe here only (a root that loaded its state skips this step): the broadcast is
             # submitted as failed, so the root's fails at once, naming this rank.
-            with contextlib.suppress(Exception):
-                _negotiator(world()).submit(full_name, "failed",
-                                            f"{type(error).__name__}: {error}").wait()
+            _submit_failed(world(), [full_name], error, wait=True)
             raise
         if not optimizer.state_dict()["state"]:
             return  # an optimizer that keeps no state
