@@ -164,9 +164,11 @@ void finalize() {
   check_mpi(MPI_Finalize(), "finalize: MPI_Finalize");
 }
 
-bool is_communicator(MPI_Comm comm) {
-  int inter = 0;
-  return comm != MPI_COMM_NULL && comm != MPI_Comm{} && test_inter(comm, &inter);
+bool is_communicator(MPI_Comm comm, int* inter) {
+  int scratch = 0;
+  // Open MPI's MPI_Comm_f2c gives a null handle (not MPI_COMM_NULL) for an unknown index.
+  return comm != MPI_COMM_NULL && comm != MPI_Comm{} &&
+         test_inter(comm, inter != nullptr ? inter : &scratch);
 }
 
 Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(config)) {
@@ -175,13 +177,8 @@ Communicator::Communicator(MPI_Comm comm, Config config) : config_(std::move(con
     throw InvalidArgument(
         error_message("Communicator", -1, "MPI is not initialized (call gradcomm::init() first)"));
   }
-  // Open MPI's MPI_Comm_f2c gives a null handle (not MPI_COMM_NULL) for an unknown index.
-  if (comm == MPI_COMM_NULL || comm == MPI_Comm{}) {
-    throw InvalidArgument(
-        error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL or invalid"));
-  }
   int inter = 0;
-  if (!test_inter(comm, &inter)) {
+  if (!is_communicator(comm, &inter)) {
     throw InvalidArgument(
         error_message("Communicator", -1, "the MPI communicator is MPI_COMM_NULL or invalid"));
   }

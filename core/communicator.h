@@ -26,9 +26,9 @@ void finalize();
 // True when MPI is initialized and not yet finalized.
 bool mpi_ready();
 // True when `comm` names a live communicator (neither MPI_COMM_NULL, a null handle, nor an
-// unknown one: MPI_Comm_test_inter answers it with MPI's errors returned, not aborting). MPI
-// must be initialized.
-bool is_communicator(MPI_Comm comm);
+// unknown one: MPI_Comm_test_inter answers it with MPI's errors returned, not aborting), and
+// then whether it is an intercommunicator in *inter, if given. MPI must be initialized.
+bool is_communicator(MPI_Comm comm, int* inter = nullptr);
 // Prints `message` on stderr and ends the job: MPI_Abort(MPI_COMM_WORLD, exit_code) while MPI
 // runs, std::abort() after it. For failures with nobody left to throw to (GPU work that a caller
 // has stopped waiting for, or that one rank's peers cannot see).
