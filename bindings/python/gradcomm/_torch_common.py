@@ -285,23 +285,25 @@ def gradient_reducer(params, names, call, comm=None, op="average", algorithm=Non
     every rank (gpu_reduces), gets a NegotiatedReducer (buckets on the GPU, NCCL); any other a
     GradientReducer (host buckets, CUDA gradients through pinned host copies)."""
     comm = comm or world()
+    refused = None
     try:
         for p, n in zip(params, names):
             check_parameter(p, call, n)
     except Exception as error:  # where only this rank refuses, the others must not wait for it
-        if comm.size() > 1:
-            # The all-reduce the others make next (the kind below), with a value that says so.
-            flag = torch.tensor([-1], dtype=torch.int32)
-            comm._allreduce_ptr(flag.data_ptr(), flag.data_ptr(), 1, "int32", "min", None)
-        raise
-    devices = {p.device for p in params}
-    one = next(iter(devices)) if len(devices) == 1 else None
-    here = one is not None and (gpu_reduces(params[0], algorithm) or
-                                (one.type == "cpu" and _negotiated_cpu))
-    # Every rank must pick the same kind: one int32 MIN all-reduce decides.
-    flag = torch.tensor([1 if here else 0], dtype=torch.int32)
+        refused = error
+    here = False
+    if refused is None:
+        devices = {p.device for p in params}
+        one = next(iter(devices)) if len(devices) == 1 else None
+        here = one is not None and (gpu_reduces(params[0], algorithm) or
+                                    (one.type == "cpu" and _negotiated_cpu))
+    # Every rank must pick the same kind: one int32 MIN all-reduce decides (-1: a rank refused
+    # its parameters, which every rank learns here).
+    flag = torch.tensor([-1 if refused is not None else 1 if here else 0], dtype=torch.int32)
     if comm.size() > 1:
         comm._allreduce_ptr(flag.data_ptr(), flag.data_ptr(), 1, "int32", "min", None)
+    if refused is not None:
+        raise refused
     if flag.item() < 0:
         raise InvalidArgument(f"{call}: another rank refused its parameters (its error says "
                               "which and why); this rank's were accepted")
